@@ -1,0 +1,13 @@
+"""memra: an LLM inference engine whose results are exact — the same tokens and logits, to the bit.
+
+Public surface:
+    m = memra.load(path, device="cpu" | "cuda:0", dtype=None)   # HF directory or .gguf file
+    c = m.new_cache(max_ctx)
+    logits = m.prime(prompt_ids, c); logits = m.decode_step(token, c)
+"""
+
+from memra.errors import MemraError
+from memra.loading.checkpoint import load
+
+__all__ = ["load", "MemraError"]
+__version__ = "0.1.0"

@@ -1,0 +1,180 @@
+"""Per-sequence state: paged KV for attention layers, recurrent slots for Gated DeltaNet layers.
+
+Memory lives in pools so that many sequences can share it later (the server); a `Cache` is one
+sequence's handle into them: its position, its block table and its recurrent slot.
+
+    KvPool          k/v[layer]: [n_blocks, BLOCK_SIZE, Hkv, D]   (one pool per device/dtype)
+    RecurrentPool   conv[layer]: [n_slots, conv_dim, Kc-1] (model dtype, the last raw conv inputs)
+                    ssm[layer]:  [n_slots, Hv, Dk, Dv]      (fp32: the delta-rule state)
+
+A snapshot records the position and copies the recurrent state (the only state that cannot be
+recovered by truncation: KV beyond the snapshot's position is simply overwritten later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memra.config import ModelConfig
+from memra.errors import ContextOverflowError, MemraError
+
+BLOCK_SIZE = 16  # tokens per KV block
+PRIME_CHUNK_MAX_TOKENS = 4096  # the largest prefill chunk a single forward may take
+
+
+class KvPool:
+    """Fixed-size KV blocks for a set of attention layers, with a free list."""
+
+    def __init__(self, layers: tuple[int, ...], n_blocks: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (n_blocks, BLOCK_SIZE, n_kv_heads, head_dim)
+        self.layers = layers
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.n_blocks = n_blocks
+        self.free: list[int] = list(range(n_blocks))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise ContextOverflowError(f"KV pool exhausted: need {n} more blocks, {len(self.free)} free")
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+    def enlarge(self, n_blocks: int) -> None:
+        """Grow the pool to `n_blocks` blocks, keeping every existing block's contents and index."""
+        extra = n_blocks - self.n_blocks
+        if extra <= 0:
+            return
+        for table in (self.k, self.v):
+            for i, t in table.items():
+                table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
+        self.free.extend(range(self.n_blocks, n_blocks))
+        self.n_blocks = n_blocks
+
+    def slot_index(self, blocks: list[int], start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """Flat row indices (block * BLOCK_SIZE + offset) of positions start..stop-1, in position order."""
+        table = torch.tensor(blocks, dtype=torch.long, device=device)
+        pos = torch.arange(start, stop, device=device)
+        return table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+class RecurrentPool:
+    """Per-sequence recurrent state slots for the GDN layers."""
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str):
+        g = cfg.gdn
+        assert g is not None
+        self.layers = cfg.gdn_layers
+        self.conv = {i: torch.zeros(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=device) for i in self.layers}
+        self.ssm = {i: torch.zeros(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=device)
+                    for i in self.layers}
+        self.free: list[int] = list(range(n_slots))
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise MemraError("no free recurrent-state slot: too many sequences for this pool")
+        slot = self.free.pop(0)
+        self.zero(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def zero(self, slot: int) -> None:
+        for i in self.layers:
+            self.conv[i][slot].zero_()
+            self.ssm[i][slot].zero_()
+
+
+@dataclass
+class CacheSnapshot:
+    pos: int
+    n_blocks: int
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+
+
+@dataclass
+class Cache:
+    """One sequence's handle: how far it has been run (`pos`) and where its state lives."""
+
+    kv: KvPool
+    rec: RecurrentPool | None
+    max_ctx: int
+    pos: int = 0
+    blocks: list[int] = field(default_factory=list)
+    slot: int | None = None
+    last_logits_dev: torch.Tensor | None = None  # parked device logits (lean sampling; later issues)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for n_tokens more positions, or refuse before anything is written."""
+        need = self.pos + n_tokens
+        if need > self.max_ctx:
+            raise ContextOverflowError(
+                f"sequence would reach {need} tokens but the cache holds {self.max_ctx}; "
+                f"use a larger max_ctx (or a shorter prompt / fewer new tokens)"
+            )
+        missing = -(-need // BLOCK_SIZE) - len(self.blocks)
+        if missing > 0:
+            self.blocks += self.kv.allocate(missing)
+
+    # --- recurrent state views (this sequence's slot) ---
+    def conv_state(self, layer: int) -> torch.Tensor:
+        return self.rec.conv[layer][self.slot]  # [C, Kc-1]
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        return self.rec.ssm[layer][self.slot]  # [Hv, Dk, Dv] fp32
+
+    # --- snapshots ---
+    def snapshot(self) -> CacheSnapshot:
+        conv = {i: self.conv_state(i).clone() for i in (self.rec.layers if self.rec else ())}
+        ssm = {i: self.ssm_state(i).clone() for i in (self.rec.layers if self.rec else ())}
+        return CacheSnapshot(self.pos, len(self.blocks), conv, ssm)
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Return to a snapshot: truncate KV to its position, copy its recurrent state back."""
+        if snap.pos > self.pos and snap.n_blocks > len(self.blocks):
+            raise MemraError("cannot restore a snapshot taken beyond this cache's current blocks")
+        self.pos = snap.pos
+        keep = max(snap.n_blocks, -(-snap.pos // BLOCK_SIZE))
+        if len(self.blocks) > keep:
+            self.kv.release(self.blocks[keep:])
+            del self.blocks[keep:]
+        for i, t in snap.conv.items():
+            self.conv_state(i).copy_(t)
+        for i, t in snap.ssm.items():
+            self.ssm_state(i).copy_(t)
+        self.last_logits_dev = None
+
+    def grow(self, new_max_ctx: int) -> None:
+        """Let this sequence run longer. A private pool is enlarged in place; state is untouched."""
+        if new_max_ctx < self.max_ctx:
+            raise MemraError(f"grow() cannot shrink a cache ({self.max_ctx} -> {new_max_ctx})")
+        need_blocks = -(-new_max_ctx // BLOCK_SIZE)
+        short = need_blocks - len(self.blocks) - len(self.kv.free)
+        if short > 0:
+            self.kv.enlarge(self.kv.n_blocks + short)
+        self.max_ctx = new_max_ctx
+
+    def free(self) -> None:
+        """Give blocks and the recurrent slot back to their pools."""
+        self.kv.release(self.blocks)
+        self.blocks = []
+        if self.rec is not None and self.slot is not None:
+            self.rec.release(self.slot)
+            self.slot = None
+
+
+def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str) -> Cache:
+    """A cache with private pools sized for one sequence of up to max_ctx tokens."""
+    if max_ctx <= 0:
+        raise MemraError(f"max_ctx must be positive, got {max_ctx}")
+    attn_layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
+    kv = KvPool(attn_layers, -(-max_ctx // BLOCK_SIZE), cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device)
+    rec = RecurrentPool(cfg, 1, dtype, device) if cfg.gdn_layers else None
+    return Cache(kv=kv, rec=rec, max_ctx=max_ctx, slot=rec.allocate() if rec else None)

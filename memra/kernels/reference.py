@@ -1,0 +1,198 @@
+"""Pure-torch definition of every op the model uses.
+
+This file is the meaning of each op: the CPU path runs it directly, and every fast kernel added
+later must match it (bit for bit where the exactness contract says so, or to a stated bound).
+Shapes use: T tokens in this step, S cached positions, E hidden, H heads, D head dim.
+Precision rules follow the reference implementations the checkpoints were trained with:
+norms, softmax, GDN gates and GDN state are computed in fp32; matmuls run in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# --- dense algebra ---------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ b[N]) -> [..., N], in the dtype of x."""
+    return F.linear(x, w, b)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim. `w` is the fp32 *effective* multiplier (already 1+w for zero-centred norms).
+
+    The two styles differ only in where the cast back happens: Llama-style norms cast the normalised
+    activations to the model dtype and multiply there; zero-centred (Qwen3-Next/3.5) norms multiply in
+    fp32 and cast last. In fp32 both are the same computation.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (xf * w).to(x.dtype)
+    return w.to(x.dtype) * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: [..., 2F] (gate | up) -> [..., F]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- rotary embedding --------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (int) -> cos, sin [T, R] in `dtype` (NeoX layout: the R/2 angles repeated twice)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2] fp32
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R channels of each head, NeoX style (pairs (i, i+R/2)); the rest pass through.
+
+    x [T, H, D], cos/sin [T, R].
+    """
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """Softmax attention of T new queries over S cached keys (the new tokens included, at the end).
+
+    q [T, Hq, D], k/v [S, Hkv, D] with S = pos0 + T; query t sits at position pos0 + t and sees keys
+    0..pos0+t. GQA: query head h reads KV head h // (Hq / Hkv). Scores and softmax in fp32, the
+    probabilities cast back to the model dtype before the value matmul. Returns [T, Hq, D].
+    """
+    t, hq, _ = q.shape
+    s, hkv, _ = k.shape
+    group = hq // hkv
+    qh = q.transpose(0, 1)  # [Hq, T, D]
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)).float() * scale  # [Hq, T, S]
+    key_pos = torch.arange(s, device=q.device)
+    query_pos = pos0 + torch.arange(t, device=q.device)
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1)  # [T, Hq, D]
+
+
+# --- Gated DeltaNet ----------------------------------------------------------------------------
+
+
+def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over new inputs, continuing from the previous window.
+
+    u [T, C] raw projections, state [C, Kc-1] the last raw inputs (zeros at sequence start),
+    w [C, Kc] (column Kc-1 multiplies the current token). Returns (out [T, C], new state [C, Kc-1]).
+    """
+    kc = w.shape[1]
+    window = torch.cat((state.to(u.dtype), u.t()), dim=1)  # [C, Kc-1+T]
+    out = F.conv1d(window[None], w[:, None, :].to(u.dtype), groups=w.shape[0])[0]  # [C, T]
+    return F.silu(out).t(), window[:, window.shape[1] - (kc - 1) :]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (eps inside the sqrt, as the GDN kernels define it)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and value head: beta = sigmoid(b); g = A * softplus(a + dt_bias) with A = -exp(A_log) < 0.
+
+    b, a [T, Hv]; returns fp32 (beta, g) [T, Hv]; g is the log of the per-step decay.
+    """
+    beta = torch.sigmoid(b.float())
+    g = a_neg * F.softplus(a.float() + dt_bias)
+    return beta, g
+
+
+def gdn_recurrent(q, k, v, beta, g, state):
+    """The delta rule, one token at a time (decode, and the definition of the op).
+
+    q, k [T, Hv, Dk] (l2-normalised, q scaled), v [T, Hv, Dv], beta, g [T, Hv], all fp32;
+    state [Hv, Dk, Dv] fp32. For each token: decay S, predict m = S^T k, correct
+    S += k (beta (v - m))^T, read o = S^T q. Returns (o [T, Hv, Dv], final state).
+    """
+    s = state
+    outs = []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        predicted = (s * k[t][:, :, None]).sum(1)  # [Hv, Dv]
+        delta = (v[t] - predicted) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        outs.append((s * q[t][:, :, None]).sum(1))
+    return torch.stack(outs), s
+
+
+def gdn_chunk(q, k, v, beta, g, state):
+    """The delta rule over one chunk of n tokens in closed (WY) form; algebraically equal to gdn_recurrent.
+
+    Same arguments as gdn_recurrent. Within the chunk, G = cumsum(g) and Gamma_ij = exp(G_i - G_j):
+      A = strict_lower((diag(beta) K K^T) * Gamma);  (I + A) X = [diag(beta) V | diag(beta) K * exp(G)]
+      U, W = X;  V' = U - W S;  O = (Q * exp(G)) S + lower((Q K^T) * Gamma) V'
+      S' = exp(G_n) S + (K * exp(G_n - G))^T V'
+    """
+    n = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, n, D]
+    bh, gh = beta.t(), g.t().cumsum(-1)  # [Hv, n]
+    diff = gh[:, :, None] - gh[:, None, :]  # G_i - G_j  [Hv, n, n]
+    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    gamma = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # zero above the diagonal
+    kb = kh * bh[..., None]
+    a = (kb @ kh.transpose(1, 2)) * gamma
+    a = a.tril(-1)
+    eye = torch.eye(n, dtype=q.dtype, device=q.device)
+    rhs = torch.cat((vh * bh[..., None], kb * gh.exp()[..., None]), dim=-1)
+    x = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    dv = v.shape[-1]
+    u, w = x[..., :dv], x[..., dv:]
+    v_new = u - w @ state  # [Hv, n, Dv]
+    out = (qh * gh.exp()[..., None]) @ state + ((qh @ kh.transpose(1, 2)) * gamma) @ v_new
+    g_last = gh[:, -1]
+    new_state = state * g_last.exp()[:, None, None] + (kh * (g_last[:, None] - gh).exp()[..., None]).transpose(1, 2) @ v_new
+    return out.transpose(0, 1), new_state
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: RMSNorm(o) * w * SiLU(z) per value head; plain weight (not 1+w).
+
+    o [T, Hv, Dv] fp32 or model dtype, z [T, Hv, Dv] model dtype, w [Dv] fp32. Returns model dtype.
+    """
+    dtype = z.dtype
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    y = w.to(dtype) * of.to(dtype)
+    return (y * F.silu(z.float())).to(dtype)
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype):
+    """Softmax over all experts in fp32, keep the top k, optionally renormalise. -> (weights [T, k], ids [T, k])."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of the chosen SwiGLU experts. x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F]."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        h = linear(silu_mul(linear(x[rows], w_gate_up[expert])), w_down[expert])
+        out.index_add_(0, rows, h * weights[rows, slot, None])
+    return out

@@ -1,0 +1,166 @@
+"""memra.load(): sniff the checkpoint, build its ModelConfig, map its tensors, place them on the device.
+
+Weights are read lazily (memory-mapped) and converted one layer at a time, so peak host memory is one
+layer beyond what the device holds. A progress bar shows on a terminal and stays quiet when piped or
+under CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from memra.config import ModelConfig, from_gguf_metadata, from_hf_config
+from memra.errors import CheckpointError, ConfigError, MemraError
+
+# Canonical weights kept in fp32 whatever the model dtype: norm multipliers and the GDN gate parameters
+# (the reference implementations compute all of these in fp32).
+FP32_WEIGHTS = frozenset({"attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "norm", "enorm", "hnorm",
+                          "a_neg", "dt_bias", "rope_freqs"})
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise MemraError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise MemraError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as e:
+        raise MemraError(f"invalid device {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MemraError(f"device {device!r} requested but CUDA is not available on this machine; use device='cpu'")
+    return dev
+
+
+def progress(iterable, total: int, desc: str):
+    """A tqdm bar on an interactive terminal; the bare iterable when piped or under CI."""
+    if not sys.stderr.isatty() or os.environ.get("CI"):
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="layer", leave=False)
+
+
+def open_checkpoint(path: str | Path):
+    """-> (ModelConfig, names mapper, tokenizer factory, kind). Understands an HF dir or a .gguf file."""
+    p = Path(path)
+    if not p.exists():
+        raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory or a .gguf file)")
+    if p.is_dir():
+        return _open_hf(p)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return _open_gguf(p)
+    raise CheckpointError(f"{p}: not a GGUF file (bad magic {magic!r}) and not a model directory")
+
+
+def _open_hf(d: Path):
+    from memra.loading.hf import HfNames
+    from memra.loading.sources import SafetensorsSource
+
+    cfg_path = d / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{d}: no config.json; a Hugging Face model directory needs one")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = from_hf_config(raw, str(cfg_path))
+    src = SafetensorsSource(d)
+    if cfg.n_mtp and not src.has("mtp.fc.weight"):
+        cfg = dataclasses.replace(cfg, n_mtp=0)  # config names MTP blocks the export dropped
+    if not cfg.tie_embeddings and not src.has("lm_head.weight"):
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+
+    def tokenizer():
+        from memra.tokenizer import Tokenizer
+
+        return Tokenizer.from_hf_dir(d)
+
+    return cfg, HfNames(cfg, src), tokenizer, "hf"
+
+
+def _open_gguf(path: Path):
+    from memra.loading.gguf import GgufNames
+    from memra.loading.sources import GgufSource
+
+    src = GgufSource(path)
+    meta = src.metadata()
+    vocab = src.shape("token_embd.weight")[0] if src.has("token_embd.weight") else None
+    cfg = from_gguf_metadata(meta, str(path), vocab_size=vocab)
+    names = GgufNames(cfg, src, meta["general.architecture"])
+    if cfg.moe is not None:
+        cfg = dataclasses.replace(cfg, ffns=tuple(names.ffn_kind(i) for i in range(cfg.n_layers)))
+    if not src.has("output.weight"):
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    names.cfg = cfg
+
+    def tokenizer():
+        from memra.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(src.reader, str(path))
+
+    return cfg, names, tokenizer, "gguf"
+
+
+def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+         tokenizer: bool = True):
+    """Load a model for inference. -> HybridModel (see memra.model.hybrid)."""
+    from memra.model.hybrid import HybridModel
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cfg, names, make_tokenizer, _ = open_checkpoint(path)
+    tok = make_tokenizer() if tokenizer else None
+
+    def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, t in tensors.items():
+            want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dt
+            out[prefix + k] = t.to(device=dev, dtype=want).contiguous()
+        return out
+
+    weights = place("", names.globals())
+    parts = [(f"layers.{i}.", names.layer, i) for i in range(cfg.n_layers)]
+    parts += [(f"mtp.{j}.", names.mtp, j) for j in range(cfg.n_mtp)]
+    for prefix, fn, idx in progress(parts, len(parts), f"loading {Path(path).name}"):
+        weights.update(place(prefix, fn(idx)))
+    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(path))
+
+
+def inspect_checkpoint(path: str | Path) -> str:
+    """A human-readable summary: config, tensor count and types, tokenizer."""
+    from collections import Counter
+
+    cfg, names, make_tokenizer, kind = open_checkpoint(path)
+    src = names.src
+    lines = [f"checkpoint     {path}  ({'GGUF' if kind == 'gguf' else 'Hugging Face safetensors'})", cfg.describe()]
+    if kind == "gguf":
+        types = Counter(src.qtype(n).name for n in src.names())
+    else:
+        types = Counter(str(src._handles[src._where[n]].get_slice(n).get_dtype()) for n in src.names())
+    lines.append(f"tensors        {len(src.names())}  (" + ", ".join(f"{k}: {v}" for k, v in sorted(types.items())) + ")")
+    try:
+        lines.append("tokenizer      " + make_tokenizer().summary())
+    except MemraError as e:
+        lines.append(f"tokenizer      unavailable: {e}")
+    return "\n".join(lines)

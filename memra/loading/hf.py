@@ -1,0 +1,144 @@
+"""Hugging Face checkpoint names -> memra's canonical weights (see memra/model/*.py for the layouts).
+
+What changes on the way in:
+- zero-centred norms (hybrids) become their effective fp32 multiplier 1 + w, as the reference computes it;
+- Qwen3-Next's per-key-head grouped `in_proj_qkvz` / `in_proj_ba` are regrouped into the flat
+  [q | k | v | z | b | a] rows that Qwen3.5 stores (value heads keep the grouped order: head g*r + j);
+- `A_log` becomes A = -exp(A_log) in fp32, exactly the value the reference computes every step;
+- q/k/v, gate/up and expert projections are concatenated so each is one matmul;
+- Qwen3.5's VL wrapper prefix `model.language_model.` is accepted, and experts stored per expert or fused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memra.config import ModelConfig
+from memra.loading.sources import TensorSource
+
+
+class HfNames:
+    def __init__(self, cfg: ModelConfig, src: TensorSource):
+        self.cfg, self.src = cfg, src
+        wrapped = any(n.startswith("model.language_model.") for n in src.names())
+        self.root = "model.language_model." if wrapped else "model."
+
+    # --- helpers ---
+    def get(self, name: str, shape: tuple[int, ...], why: str) -> torch.Tensor:
+        return self.src.get(name, shape, why)
+
+    def norm(self, name: str, dim: int, why: str) -> torch.Tensor:
+        w = self.get(name, (dim,), why).float()
+        return 1.0 + w if self.cfg.zero_centered_norm else w
+
+    # --- the pieces ---
+    def globals(self) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        ve = (c.vocab_size, c.hidden_size)
+        out = {
+            "embed": self.get(self.root + "embed_tokens.weight", ve, "the token embedding"),
+            "final_norm": self.norm(self.root + "norm.weight", c.hidden_size, "the final norm"),
+        }
+        if self.src.has("lm_head.weight") and not c.tie_embeddings:
+            out["lm_head"] = self.get("lm_head.weight", ve, "the LM head")
+        return out
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}")
+
+    def mtp(self, j: int) -> dict[str, torch.Tensor]:
+        c, e = self.cfg, self.cfg.hidden_size
+        why = f"MTP block {j}"
+        out = {
+            "fc": self.get("mtp.fc.weight", (e, 2 * e), why),
+            "enorm": self.norm("mtp.pre_fc_norm_embedding.weight", e, why),
+            "hnorm": self.norm("mtp.pre_fc_norm_hidden.weight", e, why),
+            "norm": self.norm("mtp.norm.weight", e, why),
+        }
+        ffn = "moe" if self.src.has(f"mtp.layers.{j}.mlp.gate.weight") else "dense"
+        for k, v in self._block(f"mtp.layers.{j}.", "attention", ffn, why).items():
+            out["block." + k] = v
+        return out
+
+    def _block(self, p: str, mixer: str, ffn: str, why: str) -> dict[str, torch.Tensor]:
+        e = self.cfg.hidden_size
+        out = {
+            "attn_norm": self.norm(p + "input_layernorm.weight", e, why),
+            "ffn_norm": self.norm(p + "post_attention_layernorm.weight", e, why),
+        }
+        mix = self._attention(p + "self_attn.", why) if mixer == "attention" else self._gdn(p + "linear_attn.", why)
+        out.update({("attn." if mixer == "attention" else "gdn.") + k: v for k, v in mix.items()})
+        f = self._moe(p + "mlp.", why) if ffn == "moe" else self._mlp(p + "mlp.", self.cfg.intermediate_size, why)
+        out.update({("moe." if ffn == "moe" else "mlp.") + k: v for k, v in f.items()})
+        return out
+
+    def _attention(self, p: str, why: str) -> dict[str, torch.Tensor]:
+        a, e = self.cfg.attn, self.cfg.hidden_size
+        q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
+        kv_rows = a.n_kv_heads * a.head_dim
+        q = self.get(p + "q_proj.weight", (q_rows, e), why)
+        k = self.get(p + "k_proj.weight", (kv_rows, e), why)
+        v = self.get(p + "v_proj.weight", (kv_rows, e), why)
+        out = {"wqkv": torch.cat((q, k, v)), "wo": self.get(p + "o_proj.weight", (e, a.n_heads * a.head_dim), why)}
+        if a.qkv_bias:
+            out["bqkv"] = torch.cat([self.get(p + f"{x}_proj.bias", (r,), why) for x, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
+        if a.qk_norm:
+            out["q_norm"] = self.norm(p + "q_norm.weight", a.head_dim, why)
+            out["k_norm"] = self.norm(p + "k_norm.weight", a.head_dim, why)
+        return out
+
+    def _gdn(self, p: str, why: str) -> dict[str, torch.Tensor]:
+        g, e = self.cfg.gdn, self.cfg.hidden_size
+        nk, nv, r = g.n_k_heads, g.n_v_heads, g.n_v_heads // g.n_k_heads
+        if self.src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: rows grouped per key head
+            qkvz = self.get(p + "in_proj_qkvz.weight", (2 * g.key_dim + 2 * g.value_dim, e), why)
+            q, k, v, z = ungroup_qkvz(qkvz, nk, g.k_head_dim, r * g.v_head_dim)
+            ba = self.get(p + "in_proj_ba.weight", (2 * nv, e), why).view(nk, 2 * r, e)
+            b, a = ba[:, :r].reshape(nv, e), ba[:, r:].reshape(nv, e)
+            qkv = torch.cat((q, k, v))
+        else:  # Qwen3.5: already flat
+            qkv = self.get(p + "in_proj_qkv.weight", (g.conv_dim, e), why)
+            z = self.get(p + "in_proj_z.weight", (g.value_dim, e), why)
+            b = self.get(p + "in_proj_b.weight", (nv, e), why)
+            a = self.get(p + "in_proj_a.weight", (nv, e), why)
+        return {
+            "w_in": torch.cat((qkv, z, b, a)),
+            "conv": self.get(p + "conv1d.weight", (g.conv_dim, 1, g.conv_kernel), why)[:, 0, :],
+            "a_neg": -self.get(p + "A_log", (nv,), why).float().exp(),
+            "dt_bias": self.get(p + "dt_bias", (nv,), why).float(),
+            "norm": self.get(p + "norm.weight", (g.v_head_dim,), why).float(),  # gated norm: plain weight
+            "wo": self.get(p + "out_proj.weight", (e, g.value_dim), why),
+        }
+
+    def _mlp(self, p: str, width: int, why: str) -> dict[str, torch.Tensor]:
+        e = self.cfg.hidden_size
+        gate = self.get(p + "gate_proj.weight", (width, e), why)
+        up = self.get(p + "up_proj.weight", (width, e), why)
+        return {"w_gate_up": torch.cat((gate, up)), "w_down": self.get(p + "down_proj.weight", (e, width), why)}
+
+    def _moe(self, p: str, why: str) -> dict[str, torch.Tensor]:
+        m, e = self.cfg.moe, self.cfg.hidden_size
+        f = m.expert_ffn
+        out = {"router": self.get(p + "gate.weight", (m.n_experts, e), why)}
+        if self.src.has(p + "experts.gate_up_proj"):  # fused 3-D storage
+            out["w_gate_up"] = self.get(p + "experts.gate_up_proj", (m.n_experts, 2 * f, e), why)
+            out["w_down"] = self.get(p + "experts.down_proj", (m.n_experts, e, f), why)
+        else:
+            experts = [self._mlp(p + f"experts.{x}.", f, why) for x in range(m.n_experts)]
+            out["w_gate_up"] = torch.stack([x["w_gate_up"] for x in experts])
+            out["w_down"] = torch.stack([x["w_down"] for x in experts])
+        if m.shared_ffn:
+            shared = self._mlp(p + "shared_expert.", m.shared_ffn, why)
+            out["shared_gate_up"], out["shared_down"] = shared["w_gate_up"], shared["w_down"]
+            if m.shared_gate:
+                out["shared_gate"] = self.get(p + "shared_expert_gate.weight", (1, e), why)
+        return out
+
+
+def ungroup_qkvz(qkvz: torch.Tensor, nk: int, dk: int, vz_per_group: int):
+    """Qwen3-Next's in_proj_qkvz rows are nk groups [q_g (dk) | k_g (dk) | v_g (r*dv) | z_g (r*dv)];
+    return flat q [nk*dk, E], k, v [nv*dv, E], z — value head g*r + j stays at row block g*r + j."""
+    e = qkvz.shape[-1]
+    groups = qkvz.view(nk, 2 * dk + 2 * vz_per_group, e)
+    q, k, v, z = groups.split([dk, dk, vz_per_group, vz_per_group], dim=1)
+    return (x.reshape(-1, e) for x in (q, k, v, z))

@@ -1,0 +1,58 @@
+"""Full (softmax) attention with paged KV: GQA, optional q/k RMSNorm, partial RoPE, optional output gate."""
+
+from __future__ import annotations
+
+import torch
+
+from memra.config import ModelConfig
+from memra.kernels import ops
+from memra.model.context import StepContext
+
+
+class Attention:
+    """Weights (canonical layout):
+    wqkv [Qrows + 2*Hkv*D, E]  Qrows = Hq*D, or 2*Hq*D with an output gate (per head: D query rows, then D gate rows)
+    bqkv [same rows] | None     wo [E, Hq*D]     q_norm, k_norm [D] fp32 | None
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+        a = cfg.attn
+        self.layer, self.cfg = layer, cfg
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
+        self.gated = a.output_gate
+        self.scale = a.head_dim ** -0.5
+        self.wqkv, self.bqkv, self.wo = w["wqkv"], w.get("bqkv"), w["wo"]
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qkv = ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
+        q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(t, self.n_heads, 2 * d).split([d, d], dim=-1)  # gate interleaved per head
+            gate = gate.reshape(t, self.n_heads * d)
+        q = q.reshape(t, self.n_heads, d)
+        k = k.reshape(t, self.n_kv, d)
+        v = v.reshape(t, self.n_kv, d)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+            k = ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+        q = ops.apply_rope(q, ctx.cos, ctx.sin)
+        k = ops.apply_rope(k, ctx.cos, ctx.sin)
+
+        # Write the new K/V into this sequence's blocks, then read back the whole prefix in order.
+        cache = ctx.cache
+        pool_k, pool_v = cache.kv.k[self.layer], cache.kv.v[self.layer]
+        flat_k = pool_k.view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
+        flat_v = pool_v.view(-1, self.n_kv, d)
+        new_rows = cache.kv.slot_index(cache.blocks, ctx.pos0, ctx.pos0 + t, x.device)
+        flat_k[new_rows] = k
+        flat_v[new_rows] = v
+        all_rows = cache.kv.slot_index(cache.blocks, 0, ctx.pos0 + t, x.device)
+        o = ops.causal_attention(q, flat_k[all_rows], flat_v[all_rows], ctx.pos0, self.scale)  # [T, Hq, D]
+        o = o.reshape(t, self.n_heads * d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return ops.linear(o, self.wo)

@@ -1,0 +1,26 @@
+"""A decoder block: pre-norm mixer (attention or GDN) and pre-norm FFN (dense or MoE), each residual."""
+
+from __future__ import annotations
+
+import torch
+
+from memra.config import ModelConfig
+from memra.kernels import ops
+from memra.model.attention import Attention
+from memra.model.context import StepContext
+from memra.model.ffn import Mlp, Moe
+from memra.model.gdn import GatedDeltaNet
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, layer: int, mixer: str, ffn: str, w: dict[str, torch.Tensor]):
+        self.layer, self.eps, self.zc = layer, cfg.norm_eps, cfg.zero_centered_norm
+        self.attn_norm, self.ffn_norm = w["attn_norm"], w["ffn_norm"]
+        sub = lambda prefix: {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+        self.mixer = Attention(cfg, layer, sub("attn.")) if mixer == "attention" else GatedDeltaNet(cfg, layer, sub("gdn."))
+        self.ffn = Moe(cfg, sub("moe.")) if ffn == "moe" else Mlp(sub("mlp."))
+
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h [T, E] -> [T, E]."""
+        h = h + self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx)
+        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))

@@ -1,0 +1,19 @@
+"""The per-step facts every layer needs, passed explicitly (no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memra.cache import Cache
+
+
+@dataclass(frozen=True)
+class StepContext:
+    cache: Cache
+    pos0: int  # position of the first token of this step
+    n_tokens: int  # T
+    cos: torch.Tensor  # [T, R] rotary tables for positions pos0..pos0+T-1, model dtype
+    sin: torch.Tensor
+    recurrent: bool  # GDN mode: True = token-by-token recurrence (generated tokens), False = chunked (prompt)

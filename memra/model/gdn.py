@@ -1,0 +1,61 @@
+"""Gated DeltaNet: causal conv + gated delta rule, chunked for prompt tokens, recurrent for generated ones."""
+
+from __future__ import annotations
+
+import torch
+
+from memra.config import ModelConfig
+from memra.kernels import ops
+from memra.model.context import StepContext
+
+GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts align to absolute multiples of it
+
+
+class GatedDeltaNet:
+    """Weights (canonical layout; value heads in grouped order: head g*r + j belongs to key head g):
+    w_in [2*key_dim + 2*value_dim + 2*Hv, E]  rows [q | k | v | z | b | a]
+    conv [conv_dim, Kc]   a_neg [Hv] = -exp(A_log) fp32   dt_bias [Hv] fp32   norm [Dv] fp32   wo [E, value_dim]
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+        g = cfg.gdn
+        self.layer, self.g, self.eps = layer, g, cfg.norm_eps
+        self.ratio = g.n_v_heads // g.n_k_heads
+        self.split = [g.conv_dim, g.value_dim, g.n_v_heads, g.n_v_heads]
+        self.w_in, self.conv, self.wo = w["w_in"], w["conv"], w["wo"]
+        self.a_neg, self.dt_bias, self.norm = w["a_neg"], w["dt_bias"], w["norm"]
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        g, t = self.g, x.shape[0]
+        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        conv_state = ctx.cache.conv_state(self.layer)
+        mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
+        conv_state.copy_(new_conv)
+        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        q = ops.l2_normalize(q.reshape(t, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
+        k = ops.l2_normalize(k.reshape(t, g.n_k_heads, g.k_head_dim).float())
+        q = q.repeat_interleave(self.ratio, dim=1)  # [T, Hv, Dk]
+        k = k.repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(t, g.n_v_heads, g.v_head_dim).float()
+        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+
+        state = ctx.cache.ssm_state(self.layer)
+        if ctx.recurrent:
+            o, new_state = ops.gdn_recurrent(q, k, v, beta, decay, state)
+        else:
+            o, new_state = self._chunked(q, k, v, beta, decay, state, ctx.pos0)
+        state.copy_(new_state)
+        y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return ops.linear(y.reshape(t, g.value_dim), self.wo)
+
+    @staticmethod
+    def _chunked(q, k, v, beta, decay, state, pos0):
+        """Run the closed form over chunks whose cuts sit at absolute positions that are multiples of
+        GDN_CHUNK, so a prompt primed in 64-aligned pieces sees exactly the chunks of a one-shot prime."""
+        outs, start, t = [], 0, q.shape[0]
+        while start < t:
+            stop = min(t, start + GDN_CHUNK - (pos0 + start) % GDN_CHUNK)
+            o, state = ops.gdn_chunk(q[start:stop], k[start:stop], v[start:stop], beta[start:stop], decay[start:stop], state)
+            outs.append(o)
+            start = stop
+        return torch.cat(outs), state

@@ -1,0 +1,100 @@
+"""HybridModel: the whole network as a list of blocks, walked over a layer range.
+
+One range [0, n_layers) is the unsplit model; pipeline parallelism (later) walks N ranges with a
+boundary between them. The step bodies (prime, decode) live in memra.step and call the pieces here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memra.cache import Cache, CacheSnapshot, new_cache
+from memra.config import ModelConfig, RopeConfig
+from memra.errors import MemraError
+from memra.kernels import ops
+from memra.model.block import Block
+from memra.model.context import StepContext
+from memra.model.mtp import MtpBlock
+
+
+def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies [R/2] fp32, computed the way the reference implementations do (fp32 torch),
+    with Llama-3 / linear scaling, or GGUF's per-frequency divisors (`rope_freqs.weight`)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.int64).float() / rope.dim))
+    if freq_factors is not None:
+        return inv / freq_factors.float()
+    if rope.scaling == "linear":
+        return inv / rope.factor
+    if rope.scaling == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class HybridModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 tokenizer=None, source: str = ""):
+        self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
+        self.embed = weights["embed"]  # [V, E]
+        self.final_norm = weights["final_norm"]  # [E] fp32
+        self.lm_head = weights.get("lm_head", self.embed)  # [V, E]; tied models share the embedding
+        self.inv_freq = rope_inv_freq(cfg.rope, weights.get("rope_freqs")).to(device)
+
+        def sub(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+        self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
+        self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
+
+    # --- pieces of a step ---
+    def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool) -> StepContext:
+        positions = torch.arange(pos0, pos0 + n_tokens, device=self.device)
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.dtype)
+        return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, E] (no scaling)."""
+        return self.embed[ids]
+
+    def forward_layers(self, h: torch.Tensor, ctx: StepContext, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Walk decoder layers [start, stop) — the seam pipeline parallelism cuts along."""
+        for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
+            h = block.forward(h, ctx)
+        return h
+
+    def norm_out(self, h: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+
+    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, V] fp32."""
+        return ops.linear(h_normed, self.lm_head).float()
+
+    # --- the public step API (bodies in memra.step) ---
+    def new_cache(self, max_ctx: int) -> Cache:
+        if max_ctx > self.cfg.max_position:
+            raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.cfg.max_position} positions")
+        return new_cache(self.cfg, max_ctx, self.dtype, self.device)
+
+    def prime(self, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None) -> torch.Tensor:
+        from memra.step import prime
+
+        return prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size)
+
+    def decode_step(self, token: int, cache: Cache) -> torch.Tensor:
+        from memra.step import decode_step
+
+        return decode_step(self, token, cache)
+
+    def restore(self, cache: Cache, snap: CacheSnapshot) -> None:
+        cache.restore(snap)
+
+    def __repr__(self) -> str:
+        return f"HybridModel({self.cfg.arch}, {self.cfg.n_layers} layers, {self.dtype}, {self.device}, from {self.source!r})"
