@@ -122,21 +122,17 @@ def _open_gguf(path: Path):
     return cfg, names, tokenizer, "gguf"
 
 
-def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-         tokenizer: bool = True):
-    """Load a model for inference. -> HybridModel (see memra.model.hybrid)."""
-    from memra.model.hybrid import HybridModel
-
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype):
+    """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32."""
     cfg, names, make_tokenizer, _ = open_checkpoint(path)
-    tok = make_tokenizer() if tokenizer else None
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for k, t in tensors.items():
-            want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dt
-            out[prefix + k] = t.to(device=dev, dtype=want).contiguous()
+            want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
+            # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
+            # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
+            out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
 
     weights = place("", names.globals())
@@ -144,7 +140,18 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
     parts += [(f"mtp.{j}.", names.mtp, j) for j in range(cfg.n_mtp)]
     for prefix, fn, idx in progress(parts, len(parts), f"loading {Path(path).name}"):
         weights.update(place(prefix, fn(idx)))
-    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(path))
+    return cfg, weights, make_tokenizer
+
+
+def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+         tokenizer: bool = True):
+    """Load a model for inference. -> HybridModel (see memra.model.hybrid)."""
+    from memra.model.hybrid import HybridModel
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cfg, weights, make_tokenizer = load_weights(path, dev, dt)
+    return HybridModel(cfg, weights, dev, dt, tokenizer=make_tokenizer() if tokenizer else None, source=str(path))
 
 
 def inspect_checkpoint(path: str | Path) -> str:

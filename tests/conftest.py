@@ -1,0 +1,64 @@
+"""Shared test helpers. Tests read fixtures only from tests/fixtures (never ../shared)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# One intra-op thread: the fixture models are tiny, and with 2 threads on a 2-core box OpenMP's
+# spin-waits make each small op ~1000x slower whenever the other core is busy.
+torch.set_num_threads(1)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HF_ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+GGUF_F32_ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+GGUF_QUANTIZED = [f"{a}-{t}" for a in ("llama", "qwen3_next", "qwen3_5") for t in ("f16", "q8_0")]
+HYBRID_ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
+def hf_dir(arch: str) -> Path:
+    return FIXTURES / "hf" / arch
+
+
+def gguf_file(name: str) -> Path:
+    return FIXTURES / "gguf" / f"{name}.gguf"
+
+
+def reference(arch: str) -> dict[str, torch.Tensor]:
+    return load_file(str(hf_dir(arch) / "reference.safetensors"))
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| — the agreement measure used throughout FIXTURES.md."""
+    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def greedy(model, ids, n: int = 16, max_ctx: int = 128) -> list[int]:
+    """Prime, then n greedy tokens through decode_step (the recurrent/decode path)."""
+    cache = model.new_cache(max_ctx)
+    nxt = int(model.prime(ids, cache).argmax())
+    out = []
+    for _ in range(n):
+        out.append(nxt)
+        nxt = int(model.decode_step(nxt, cache).argmax())
+    return out
+
+
+_MODELS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def load_model():
+    """Load each checkpoint once per session (CPU, fp32 unless asked)."""
+    import memra
+
+    def get(path, dtype=None, device="cpu"):
+        key = (str(path), str(dtype), device)
+        if key not in _MODELS:
+            _MODELS[key] = memra.load(path, device=device, dtype=dtype, tokenizer=False)
+        return _MODELS[key]
+
+    return get
