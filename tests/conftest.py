@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,6 +15,9 @@ from safetensors.torch import load_file
 torch.set_num_threads(1)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# The model tests run on CPU by default; the device tool runs the same files with MEMRA_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
+
 HF_ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GGUF_F32_ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GGUF_QUANTIZED = [f"{a}-{t}" for a in ("llama", "qwen3_next", "qwen3_5") for t in ("f16", "q8_0")]
@@ -33,7 +38,8 @@ def reference(arch: str) -> dict[str, torch.Tensor]:
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     """max |a - ref| / max |ref| — the agreement measure used throughout FIXTURES.md."""
-    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    a, ref = a.detach().float().cpu(), ref.detach().float().cpu()
+    return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
 def greedy(model, ids, n: int = 16, max_ctx: int = 128) -> list[int]:
@@ -55,7 +61,7 @@ def load_model():
     """Load each checkpoint once per session (CPU, fp32 unless asked)."""
     import memra
 
-    def get(path, dtype=None, device="cpu"):
+    def get(path, dtype=None, device=DEVICE):
         key = (str(path), str(dtype), device)
         if key not in _MODELS:
             _MODELS[key] = memra.load(path, device=device, dtype=dtype, tokenizer=False)

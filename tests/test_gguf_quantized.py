@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import GGUF_QUANTIZED, gguf_file, hf_dir, reference, rel_err
+from conftest import DEVICE, GGUF_QUANTIZED, gguf_file, hf_dir, reference, rel_err
 from memra.loading.checkpoint import load_weights
 from memra.loading.gguf import untile_value_heads
 from memra.model.hybrid import HybridModel
@@ -65,7 +65,8 @@ def rounded_hf_weights(name: str):
 def test_quantized_weights_are_exactly_the_converters_rounding(name, load_model):
     cfg, rounded = rounded_hf_weights(name)
     ours = load_model(gguf_file(name))
-    twin = HybridModel(cfg, {k: v.contiguous().clone() for k, v in rounded.items()}, CPU, torch.float32)
+    dev = torch.device(DEVICE)
+    twin = HybridModel(cfg, {k: v.to(dev).contiguous().clone() for k, v in rounded.items()}, dev, torch.float32)
     ref = reference(name.rsplit("-", 1)[0])
     for i in range(3):
         a = ours.prime(ref[f"prompt{i}"], ours.new_cache(128), all_logits=True)

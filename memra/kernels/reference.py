@@ -95,11 +95,17 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[
 
     u [T, C] raw projections, state [C, Kc-1] the last raw inputs (zeros at sequence start),
     w [C, Kc] (column Kc-1 multiplies the current token). Returns (out [T, C], new state [C, Kc-1]).
+    Written as Kc shifted multiply-adds in a fixed order rather than F.conv1d, so no backend
+    (cuDNN with TF32, say) can choose another reduction order or precision behind our back.
     """
     kc = w.shape[1]
     window = torch.cat((state.to(u.dtype), u.t()), dim=1)  # [C, Kc-1+T]
-    out = F.conv1d(window[None], w[:, None, :].to(u.dtype), groups=w.shape[0])[0]  # [C, T]
-    return F.silu(out).t(), window[:, window.shape[1] - (kc - 1) :]
+    t = u.shape[0]
+    wf, xf = w.float(), window.float()  # accumulate in fp32 and round once, as a conv kernel does
+    acc = xf[:, 0:t] * wf[:, 0:1]
+    for j in range(1, kc):
+        acc = acc + xf[:, j : j + t] * wf[:, j : j + 1]
+    return F.silu(acc.to(u.dtype)).t(), window[:, window.shape[1] - (kc - 1) :]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,0 +1,5 @@
+import sys
+
+from memra.cli import main
+
+sys.exit(main())

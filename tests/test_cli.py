@@ -1,0 +1,66 @@
+"""The command line, run as a user runs it (a real subprocess), and the generation loop under it."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import gguf_file, hf_dir, reference
+from memra.generate import GenerationStats, generate_tokens
+from memra.sampling import SamplingParams
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "memra", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_text_and_reports_speed():
+    r = run("generate", str(hf_dir("qwen3_5")), "ROMEO:", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:") and len(r.stdout) > len("ROMEO:\n")
+    assert "tok/s" in r.stderr and "12 generated" in r.stderr
+
+
+def test_generate_chat_with_sampling_is_reproducible():
+    args = ("generate", str(gguf_file("qwen3_5-q8_0")), "Hello", "--chat", "--max-tokens", "8",
+            "--temperature", "0.9", "--top-p", "0.9", "--seed", "7")
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+
+
+def test_inspect_describes_the_checkpoint():
+    r = run("inspect", str(gguf_file("qwen3_next-f32")))
+    assert r.returncode == 0, r.stderr
+    for needle in ("qwen3_next", "GGAGGA", "MTP", "experts", "tensors        127", "tokenizer"):
+        assert needle in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "no/such/model", "hi"), "no such model"),
+    (("generate", str(hf_dir("llama")), "hi", "--temperature", "-1"), "temperature"),
+    (("generate", str(hf_dir("llama")), "hi", "--max-tokens", "0"), "max_tokens"),
+    (("generate", str(hf_dir("llama")), "hi", "--dtype", "int4"), "unknown dtype"),
+    (("generate", str(hf_dir("llama")), "hi " * 600, "--max-tokens", "4"), "context"),
+])
+def test_bad_input_is_one_clear_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and message in r.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
+def test_greedy_generation_equals_reference(arch, load_model):
+    ref = reference(arch)
+    stats = GenerationStats()
+    out = list(generate_tokens(load_model(hf_dir(arch)), ref["prompt0"].tolist(), SamplingParams(max_tokens=16), stats))
+    assert out == ref["greedy0"].tolist()
+    assert stats.finish_reason == "length" and stats.generated_tokens == 16
+
+
+def test_generation_stops_at_eos(load_model):
+    ref = reference("qwen3")
+    first = ref["greedy0"][3].item()  # pretend the 4th greedy token ends the sequence
+    out = list(generate_tokens(load_model(hf_dir("qwen3")), ref["prompt0"].tolist(), SamplingParams(max_tokens=16), eos_ids=[first]))
+    assert out == ref["greedy0"][:4].tolist()
