@@ -61,7 +61,7 @@ def load_model():
     """Load each checkpoint once per session (CPU, fp32 unless asked)."""
     import memra
 
-    def get(path, dtype=None, device=DEVICE):
+    def get(path, dtype="float32", device=DEVICE):
         key = (str(path), str(dtype), device)
         if key not in _MODELS:
             _MODELS[key] = memra.load(path, device=device, dtype=dtype, tokenizer=False)
