@@ -1,0 +1,495 @@
+"""Rebuild a tokenizer from the vocabulary a GGUF file carries in its `tokenizer.*` metadata.
+
+A GGUF file stores no tokenizer.json. llama.cpp's converter writes the pieces it needs instead:
+
+    tokenizer.ggml.model       "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE), among others
+    tokenizer.ggml.pre         which pre-tokenizer regex the model was trained with (byte-level BPE only)
+    tokenizer.ggml.tokens      the vocabulary, index = token id
+    tokenizer.ggml.token_type  1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    tokenizer.ggml.merges      "left right" strings in priority order (byte-level BPE)
+    tokenizer.ggml.scores      one float per token; higher merges first (SentencePiece)
+    tokenizer.ggml.{bos,eos,eot,eom}_token_id, add_bos_token, add_space_prefix
+    tokenizer.chat_template
+
+From these we assemble an equivalent HuggingFace `tokenizers` pipeline (which does the actual splitting
+and merging) and reproduce llama.cpp's choices where the file leaves something implicit: the regex for
+each `pre` name, which tokens are matched whole before BPE, the default of `add_bos`, and which tokens
+end generation. The result must tokenize exactly as llama.cpp does; llama.cpp's own test vectors
+(tests/fixtures/vocab) check that.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from memra.errors import TokenizerError
+from memra.tokenizer import (
+    END_OF_TURN_TEXTS,
+    ByteLevelPieces,
+    SentencePiecePieces,
+    TokenizerParts,
+)
+
+if TYPE_CHECKING:
+    import gguf
+
+# Token types, as llama.cpp's converter writes them into tokenizer.ggml.token_type.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Control and unknown tokens are "special": they are matched whole only when the caller asks to parse
+# special tokens, and decode(skip_special=True) drops them. User-defined tokens are always matched
+# whole (they are ordinary text the model author wanted as single tokens, e.g. "<think>").
+_SPECIAL_TYPES = (UNKNOWN, CONTROL)
+_WHOLE_MATCH_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)
+
+_SPACE_MARK = "\u2581"  # SentencePiece's visible stand-in for a space ("▁")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the metadata
+# ---------------------------------------------------------------------------------------------------
+
+def _wanted(key: str) -> bool:
+    return key.startswith("tokenizer.") or key == "general.name"
+
+
+def read_tokenizer_metadata(reader: "gguf.GGUFReader", source: str) -> dict[str, Any]:
+    """The `tokenizer.*` keys (and `general.name`) of an open GGUF file, as plain Python values."""
+    fields = getattr(reader, "fields", None)
+    if fields is None:
+        raise TokenizerError(f"{source}: expected an open gguf.GGUFReader, got {type(reader).__name__}")
+    meta: dict[str, Any] = {}
+    for key, field in fields.items():
+        if _wanted(key):
+            try:
+                meta[key] = field.contents()
+            except Exception as e:  # a malformed field fails inside the gguf package
+                raise TokenizerError(
+                    f"{source}: GGUF key {key!r} cannot be read ({e}); the file may be corrupt"
+                ) from None
+    return meta
+
+
+# GGUF value types (the spec's numbering) that are fixed-size numbers, as struct / numpy format codes.
+_NUMBER_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _MetadataCursor:
+    """Reads GGUF values one after another from the key/value section at the start of the file."""
+
+    def __init__(self, buffer: Any, order: str, pos: int):
+        self.buffer, self.order, self.pos = buffer, order, pos
+
+    def number(self, code: str) -> Any:
+        (value,) = struct.unpack_from(self.order + code, self.buffer, self.pos)
+        self.pos += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        size = self.number("Q")
+        raw = bytes(self.buffer[self.pos:self.pos + size])
+        if len(raw) != size:
+            raise struct.error("a string runs past the end of the file")
+        self.pos += size
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind in _NUMBER_FORMATS:
+            return self.number(_NUMBER_FORMATS[kind])
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = self.number("I"), self.number("Q")
+            if item_kind in _NUMBER_FORMATS:  # one bulk read instead of `count` small ones
+                dtype = np.dtype(self.order + _NUMBER_FORMATS[item_kind])
+                items = np.frombuffer(self.buffer, dtype, count, self.pos).tolist()
+                self.pos += count * dtype.itemsize
+                return items
+            return [self.value(item_kind) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def read_tokenizer_metadata_file(path: str | Path) -> dict[str, Any]:
+    """What `read_tokenizer_metadata(gguf.GGUFReader(path), ...)` returns, read straight from the file.
+
+    gguf.GGUFReader makes a numpy view of every element of every array, which takes ~15 s for a
+    150k-token vocabulary; walking the same bytes sequentially takes well under a second.
+    """
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            if buffer[:4] != b"GGUF":
+                raise TokenizerError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
+            # Version 2 or 3: a little-endian file reads it as a small number, a big-endian one as 0x0N000000.
+            order = "<" if struct.unpack_from("<I", buffer, 4)[0] & 0xFFFF else ">"
+            cursor = _MetadataCursor(buffer, order, pos=4)
+            version = cursor.number("I")
+            if version not in (2, 3):
+                raise TokenizerError(f"{path}: GGUF version {version} is not supported (2 and 3 are); "
+                                     "reconvert the model with a current llama.cpp")
+            cursor.number("Q")  # tensor count
+            meta: dict[str, Any] = {}
+            for _ in range(cursor.number("Q")):
+                key = cursor.string()
+                value = cursor.value(cursor.number("I"))
+                if _wanted(key):
+                    meta[key] = value
+            return meta
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (struct.error, ValueError) as e:  # ValueError includes UnicodeDecodeError and an empty file
+        raise TokenizerError(f"{path}: corrupt or truncated GGUF metadata ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pre-tokenizers: how text is cut into words before BPE runs inside each word
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PreTokenizerRule:
+    """What one family of `tokenizer.ggml.pre` names means.
+
+    `patterns` are applied in order, each cutting the pieces the previous one left (text between matches
+    stays a piece of its own), which is how llama.cpp applies its regex lists. Where the model's own
+    tokenizer.json has a single regex we use that regex verbatim, since the reference token ids were made
+    by HF tokenizers with it.
+    """
+
+    names: tuple[str, ...]
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False  # a word that is already a vocab entry is taken whole (Llama 3)
+    add_bos: bool = False        # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+# GPT-2's word regex: contractions, letters, digits, other symbols, each with one optional leading space.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+# Llama 3 / Qwen 2 style: case-insensitive contractions, a letter run may take one leading non-letter,
+# numbers cut into groups (of up to 3 digits for Llama 3, single digits for Qwen), newlines grouped.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen 3.5 keeps combining marks (\p{M}) inside words, so e.g. Devanagari vowel signs stay attached.
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+PRE_TOKENIZER_RULES: tuple[PreTokenizerRule, ...] = (
+    # llama.cpp's fallback for files that name no pre-tokenizer: punctuation runs, then GPT-2 words,
+    # then digit runs, then 3-digit groups.
+    PreTokenizerRule(("default",),
+                     (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    PreTokenizerRule(("gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0", "mellum", "exaone4",
+                      "trillion", "granite-docling"),
+                     (_GPT2,)),
+    PreTokenizerRule(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+                     (_LLAMA3,), ignore_merges=True, add_bos=True),
+    PreTokenizerRule(("dbrx", "smaug-bpe"), (_LLAMA3,)),
+    PreTokenizerRule(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "solar-open", "kormo",
+                      "f2llmv2"),
+                     (_QWEN2,)),
+    PreTokenizerRule(("qwen35",), (_QWEN35,)),
+    # StarCoder family: every digit alone, then GPT-2 words.
+    PreTokenizerRule(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                     (r"\p{N}", _GPT2)),
+)
+
+PRE_TOKENIZERS: dict[str, PreTokenizerRule] = {name: rule for rule in PRE_TOKENIZER_RULES for name in rule.names}
+
+
+def pre_tokenizer_rule(pre: str | None, source: str) -> PreTokenizerRule:
+    """The rule for a `tokenizer.ggml.pre` value; a missing value means llama.cpp's 'default'."""
+    if not pre:
+        return PRE_TOKENIZERS["default"]
+    try:
+        return PRE_TOKENIZERS[pre]
+    except KeyError:
+        known = ", ".join(sorted(PRE_TOKENIZERS))
+        raise TokenizerError(
+            f"{source}: unknown pre-tokenizer tokenizer.ggml.pre = {pre!r}; memra knows: {known}. "
+            "Load the tokenizer from the model's HF directory (tokenizer.json) instead, "
+            "or add the regex for this name to memra/loading/gguf_vocab.py"
+        ) from None
+
+
+def _pre_tokenizer(rule: PreTokenizerRule) -> pre_tokenizers.PreTokenizer:
+    """Regex splits ('isolated': matches and the gaps between them both become pieces), then the
+    byte-level step that spells each UTF-8 byte as one character of the BPE alphabet."""
+    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in rule.patterns]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The vocabulary as read from the file
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """The tokenizer metadata of one GGUF file, checked and in plain Python types."""
+
+    source: str
+    model: str                 # tokenizer.ggml.model
+    tokens: list[str]
+    types: list[int]
+    meta: Mapping[str, Any]
+
+    def token_id(self, key: str) -> int | None:
+        """A `tokenizer.ggml.*_token_id` value, or None when absent or outside the vocabulary."""
+        value = self.meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(self.tokens):
+            return None
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.meta.get(key)
+        return value if isinstance(value, bool) else default
+
+    def ids_of_type(self, *kinds: int) -> list[int]:
+        return [i for i, t in enumerate(self.types) if t in kinds]
+
+
+def _string_list(meta: Mapping[str, Any], key: str, source: str) -> list[str]:
+    value = meta.get(key)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise TokenizerError(f"{source}: GGUF key {key} must be an array of strings, found {type(value).__name__}")
+    return value
+
+
+def load_vocab(meta: Mapping[str, Any], source: str) -> GgufVocab:
+    """Check the keys every tokenizer needs and return them typed."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        raise TokenizerError(
+            f"{source}: this GGUF file has no tokenizer metadata (key tokenizer.ggml.model is missing). "
+            "Use a GGUF converted with its vocabulary (llama.cpp's convert_hf_to_gguf.py embeds it), "
+            "or load the tokenizer from the model's HF directory"
+        )
+    if "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError(
+            f"{source}: GGUF key tokenizer.ggml.tokens (the vocabulary) is missing; reconvert the model"
+        )
+    tokens = _string_list(meta, "tokenizer.ggml.tokens", source)
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [NORMAL] * len(tokens)
+    elif not isinstance(types, list) or len(types) < len(tokens):
+        raise TokenizerError(
+            f"{source}: GGUF key tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} "
+            f"entries for {len(tokens)} tokens; the file is corrupt or was converted by a broken tool"
+        )
+    return GgufVocab(source=source, model=str(model), tokens=tokens, types=[int(t) for t in types[: len(tokens)]],
+                     meta=meta)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two model kinds
+# ---------------------------------------------------------------------------------------------------
+
+def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
+    """token text -> id. A text listed twice keeps its first id (llama.cpp refuses such files; we only
+    need one id to encode to, and decoding reads the list directly)."""
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    return vocab
+
+
+def _bpe_merges(vocab: GgufVocab) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges: "left right" strings, highest priority first."""
+    merges = []
+    for entry in _string_list(vocab.meta, "tokenizer.ggml.merges", vocab.source):
+        # The separator is the first space after the first character: a left part may itself be a space.
+        cut = entry.find(" ", 1)
+        if cut < 0:
+            raise TokenizerError(f"{vocab.source}: malformed entry {entry!r} in tokenizer.ggml.merges (no space)")
+        merges.append((entry[:cut], entry[cut + 1:]))
+    return merges
+
+
+def _byte_level_backend(vocab: GgufVocab, rule: PreTokenizerRule) -> Backend:
+    if "tokenizer.ggml.merges" not in vocab.meta:
+        raise TokenizerError(f"{vocab.source}: GGUF key tokenizer.ggml.merges is missing; byte-level BPE needs it")
+    model = models.BPE(vocab=_vocab_dict(vocab.tokens), merges=_bpe_merges(vocab),
+                       ignore_merges=rule.ignore_merges)
+    backend = Backend(model)
+    backend.pre_tokenizer = _pre_tokenizer(rule)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _scores(vocab: GgufVocab) -> list[float]:
+    scores = vocab.meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) < len(vocab.tokens):
+        raise TokenizerError(
+            f"{vocab.source}: GGUF key tokenizer.ggml.scores is missing or shorter than the vocabulary; "
+            "a SentencePiece ('llama') vocabulary needs one score per token"
+        )
+    return [float(s) for s in scores]
+
+
+def merges_from_scores(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE as merge rules.
+
+    SentencePiece (and llama.cpp's SPM tokenizer) repeatedly joins the adjacent pair whose concatenation
+    is the vocabulary entry with the highest score. Listing, for every normal token in order of falling
+    score, each way of writing it as two vocabulary entries gives a merge table in which the BPE rule
+    "apply the highest-priority applicable merge" picks that same pair. Ties between equal scores go to
+    the lower id, a stable choice for the rare tokens that share a score.
+    """
+    vocab = set(tokens)
+    order = sorted((i for i, t in enumerate(types) if t == NORMAL), key=lambda i: (-scores[i], i))
+    merges = []
+    for i in order:
+        text = tokens[i]
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _sentencepiece_backend(vocab: GgufVocab) -> Backend:
+    unk_id = vocab.token_id("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=_vocab_dict(vocab.tokens),
+        merges=merges_from_scores(vocab.tokens, vocab.types, _scores(vocab)),
+        unk_token=vocab.tokens[unk_id] if unk_id is not None else None,
+        byte_fallback=True,  # characters outside the vocabulary become <0xNN> byte tokens
+    )
+    backend = Backend(model)
+    # Spaces are spelled "▁". llama.cpp prepends one to every text fragment that starts the input or
+    # follows a special token; the tokenizers normalizer runs once per such fragment, so Prepend matches.
+    replace = normalizers.Replace(" ", _SPACE_MARK)
+    if vocab.flag("tokenizer.ggml.add_space_prefix", True):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE_MARK), replace])
+    else:
+        backend.normalizer = replace
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def _rstrip_specials(vocab: GgufVocab) -> set[int]:
+    """Ids of whole-match tokens that swallow the whitespace after them.
+
+    Phi-3's tokenizer.json marks its special tokens rstrip, so "<|user|>\\nHi" encodes without the
+    newline. GGUF has no field for that; llama.cpp recognises the model by name, and so do we.
+    """
+    name = str(vocab.meta.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    ids = set(vocab.ids_of_type(*_WHOLE_MATCH_TYPES))
+    ids |= {i for i, t in enumerate(vocab.tokens) if t == "</s>"}
+    return ids - {i for i, t in enumerate(vocab.tokens) if t in ("<unk>", "<s>", "<|endoftext|>")}
+
+
+def _add_whole_match_tokens(backend: Backend, vocab: GgufVocab) -> None:
+    """Register control / unknown / user-defined tokens so they are cut out of the text before BPE.
+
+    `special=True` marks the ones `Tokenizer.encode(parse_special=False)` must leave as plain text
+    (llama.cpp: control and unknown); user-defined tokens are always matched.
+    """
+    rstrip = _rstrip_specials(vocab)
+    added = [
+        AddedToken(vocab.tokens[i], special=vocab.types[i] in _SPECIAL_TYPES, normalized=False,
+                   rstrip=i in rstrip, lstrip=False, single_word=False)
+        for i in vocab.ids_of_type(*_WHOLE_MATCH_TYPES)
+    ]
+    backend.add_special_tokens([t for t in added if t.special])
+    backend.add_tokens([t for t in added if not t.special])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Special ids
+# ---------------------------------------------------------------------------------------------------
+
+def _end_of_generation_ids(vocab: GgufVocab) -> tuple[int, ...]:
+    """eos, then eot and eom, then every token whose text llama.cpp treats as ending a turn.
+
+    GGUF has no generation_config.json; llama.cpp fills the gap by recognising turn-end tokens by their
+    text (e.g. a Qwen file declares eos <|endoftext|> but the chat ends turns with <|im_end|>).
+    """
+    ids = [vocab.token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids += [i for i, text in enumerate(vocab.tokens) if text in END_OF_TURN_TEXTS]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _bos(vocab: GgufVocab, default_id: int | None, add_default: bool) -> tuple[int | None, bool]:
+    bos_key = "tokenizer.ggml.bos_token_id"
+    bos_id = vocab.token_id(bos_key) if bos_key in vocab.meta else default_id
+    add_bos = vocab.flag("tokenizer.ggml.add_bos_token", add_default)
+    if add_bos and bos_id is None:
+        raise TokenizerError(
+            f"{vocab.source}: tokenizer.ggml.add_bos_token is true but {bos_key} is not set (or out of range); "
+            "fix the file's metadata (e.g. with gguf's gguf_set_metadata.py)"
+        )
+    return bos_id, add_bos
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------------
+
+def build_parts(meta: Mapping[str, Any], source: str) -> TokenizerParts:
+    """Everything `Tokenizer` needs, from GGUF tokenizer metadata."""
+    vocab = load_vocab(meta, source)
+    if vocab.model == "gpt2":
+        rule = pre_tokenizer_rule(meta.get("tokenizer.ggml.pre"), source)
+        backend = _byte_level_backend(vocab, rule)
+        bos_id, add_bos = _bos(vocab, None, rule.add_bos)
+        kind = f"byte-level BPE, pre-tokenizer {meta.get('tokenizer.ggml.pre') or 'default'!r}"
+        strip_leading_space = False
+        piece_kind: type[ByteLevelPieces | SentencePiecePieces] = ByteLevelPieces
+    elif vocab.model == "llama":
+        backend = _sentencepiece_backend(vocab)
+        # SentencePiece convention when the file does not say: <s> = 1, prepended by default.
+        bos_id, add_bos = _bos(vocab, 1 if len(vocab.tokens) > 1 else None, True)
+        kind = "SentencePiece BPE"
+        strip_leading_space = vocab.flag("tokenizer.ggml.add_space_prefix", True)
+        piece_kind = SentencePiecePieces
+    else:
+        raise TokenizerError(
+            f"{source}: tokenizer.ggml.model = {vocab.model!r} is not supported; memra reads 'gpt2' "
+            "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies. "
+            "Load the tokenizer from the model's HF directory (tokenizer.json) instead"
+        )
+    _add_whole_match_tokens(backend, vocab)
+
+    # Whole-match tokens are plain text, not spelled in the byte alphabet / with "▁".
+    verbatim = {i: vocab.tokens[i] for i in vocab.ids_of_type(*_WHOLE_MATCH_TYPES)}
+    eos_ids = _end_of_generation_ids(vocab)
+    eos_id = vocab.token_id("tokenizer.ggml.eos_token_id")
+    template = meta.get("tokenizer.chat_template")
+    return TokenizerParts(
+        backend=backend,
+        pieces=piece_kind(vocab.tokens.__getitem__, verbatim),
+        vocab_size=len(vocab.tokens),
+        special_ids=frozenset(vocab.ids_of_type(*_SPECIAL_TYPES)),
+        bos_id=bos_id,
+        eos_ids=eos_ids,
+        add_bos=add_bos,
+        strip_leading_space=strip_leading_space,
+        chat_template=template if isinstance(template, str) and template else None,
+        template_origin=f"{source} (GGUF key tokenizer.chat_template)",
+        # Templates may write {{ bos_token }} / {{ eos_token }}; HF passes these strings too.
+        special_strings={name: vocab.tokens[i] for name, i in (("bos_token", bos_id), ("eos_token", eos_id))
+                         if i is not None},
+        kind=kind,
+        source=f"GGUF {source}",
+    )
+
+
+def parts_from_gguf(reader: "gguf.GGUFReader | str | Path", source: str = "") -> TokenizerParts:
+    """`build_parts` for an open `gguf.GGUFReader`, or for a GGUF file path (much faster to read)."""
+    if isinstance(reader, (str, Path)):
+        return build_parts(read_tokenizer_metadata_file(reader), source or str(reader))
+    # The reader keeps its file only as a numpy memmap, which remembers the name.
+    source = source or str(getattr(getattr(reader, "data", None), "filename", None) or "the GGUF file")
+    return build_parts(read_tokenizer_metadata(reader, source), source)
