@@ -138,8 +138,8 @@ class Cache:
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Return to a snapshot: truncate KV to its position, copy its recurrent state back."""
-        if snap.pos > self.pos and snap.n_blocks > len(self.blocks):
-            raise MemraError("cannot restore a snapshot taken beyond this cache's current blocks")
+        if snap.pos > self.pos:
+            raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the cache has been rolled back to {self.pos} since")
         self.pos = snap.pos
         keep = max(snap.n_blocks, -(-snap.pos // BLOCK_SIZE))
         if len(self.blocks) > keep:

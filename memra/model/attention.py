@@ -43,15 +43,12 @@ class Attention:
         k = ops.apply_rope(k, ctx.cos, ctx.sin)
 
         # Write the new K/V into this sequence's blocks, then read back the whole prefix in order.
-        cache = ctx.cache
-        pool_k, pool_v = cache.kv.k[self.layer], cache.kv.v[self.layer]
-        flat_k = pool_k.view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
-        flat_v = pool_v.view(-1, self.n_kv, d)
-        new_rows = cache.kv.slot_index(cache.blocks, ctx.pos0, ctx.pos0 + t, x.device)
-        flat_k[new_rows] = k
-        flat_v[new_rows] = v
-        all_rows = cache.kv.slot_index(cache.blocks, 0, ctx.pos0 + t, x.device)
-        o = ops.causal_attention(q, flat_k[all_rows], flat_v[all_rows], ctx.pos0, self.scale)  # [T, Hq, D]
+        kv = ctx.cache.kv
+        flat_k = kv.k[self.layer].view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
+        flat_v = kv.v[self.layer].view(-1, self.n_kv, d)
+        flat_k[ctx.kv_write_rows] = k
+        flat_v[ctx.kv_write_rows] = v
+        o = ops.causal_attention(q, flat_k[ctx.kv_read_rows], flat_v[ctx.kv_read_rows], ctx.pos0, self.scale)  # [T, Hq, D]
         o = o.reshape(t, self.n_heads * d)
         if gate is not None:
             o = o * torch.sigmoid(gate)

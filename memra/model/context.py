@@ -17,3 +17,5 @@ class StepContext:
     cos: torch.Tensor  # [T, R] rotary tables for positions pos0..pos0+T-1, model dtype
     sin: torch.Tensor
     recurrent: bool  # GDN mode: True = token-by-token recurrence (generated tokens), False = chunked (prompt)
+    kv_write_rows: torch.Tensor  # [T] flat KV-pool rows (block * BLOCK_SIZE + offset) the new tokens go to
+    kv_read_rows: torch.Tensor  # [pos0 + T] flat rows of the whole prefix, in position order

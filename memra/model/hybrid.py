@@ -58,7 +58,9 @@ class HybridModel:
     def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool) -> StepContext:
         positions = torch.arange(pos0, pos0 + n_tokens, device=self.device)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.dtype)
-        return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent)
+        read_rows = cache.kv.slot_index(cache.blocks, 0, pos0 + n_tokens, self.device)  # shared by every attention layer
+        return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
+                           kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] (no scaling)."""
