@@ -276,7 +276,7 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
         ffns = tuple("dense" if i in dense_layers or (i + 1) % step else "moe" for i in range(n_layers))
     else:
         ffns = ("dense",) * n_layers
-    intermediate = int(get("intermediate_size", 0)) if "dense" in ffns else int(get("intermediate_size", 0))
+    intermediate = int(get("intermediate_size")) if "dense" in ffns else int(get("intermediate_size", 0))
 
     gdn = None
     if "gdn" in mixers:
