@@ -23,8 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
-    _add_model_args(gen)
-    gen.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
+                     help="a Hugging Face model directory or .gguf file (default: the bundled demo model), "
+                          "then the prompt text (with --chat: the user message)")
+    gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    gen.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -35,7 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for --chat")
 
     ins = sub.add_parser("inspect", help="print a checkpoint's config, tensors and tokenizer")
-    ins.add_argument("model", help="a Hugging Face model directory or a .gguf file")
+    ins.add_argument("model", help="a Hugging Face model directory or a .gguf file ('demo' = the bundled model)")
+
+    conv = sub.add_parser("convert", help="write a Hugging Face model directory as a GGUF file (llama.cpp naming)")
+    conv.add_argument("model", help="a Hugging Face model directory ('demo' = the bundled model)")
+    conv.add_argument("out", help="the .gguf file to write")
+    conv.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0"])
+
+    ppl = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
+    _add_model_args(ppl)
+    ppl.add_argument("file", help="a UTF-8 text file")
+    ppl.add_argument("--ctx", type=int, default=512, help="tokens per scored window (default 512)")
     return parser
 
 
@@ -47,19 +60,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
-    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    if len(args.args) > 2:
+        raise MemraError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
+    model_path, prompt = (args.args if len(args.args) == 2 else ("demo", args.args[0]))
+    model = memra.load(model_path, device=args.device, dtype=args.dtype)
     tok = model.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
+        messages.append({"role": "user", "content": prompt})
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special=False)
     else:
-        ids = tok.encode(args.prompt, add_special=True)
+        ids = tok.encode(prompt, add_special=True)
     stats = GenerationStats()
     detok = IncrementalDetokenizer(tok, skip_special=True)
     out = sys.stdout
     if not args.chat:
-        out.write(args.prompt)
+        out.write(prompt)
     for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids):
         out.write(detok.push(token))
         out.flush()
@@ -80,10 +96,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from memra.convert import convert
+    from memra.loading.checkpoint import resolve_model_path
+
+    out = convert(resolve_model_path(args.model), args.out, args.type)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {args.type})")
+    return 0
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import memra
+    from memra.evaluate import perplexity
+
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MemraError(f"cannot read {path} as UTF-8 text ({e})") from None
+    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    if args.ctx > model.cfg.max_position:
+        raise MemraError(f"--ctx {args.ctx} exceeds the model's {model.cfg.max_position} positions")
+    result = perplexity(model, model.tokenizer.encode(text, add_special=False), ctx=args.ctx)
+    print(f"perplexity {result.ppl:.4f}  (mean NLL {result.nll:.4f} nats over {result.scored_tokens} tokens, "
+          f"{result.windows} windows of {args.ctx})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl}
     try:
-        return {"generate": cmd_generate, "inspect": cmd_inspect}[args.command](args)
+        return commands[args.command](args)
     except MemraError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,9 +59,22 @@ def progress(iterable, total: int, desc: str):
     return tqdm(iterable, total=total, desc=desc, unit="layer", leave=False)
 
 
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """'demo' names the bundled demo model (unless a file or folder of that name exists here)."""
+    p = Path(path)
+    if str(path) == "demo" and not p.exists():
+        if not (DEMO_DIR / "config.json").exists():
+            raise MemraError(f"the bundled demo model is missing from {DEMO_DIR}; reinstall memra")
+        return DEMO_DIR
+    return p
+
+
 def open_checkpoint(path: str | Path):
     """-> (ModelConfig, names mapper, tokenizer factory, kind). Understands an HF dir or a .gguf file."""
-    p = Path(path)
+    p = resolve_model_path(path)
     if not p.exists():
         raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory or a .gguf file)")
     if p.is_dir():
@@ -151,7 +164,8 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg, weights, make_tokenizer = load_weights(path, dev, dt)
-    return HybridModel(cfg, weights, dev, dt, tokenizer=make_tokenizer() if tokenizer else None, source=str(path))
+    return HybridModel(cfg, weights, dev, dt, tokenizer=make_tokenizer() if tokenizer else None,
+                       source=str(resolve_model_path(path)))
 
 
 def inspect_checkpoint(path: str | Path) -> str:
