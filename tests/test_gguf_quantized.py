@@ -39,7 +39,12 @@ def tile_value_heads(t: torch.Tensor, dim: int, nk: int, r: int) -> torch.Tensor
 
 def rounded_hf_weights(name: str):
     arch, qtype = name.rsplit("-", 1)
-    cfg, q_weights, _ = load_weights(gguf_file(name), CPU, torch.float32)
+    return rounded_hf_weights_for(gguf_file(name), arch, qtype)
+
+
+def rounded_hf_weights_for(path, arch: str, qtype: str):
+    """-> (cfg, HF weights with every tensor that the GGUF at `path` stores rounded, rounded independently)."""
+    cfg, q_weights, _ = load_weights(path, CPU, torch.float32)
     _, hf_weights, _ = load_weights(hf_dir(arch), CPU, torch.float32)
     assert q_weights.keys() == hf_weights.keys()
     rounded, n_rounded = {}, 0
@@ -55,7 +60,7 @@ def rounded_hf_weights(name: str):
                 r = untile_value_heads(converter_rounding(tile_value_heads(hf_w, 1, nk, r_), qtype), 1, nk, r_)
             else:
                 r = converter_rounding(hf_w, qtype)
-            assert torch.equal(q_w, r), f"{name}: {k} is neither the HF weight nor its {qtype} rounding"
+            assert torch.equal(q_w, r), f"{path}: {k} is neither the HF weight nor its {qtype} rounding"
             rounded[k], n_rounded = r, n_rounded + 1
     assert n_rounded > 0
     return cfg, rounded
