@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(ppl)
     ppl.add_argument("file", help="a UTF-8 text file")
     ppl.add_argument("--ctx", type=int, default=512, help="tokens per scored window (default 512)")
+    ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
     return parser
 
 
@@ -119,9 +120,15 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     model = memra.load(args.model, device=args.device, dtype=args.dtype)
     if args.ctx > model.cfg.max_position:
         raise MemraError(f"--ctx {args.ctx} exceeds the model's {model.cfg.max_position} positions")
-    result = perplexity(model, model.tokenizer.encode(text, add_special=False), ctx=args.ctx)
+    ids = model.tokenizer.encode(text, add_special=False)
+    result = perplexity(model, ids, ctx=args.ctx)
     print(f"perplexity {result.ppl:.4f}  (mean NLL {result.nll:.4f} nats over {result.scored_tokens} tokens, "
           f"{result.windows} windows of {args.ctx})")
+    if args.mtp:
+        from memra.evaluate import mtp_agreement
+
+        agreement = mtp_agreement(model, ids, ctx=args.ctx)
+        print(f"MTP draft == model's greedy t+2 token at {agreement.rate:.1%} of {agreement.positions} positions")
     return 0
 
 
