@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from memra.errors import ContextOverflowError, MemraError
-from memra.sampling import SamplingParams, sample
+from memra.sampling import SamplingParams, apply_penalties, sample
 
 
 @dataclass
@@ -46,8 +46,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
     stats.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     stop = set(eos_ids)
+    prompt = list(prompt_ids)
     for step in range(params.max_tokens):
-        token = sample(logits, params, ctr=step)
+        token = sample(apply_penalties(logits, params, prompt, stats.token_ids), params, ctr=step)
         stats.token_ids.append(token)
         stats.generated_tokens += 1
         yield token

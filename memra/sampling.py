@@ -44,9 +44,17 @@ def uniform_noise(seed: int, ctr: int, n: int, device: torch.device | str = "cpu
     return (top53 + 0.5) * (1.0 / (1 << 53))
 
 
+MAX_STOP_STRINGS = 16
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a user asks for. temperature 0 means greedy (argmax)."""
+    """What a user asks for. temperature 0 means greedy (argmax).
+
+    Penalties follow vLLM/OpenAI: repetition_penalty divides positive (multiplies negative) logits of
+    every token seen in the prompt or output; presence_penalty subtracts once per token present in the
+    output, frequency_penalty once per occurrence; logit_bias adds a bias in [-100, 100] per token id.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -55,8 +63,22 @@ class SamplingParams:
     seed: int = 0
     max_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # ((token id, bias), ...)
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.logit_bias, dict):
+            try:
+                object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))
+            except (TypeError, ValueError):
+                raise MemraError("logit_bias must map integer token ids to numbers") from None
+        self._validate()
+
+    def _validate(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise MemraError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -69,13 +91,65 @@ class SamplingParams:
             raise MemraError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise MemraError(f"seed must be a non-negative integer, got {self.seed!r}")
+        stops = tuple(self.stop)
+        if len(stops) > MAX_STOP_STRINGS or not all(isinstance(x, str) and x for x in stops):
+            raise MemraError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 10):
+            raise MemraError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
+                raise MemraError(f"{name} must be in [-2, 2], got {v!r}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100.0 <= bias <= 100.0 or not math.isfinite(bias):
+                raise MemraError(f"logit_bias entry {tok}: {bias} invalid; ids must be >= 0 and biases in [-100, 100]")
 
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    def dev_samp(self, ctr: int) -> "DevSamp":
+        return DevSamp(self.temperature, self.seed, ctr, self.top_k, self.top_p, self.min_p)
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def allowed_tokens(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+@dataclass(frozen=True)
+class DevSamp:
+    """Per-row device sampling spec: everything the device needs to choose this row's token."""
+
+    temperature: float
+    seed: int
+    ctr: int  # the sequence's step counter: noise = f(seed, ctr, token id)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+    """Logits [V] adjusted for repetition/presence/frequency penalties and logit_bias (a new tensor)."""
+    if not p.penalized:
+        return logits
+    out = logits.clone()
+    v = out.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=out.device)
+        if seen.numel():
+            vals = out[seen]
+            out[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=v).to(out.device, out.dtype)
+        out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    for tok, bias in p.logit_bias:
+        if tok >= v:
+            raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{v - 1})")
+        out[tok] += bias
+    return out
+
+
+def allowed_tokens(logits: torch.Tensor, p: SamplingParams | DevSamp) -> torch.Tensor:
     """Boolean mask [V] of the tokens top-k, top-p and min-p keep (the most likely token always survives)."""
     scaled = logits.double() / p.temperature
     probs = torch.softmax(scaled, dim=-1)
@@ -93,12 +167,19 @@ def allowed_tokens(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return keep
 
 
+def device_sample(logits: torch.Tensor, s: DevSamp) -> torch.Tensor:
+    """Choose a token from one row of logits [V] where they live. -> 0-d int64 tensor on that device.
+
+    Greedy (temperature 0) is argmax; otherwise argmax(logits / T + Gumbel(u(seed, ctr, id))) over the
+    tokens top-k / top-p / min-p allow. Computed per row, so batchmates cannot change it.
+    """
+    if s.temperature == 0.0:
+        return torch.argmax(logits)
+    u = uniform_noise(s.seed, s.ctr, logits.shape[-1], logits.device)
+    score = logits.double() / s.temperature - torch.log(-torch.log(u))
+    return torch.argmax(score.masked_fill(~allowed_tokens(logits, s), float("-inf")))
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, ctr: int) -> int:
-    """Pick the next token from logits [V] (fp32) at step counter `ctr`."""
-    if p.greedy:
-        return int(torch.argmax(logits))
-    u = uniform_noise(p.seed, ctr, logits.shape[-1], logits.device)
-    gumbel = -torch.log(-torch.log(u))
-    score = logits.double() / p.temperature + gumbel
-    score = score.masked_fill(~allowed_tokens(logits, p), float("-inf"))
-    return int(torch.argmax(score))
+    """Pick the next token from logits [V] (fp32) at step counter `ctr` (the same choice device_sample makes)."""
+    return int(device_sample(logits, p.dev_samp(ctr)))

@@ -1,8 +1,18 @@
-"""The step bodies: prime (chunked prefill) and decode_step (one token, B = 1).
+"""The step bodies: prime (chunked prefill), decode_step (B = 1) and decode_step_batch (B rows).
 
-Both are "embed, walk layers [0, L), norm, head" with a different StepContext: prompt tokens take
+All are "embed, walk layers [0, L), norm, head" with a different StepContext: prompt tokens take
 the GDN chunked form, generated tokens the recurrent form (the same way in every run, which is what
 makes runs comparable bit for bit). Every check that can refuse happens before any state moves.
+
+How the exact path keeps its promises (EXACTNESS.md), relying only on "same shapes and same inputs
+give the same bits" (checked by memra.kernels.exact.self_test):
+- E5: prime runs its tokens as forwards of at most EXACT_PIECE tokens cut at absolute multiples of
+  EXACT_PIECE, so any prime whose chunk cuts are 64-aligned performs the very same forwards as a
+  one-shot prime.
+- E1: decode_step_batch runs each row's step with exactly the shapes of that sequence's B=1 step, so
+  a row cannot depend on its batchmates or its position in the batch. (Measured on CPU: matmul rows
+  are invariant inside fixed tiles, but elementwise ops like sigmoid/softplus change bits with a
+  value's offset in the tensor — so a stacked batch is not exact there; see the self-test.)
 """
 
 from __future__ import annotations
@@ -11,8 +21,12 @@ from typing import Sequence
 
 import torch
 
+from memra import counters, doors
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache
 from memra.errors import MemraError
+from memra.kernels.exact import TILE
+
+EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 
 
 def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -37,19 +51,41 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
     tokens = _as_ids(model, ids)
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
+    exact = doors.exact_mode()
     outputs = []
     h_last = None
     for start in range(0, tokens.numel(), chunk):
-        piece = tokens[start : start + chunk]
-        ctx = model.context(cache, cache.pos, piece.numel(), recurrent=False)
-        h = model.forward_layers(model.embed_tokens(piece), ctx)
-        cache.pos += piece.numel()
-        if all_logits:
-            outputs.append(model.logits(model.norm_out(h)))
-        h_last = h[-1:]
+        for piece in _forward_pieces(tokens[start : start + chunk], cache.pos, exact):
+            ctx = model.context(cache, cache.pos, piece.numel(), recurrent=False)
+            h = model.forward_layers(model.embed_tokens(piece), ctx)
+            cache.pos += piece.numel()
+            counters.bump("prime_pieces")
+            if all_logits:
+                outputs.append(model.logits(model.norm_out(h)))
+            h_last = h[-1:]
     if all_logits:
         return torch.cat(outputs)
     return model.logits(model.norm_out(h_last))[0]
+
+
+def _forward_pieces(tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.Tensor]:
+    """Exact path: cut at absolute positions that are multiples of EXACT_PIECE. Fast path: one piece."""
+    if not exact:
+        return [tokens]
+    pieces, start = [], 0
+    while start < tokens.numel():
+        stop = min(tokens.numel(), start + EXACT_PIECE - (pos0 + start) % EXACT_PIECE)
+        pieces.append(tokens[start:stop])
+        start = stop
+    return pieces
+
+
+def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """One sequence's decode step with B=1 shapes (the cache already has room). -> logits [V] fp32."""
+    ctx = model.context(cache, cache.pos, 1, recurrent=True)
+    h = model.forward_layers(model.embed_tokens(token), ctx)
+    cache.pos += 1
+    return model.logits(model.norm_out(h))[0]
 
 
 @torch.inference_mode()
@@ -57,7 +93,69 @@ def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     """Feed one generated token at cache.pos; returns next-token logits [V] (fp32)."""
     tokens = _as_ids(model, [int(token)])
     cache.reserve(1)
-    ctx = model.context(cache, cache.pos, 1, recurrent=True)
-    h = model.forward_layers(model.embed_tokens(tokens), ctx)
-    cache.pos += 1
-    return model.logits(model.norm_out(h))[0]
+    return _decode_one(model, tokens, cache)
+
+
+def _check_batch(model, tokens, caches) -> torch.Tensor:
+    """Every refusal of a batched step, before any cache advances."""
+    if len(tokens) != len(caches):
+        raise MemraError(f"decode_step_batch got {len(tokens)} tokens for {len(caches)} caches")
+    if not caches:
+        raise MemraError("decode_step_batch needs at least one sequence")
+    if len({id(c) for c in caches}) != len(caches):
+        raise MemraError("decode_step_batch got the same cache twice; each row must be its own sequence")
+    ids = _as_ids(model, [int(t) for t in tokens])
+    for i, c in enumerate(caches):
+        if c.pos + 1 > c.max_ctx:
+            raise MemraError(f"row {i}: its cache is full ({c.max_ctx} tokens); grow it or finish the sequence")
+    for c in caches:
+        c.reserve(1)
+    return ids
+
+
+@torch.inference_mode()
+def decode_step_batch(model, tokens, caches) -> torch.Tensor:
+    """One decode step for B sequences at their own positions. -> logits [B, V] (fp32).
+
+    Row i is bit-identical to decode_step(tokens[i], caches[i]) run alone (promise E1): each row is
+    computed with exactly its B=1 shapes.
+    """
+    ids = _check_batch(model, tokens, caches)
+    rows = [_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)]
+    counters.bump("decode_batch_rows", len(rows))
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def decode_step_batch_sampled(model, tokens, caches, samp, lean: bool = False):
+    """decode_step_batch, then choose each row's next token on the device.
+
+    samp[i] is a DevSamp (device row: greedy when temperature == 0, else seeded sampling whose noise
+    depends only on (seed, ctr, token id)) or None (host row: the caller samples from the returned row).
+    -> (rows, next_tokens): rows[i] is the logits row [V] on the host, except that with lean=True a
+    device row's logits stay on the device in caches[i].last_logits_dev and rows[i] is None;
+    next_tokens[i] is the device-chosen token, or None for host rows.
+    """
+    from memra.sampling import DevSamp, device_sample
+
+    if len(samp) != len(caches):
+        raise MemraError(f"decode_step_batch_sampled got {len(samp)} sampling specs for {len(caches)} caches")
+    for i, s in enumerate(samp):
+        if s is not None and not isinstance(s, DevSamp):
+            raise MemraError(f"row {i}: sampling spec must be a DevSamp or None, got {type(s).__name__}")
+    logits = decode_step_batch(model, tokens, caches)
+    rows, next_tokens = [], []
+    for i, (row, s, c) in enumerate(zip(logits, samp, caches)):
+        if s is None:
+            rows.append(row.cpu())
+            next_tokens.append(None)
+            continue
+        next_tokens.append(int(device_sample(row, s)))
+        counters.bump("device_sampled_rows")
+        if lean:
+            c.last_logits_dev = row
+            rows.append(None)
+            counters.bump("lean_parked_rows")
+        else:
+            rows.append(row.cpu())
+    return rows, next_tokens

@@ -95,6 +95,16 @@ class HybridModel:
 
         return decode_step(self, token, cache)
 
+    def decode_step_batch(self, tokens, caches) -> torch.Tensor:
+        from memra.step import decode_step_batch
+
+        return decode_step_batch(self, tokens, caches)
+
+    def decode_step_batch_sampled(self, tokens, caches, samp, lean: bool = False):
+        from memra.step import decode_step_batch_sampled
+
+        return decode_step_batch_sampled(self, tokens, caches, samp, lean=lean)
+
     def restore(self, cache: Cache, snap: CacheSnapshot) -> None:
         cache.restore(snap)
 

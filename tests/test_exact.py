@@ -1,0 +1,151 @@
+"""Exactness promises on CPU: E1 (batch invariance), E3 (seeded device sampling), E5 (chunked prime)."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import HF_ARCHS, hf_dir
+from memra import counters
+from memra.errors import MemraError
+from memra.kernels.exact import self_test
+from memra.sampling import DevSamp
+
+
+def prompts(seed: int, n: int, vocab: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def isolated_stream(model, prompt, feed, dtype_model=None):
+    """B=1 reference: decode_step_batch with one row, fed the given tokens."""
+    c = model.new_cache(128)
+    model.prime(prompt, c)
+    return [model.decode_step_batch([t], [c])[0] for t in feed]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_batched_rows_equal_isolated_runs(arch, dtype, load_model):
+    """E1: uneven prompts, rows in shuffled order each step; every row's logits equal its B=1 run's bits."""
+    model = load_model(hf_dir(arch), dtype=dtype)
+    rng = random.Random(arch)
+    ps = prompts(hash(arch) % 1000, 5, model.cfg.vocab_size)
+    feeds = [[rng.randrange(3, model.cfg.vocab_size) for _ in range(4)] for _ in ps]
+    caches = [model.new_cache(128) for _ in ps]
+    for p, c in zip(ps, caches):
+        model.prime(p, c)
+    batched = [[] for _ in ps]
+    for step in range(4):
+        order = list(range(len(ps)))
+        rng.shuffle(order)
+        rows = model.decode_step_batch([feeds[i][step] for i in order], [caches[i] for i in order])
+        for r, i in enumerate(order):
+            batched[i].append(rows[r])
+    for i, p in enumerate(ps):
+        for a, b in zip(batched[i], isolated_stream(model, p, feeds[i])):
+            assert torch.equal(a, b)
+
+
+def test_batch_sizes_1_to_64_property(load_model):
+    """Seeded random compositions: B in 1..64, random positions, the probe row anywhere in the batch."""
+    model = load_model(hf_dir("qwen3_5_moe"))
+    probe_prompt = prompts(7, 1, 1024)[0]
+    ref = isolated_stream(model, probe_prompt, [11])[0]
+    rng = random.Random(3)
+    for b in (1, 2, 3, 7, 16, 33, 64):
+        others = prompts(b, b - 1, 1024, 1, 20)
+        caches = [model.new_cache(64) for _ in range(b)]
+        where = rng.randrange(b)
+        order = others[:where] + [probe_prompt] + others[where:]
+        for p, c in zip(order, caches):
+            model.prime(p, c)
+        toks = [rng.randrange(3, 1024) for _ in range(b)]
+        toks[where] = 11
+        rows = model.decode_step_batch(toks, caches)
+        assert torch.equal(rows[where], ref), f"B={b} row {where}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_model):
+    """E5: a 150-token prompt primed in one shot, in 64-token chunks, and in 128-token chunks: the same
+    logits, KV and recurrent state, bit for bit."""
+    model = load_model(hf_dir(arch), dtype=dtype)
+    ids = prompts(5, 1, model.cfg.vocab_size, 150, 151)[0]
+    results = []
+    for chunk in (None, 64, 128):
+        c = model.new_cache(160)
+        logits = model.prime(ids, c, all_logits=True, chunk_size=chunk)
+        results.append((logits, c))
+    ref, rc = results[0]
+    for logits, c in results[1:]:
+        assert torch.equal(logits, ref)
+        for layer in rc.kv.layers:
+            assert torch.equal(kv_prefix(c, layer, len(ids)), kv_prefix(rc, layer, len(ids)))
+        for layer in (rc.rec.layers if rc.rec else ()):
+            assert torch.equal(c.ssm_state(layer), rc.ssm_state(layer))
+            assert torch.equal(c.conv_state(layer), rc.conv_state(layer))
+    if model.cfg.gdn_layers:  # negative control: a cut that is not 64-aligned changes the GDN chunks
+        c = model.new_cache(160)
+        assert not torch.equal(model.prime(ids, c, all_logits=True, chunk_size=7), ref)
+
+
+def kv_prefix(cache, layer, n):
+    """K and V of positions 0..n-1, in position order, gathered from the paged pool."""
+    rows = cache.kv.slot_index(cache.blocks, 0, n, "cpu")
+    k, v = cache.kv.k[layer], cache.kv.v[layer]
+    return torch.cat((k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]))
+
+
+def test_device_sampling_rows_do_not_depend_on_batchmates(load_model):
+    """E3: greedy rows pick the host argmax of their returned row; sampled rows pick the same token at
+    B=N as alone; lean mode parks exactly the row it would have returned."""
+    model = load_model(hf_dir("qwen3_5"))
+    ps = prompts(11, 4, 1024)
+    specs = [DevSamp(0.0, 0, 0), DevSamp(0.9, 17, 3, top_p=0.9), None, DevSamp(1.3, 5, 9, top_k=20, min_p=0.02)]
+    feed = [5, 6, 7, 8]
+
+    def run(lean, rows_idx):
+        caches = [model.new_cache(64) for _ in rows_idx]
+        for i, c in zip(rows_idx, caches):
+            model.prime(ps[i], c)
+        rows, toks = model.decode_step_batch_sampled([feed[i] for i in rows_idx], caches, [specs[i] for i in rows_idx], lean=lean)
+        return rows, toks, caches
+
+    before = counters.snapshot()
+    rows, toks, _ = run(False, [0, 1, 2, 3])
+    assert toks[0] == int(rows[0].argmax()) and toks[2] is None and rows[2] is not None
+    for i in (0, 1, 3):  # alone, each row's token is the same
+        alone_rows, alone_toks, _ = run(False, [i])
+        assert alone_toks[0] == toks[i] and torch.equal(alone_rows[0], rows[i])
+    lean_rows, lean_toks, lean_caches = run(True, [0, 1, 2, 3])
+    assert lean_toks == toks
+    assert lean_rows[0] is None and lean_rows[1] is None and lean_rows[3] is None and torch.equal(lean_rows[2], rows[2])
+    for i in (0, 1, 3):
+        assert torch.equal(lean_caches[i].last_logits_dev.cpu(), rows[i])
+    d = counters.delta(before)
+    assert d["device_sampled_rows"] == 3 + 3 + 3 and d["lean_parked_rows"] == 3 and d["decode_batch_rows"] == 4 + 3 + 4
+
+
+def test_batch_refusals_leave_caches_untouched(load_model):
+    model = load_model(hf_dir("qwen3"))
+    a, b = model.new_cache(8), model.new_cache(4)
+    model.prime([1, 2, 3], a)
+    model.prime([1, 2, 3, 4], b)  # full
+    with pytest.raises(MemraError, match="row 1: its cache is full"):
+        model.decode_step_batch([5, 6], [a, b])
+    with pytest.raises(MemraError, match="same cache twice"):
+        model.decode_step_batch([5, 6], [a, a])
+    with pytest.raises(MemraError, match="outside the vocabulary"):
+        model.decode_step_batch([5, 99999], [a, model.new_cache(8)])
+    assert a.pos == 3 and b.pos == 4
+
+
+def test_self_test_reports_what_cpu_breaks():
+    """The exact path relies on determinism only; the self-test also records which batched shortcuts
+    this CPU would break (measured: elementwise softplus/sigmoid bits depend on a value's offset)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        failed = self_test(dtype, "cpu")
+        assert not [f for f in failed if "repeat" in f], failed  # determinism must hold
+        assert not [f for f in failed if f.startswith("linear[64x")], failed  # 64-row tiles are row-invariant here
