@@ -88,7 +88,8 @@ def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_mode
             assert torch.equal(c.conv_state(layer), rc.conv_state(layer))
     if model.cfg.gdn_layers:  # negative control: a cut that is not 64-aligned changes the GDN chunks
         c = model.new_cache(160)
-        assert not torch.equal(model.prime(ids, c, all_logits=True, chunk_size=7), ref)
+        model.prime(ids, c, chunk_size=7)
+        assert any(not torch.equal(c.ssm_state(i), rc.ssm_state(i)) for i in rc.rec.layers)
 
 
 def kv_prefix(cache, layer, n):
