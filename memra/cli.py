@@ -50,7 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("file", help="a UTF-8 text file")
     ppl.add_argument("--ctx", type=int, default=512, help="tokens per scored window (default 512)")
     ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
+    gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
+    _add_model_args(gate)
+    gate.add_argument("--steps", type=int, default=32)
+    gate.add_argument("--batch", type=int, default=4)
+    gate.add_argument("--mode", default="config", choices=["config", "strict"])
+    gate.add_argument("--plen", type=int, default=20, help="base prompt length (rows get +5 tokens each)")
     return parser
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    import memra
+    from memra.gate import run_battery
+
+    if args.steps <= 0 or args.batch <= 0 or args.plen <= 0:
+        raise MemraError("--steps, --batch and --plen must be positive")
+    model = memra.load(args.model, device=args.device, dtype=args.dtype, tokenizer=False)
+    ok = run_battery(model, steps=args.steps, batch=args.batch, mode=args.mode, plen=args.plen,
+                     out=lambda line: print(line, flush=True))
+    return 0 if ok else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -134,7 +152,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl}
+    commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
+                "gate": cmd_gate}
     try:
         return commands[args.command](args)
     except MemraError as e:
