@@ -49,9 +49,9 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
     if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
+    exact = doors.exact_mode()
     tokens = _as_ids(model, ids)
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
-    exact = doors.exact_mode()
     outputs = []
     h_last = None
     for start in range(0, tokens.numel(), chunk):
@@ -120,10 +120,24 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     Row i is bit-identical to decode_step(tokens[i], caches[i]) run alone (promise E1): each row is
     computed with exactly its B=1 shapes.
     """
+    exact = doors.exact_mode()
     ids = _check_batch(model, tokens, caches)
-    rows = [_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)]
-    counters.bump("decode_batch_rows", len(rows))
-    return torch.stack(rows)
+    if exact:
+        rows = torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
+    else:
+        rows = _decode_stacked(model, ids, caches)
+    counters.bump("decode_batch_rows", len(caches))
+    return rows
+
+
+def _decode_stacked(model, ids: torch.Tensor, caches) -> torch.Tensor:
+    """MEMRA_EXACT=0: all rows in one stacked forward (matmuls over [B, E]). Faster, but a row's bits
+    may depend on B and on its place in the batch; kept for measured comparisons, never by default."""
+    ctxs = [model.context(c, c.pos, 1, recurrent=True) for c in caches]
+    h = model.forward_layers_stacked(model.embed_tokens(ids), ctxs)
+    for c in caches:
+        c.pos += 1
+    return model.logits(model.norm_out(h))
 
 
 @torch.inference_mode()

@@ -150,3 +150,36 @@ def test_self_test_reports_what_cpu_breaks():
         failed = self_test(dtype, "cpu")
         assert not [f for f in failed if "repeat" in f], failed  # determinism must hold
         assert not [f for f in failed if f.startswith("linear[64x")], failed  # 64-row tiles are row-invariant here
+
+
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_fast_stacked_path_is_right_but_not_exact_and_the_gate_sees_it(arch, load_model, monkeypatch):
+    """MEMRA_EXACT=0 runs the batch as one stacked forward: the same math (within 1e-5), different bits
+    (so it is never the default) — and the gate must FAIL on it, which proves gate2 has teeth."""
+    from conftest import rel_err
+    from memra.gate import run_battery
+
+    model = load_model(hf_dir(arch))
+    ps = prompts(21, 3, model.cfg.vocab_size)
+
+    def step():
+        caches = [model.new_cache(64) for _ in ps]
+        for p, c in zip(ps, caches):
+            model.prime(p, c)
+        return model.decode_step_batch([4, 5, 6], caches)
+
+    exact = step()
+    monkeypatch.setenv("MEMRA_EXACT", "0")
+    fast = step()
+    assert rel_err(fast, exact) <= 1e-5
+    assert not torch.equal(fast, exact)
+    lines = []
+    assert not run_battery(model, steps=3, batch=3, plen=10, out=lines.append)
+    assert any(l.startswith("gate2 (") and l.endswith("FAIL") for l in lines)
+
+
+def test_bad_door_values_are_refused(load_model, monkeypatch):
+    model = load_model(hf_dir("llama"))
+    monkeypatch.setenv("MEMRA_EXACT", "maybe")
+    with pytest.raises(MemraError, match="MEMRA_EXACT='maybe'"):
+        model.prime([1, 2, 3], model.new_cache(8))

@@ -108,6 +108,17 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[
     return F.silu(acc.to(u.dtype)).t(), window[:, window.shape[1] - (kc - 1) :]
 
 
+def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of B sequences: u [B, C], states [B, C, Kc-1] -> (out [B, C], new states).
+    The same multiply-adds, in the same order, as causal_conv."""
+    window = torch.cat((states.to(u.dtype), u[:, :, None]), dim=2)  # [B, C, Kc]
+    wf, xf = w.float(), window.float()
+    acc = xf[..., 0] * wf[:, 0]
+    for j in range(1, w.shape[1]):
+        acc = acc + xf[..., j] * wf[:, j]
+    return F.silu(acc.to(u.dtype)), window[..., 1:]
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (eps inside the sqrt, as the GDN kernels define it)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -133,12 +144,21 @@ def gdn_recurrent(q, k, v, beta, g, state):
     s = state
     outs = []
     for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        predicted = (s * k[t][:, :, None]).sum(1)  # [Hv, Dv]
-        delta = (v[t] - predicted) * beta[t][:, None]
-        s = s + k[t][:, :, None] * delta[:, None, :]
-        outs.append((s * q[t][:, :, None]).sum(1))
+        o, s = delta_rule_step(q[t], k[t], v[t], beta[t], g[t], s)
+        outs.append(o)
     return torch.stack(outs), s
+
+
+def delta_rule_step(q, k, v, beta, g, s):
+    """One token of the delta rule; any leading dims broadcast (heads, or batch x heads).
+
+    q, k [..., Dk], v [..., Dv], beta, g [...], s [..., Dk, Dv] -> (o [..., Dv], new s).
+    """
+    s = s * g.exp()[..., None, None]
+    predicted = (s * k[..., :, None]).sum(-2)  # [..., Dv]
+    delta = (v - predicted) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return (s * q[..., :, None]).sum(-2), s
 
 
 def gdn_chunk(q, k, v, beta, g, state):

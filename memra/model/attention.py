@@ -26,6 +26,21 @@ class Attention:
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        q, k, v, gate = self._project(x, ctx.cos, ctx.sin)
+        o = self._attend(q, k, v, ctx)
+        return self._output(o, gate)
+
+    def forward_stacked(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """The fast (non-exact) batched decode: x [B, E], one token per sequence; projections batched,
+        attention per sequence over its own paged KV."""
+        cos = torch.cat([c.cos for c in ctxs])
+        sin = torch.cat([c.sin for c in ctxs])
+        q, k, v, gate = self._project(x, cos, sin)
+        o = torch.cat([self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], c) for i, c in enumerate(ctxs)])
+        return self._output(o, gate)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (normed, rotated), gate [T, Hq*D] | None."""
         t, d = x.shape[0], self.head_dim
         qkv = ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
         q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
@@ -39,17 +54,20 @@ class Attention:
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
             k = ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
-        q = ops.apply_rope(q, ctx.cos, ctx.sin)
-        k = ops.apply_rope(k, ctx.cos, ctx.sin)
+        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
 
-        # Write the new K/V into this sequence's blocks, then read back the whole prefix in order.
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Write the new K/V into this sequence's blocks, then attend over its whole prefix in order."""
+        t, d = q.shape[0], self.head_dim
         kv = ctx.cache.kv
         flat_k = kv.k[self.layer].view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
         flat_v = kv.v[self.layer].view(-1, self.n_kv, d)
         flat_k[ctx.kv_write_rows] = k
         flat_v[ctx.kv_write_rows] = v
         o = ops.causal_attention(q, flat_k[ctx.kv_read_rows], flat_v[ctx.kv_read_rows], ctx.pos0, self.scale)  # [T, Hq, D]
-        o = o.reshape(t, self.n_heads * d)
+        return o.reshape(t, self.n_heads * d)
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return ops.linear(o, self.wo)

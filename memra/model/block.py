@@ -21,6 +21,11 @@ class Block:
         self.ffn = Moe(cfg, sub("moe.")) if ffn == "moe" else Mlp(sub("mlp."))
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """h [T, E] -> [T, E]."""
+        """h [T, E] -> [T, E]: T tokens of one sequence."""
         h = h + self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx)
+        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
+
+    def forward_stacked(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
+        h = h + self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctxs)
         return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))

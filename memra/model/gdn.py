@@ -48,6 +48,27 @@ class GatedDeltaNet:
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
+    def forward_stacked(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """The fast (non-exact) batched decode: x [B, E], one generated token per sequence, each with
+        its own cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
+        g, b_n = self.g, x.shape[0]
+        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
+        mixed, new_conv = ops.causal_conv_step(mixed, conv_states, self.conv)
+        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        q = ops.l2_normalize(q.reshape(b_n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
+        k = ops.l2_normalize(k.reshape(b_n, g.n_k_heads, g.k_head_dim).float())
+        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(b_n, g.n_v_heads, g.v_head_dim).float()
+        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])  # [B, Hv, Dk, Dv]
+        o, new_states = ops.delta_rule_step(q, k, v, beta, decay, states)
+        for i, c in enumerate(ctxs):
+            c.cache.conv_state(self.layer).copy_(new_conv[i])
+            c.cache.ssm_state(self.layer).copy_(new_states[i])
+        y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return ops.linear(y.reshape(b_n, g.value_dim), self.wo)
+
     @staticmethod
     def _chunked(q, k, v, beta, decay, state, pos0):
         """Run the closed form over chunks whose cuts sit at absolute positions that are multiples of

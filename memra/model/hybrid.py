@@ -72,6 +72,12 @@ class HybridModel:
             h = block.forward(h, ctx)
         return h
 
+    def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """The fast (non-exact) batched decode walk: h [B, E], one token per sequence."""
+        for block in self.blocks:
+            h = block.forward_stacked(h, ctxs)
+        return h
+
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
 
