@@ -94,7 +94,7 @@ def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_mode
 
 def kv_prefix(cache, layer, n):
     """K and V of positions 0..n-1, in position order, gathered from the paged pool."""
-    rows = cache.kv.slot_index(cache.blocks, 0, n, "cpu")
+    rows = cache.kv.slot_index(cache.blocks, 0, n, cache.kv.k[layer].device)
     k, v = cache.kv.k[layer], cache.kv.v[layer]
     return torch.cat((k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]))
 
@@ -125,6 +125,7 @@ def test_device_sampling_rows_do_not_depend_on_batchmates(load_model):
     assert lean_rows[0] is None and lean_rows[1] is None and lean_rows[3] is None and torch.equal(lean_rows[2], rows[2])
     for i in (0, 1, 3):
         assert torch.equal(lean_caches[i].last_logits_dev.cpu(), rows[i])
+        assert lean_caches[i].last_logits_dev.device == model.device
     d = counters.delta(before)
     assert d["device_sampled_rows"] == 3 + 3 + 3 and d["lean_parked_rows"] == 3 and d["decode_batch_rows"] == 4 + 3 + 4
 
