@@ -24,7 +24,7 @@ import torch
 from memra import counters, doors
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache
 from memra.errors import MemraError
-from memra.kernels.exact import TILE
+from memra.kernels.exact import TILE, require_exact
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 
@@ -50,6 +50,8 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
     exact = doors.exact_mode()
+    if exact:
+        require_exact(model.dtype, model.device)
     tokens = _as_ids(model, ids)
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
     outputs = []
@@ -121,6 +123,8 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     computed with exactly its B=1 shapes.
     """
     exact = doors.exact_mode()
+    if exact:
+        require_exact(model.dtype, model.device)
     ids = _check_batch(model, tokens, caches)
     if exact:
         rows = torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])

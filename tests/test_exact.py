@@ -184,3 +184,19 @@ def test_bad_door_values_are_refused(load_model, monkeypatch):
     monkeypatch.setenv("MEMRA_EXACT", "maybe")
     with pytest.raises(MemraError, match="MEMRA_EXACT='maybe'"):
         model.prime([1, 2, 3], model.new_cache(8))
+
+
+def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monkeypatch):
+    from memra.kernels import exact
+
+    model = load_model(hf_dir("qwen3"))
+    monkeypatch.setattr(exact, "_VERIFIED", {("cpu", str(model.dtype)): ["linear[1x64] repeat"]})
+    c = model.new_cache(16)
+    with pytest.raises(exact.ExactnessError, match="exact mode refused.*MEMRA_EXACT=0"):
+        model.prime([1, 2, 3], c)
+    with pytest.raises(exact.ExactnessError):
+        model.decode_step_batch([1], [c])
+    assert c.pos == 0 and not c.blocks
+    monkeypatch.setenv("MEMRA_EXACT", "0")  # the door lets a user run anyway, knowingly
+    model.prime([1, 2, 3], c)
+    assert c.pos == 3

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from memra import counters, doors
+from memra.kernels.exact import platform_report
 from memra.sampling import DevSamp
 
 G1_DRAWS = 6
@@ -81,6 +82,9 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
     live_before = counters.snapshot()
     out(f"memra gate --mode {mode}: {model.cfg.arch} {model.dtype} on {model.device}, B={b_n}, {steps} steps, "
         f"plen {plen}, seed {seed}{', CANARY (must FAIL)' if canary else ''}")
+    broken = platform_report(model.dtype, model.device)
+    out("platform self-test: " + ("every probed shortcut is row-invariant" if not broken else
+                                  f"stacked-batch shortcuts that would break bits here: {', '.join(broken)}"))
 
     # ---- gate1: eager B=1 vs the batched body at B=1 ----
     early = 0
