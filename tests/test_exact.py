@@ -125,7 +125,7 @@ def test_device_sampling_rows_do_not_depend_on_batchmates(load_model):
     assert lean_rows[0] is None and lean_rows[1] is None and lean_rows[3] is None and torch.equal(lean_rows[2], rows[2])
     for i in (0, 1, 3):
         assert torch.equal(lean_caches[i].last_logits_dev.cpu(), rows[i])
-        assert lean_caches[i].last_logits_dev.device == model.device
+        assert lean_caches[i].last_logits_dev.device.type == model.device.type
     d = counters.delta(before)
     assert d["device_sampled_rows"] == 3 + 3 + 3 and d["lean_parked_rows"] == 3 and d["decode_batch_rows"] == 4 + 3 + 4
 
