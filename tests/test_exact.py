@@ -190,7 +190,7 @@ def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monk
     from memra.kernels import exact
 
     model = load_model(hf_dir("qwen3"))
-    monkeypatch.setattr(exact, "_VERIFIED", {("cpu", str(model.dtype)): ["linear[1x64] repeat"]})
+    monkeypatch.setattr(exact, "_VERIFIED", {(model.device.type, str(model.dtype)): ["linear[1x64] repeat"]})
     c = model.new_cache(16)
     with pytest.raises(exact.ExactnessError, match="exact mode refused.*MEMRA_EXACT=0"):
         model.prime([1, 2, 3], c)
