@@ -24,7 +24,7 @@ import torch
 from memra import counters, doors
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache
 from memra.errors import MemraError
-from memra.kernels.exact import TILE, require_exact
+from memra.kernels.exact import TILE, aligned_cuts, require_exact
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 
@@ -74,12 +74,7 @@ def _forward_pieces(tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.
     """Exact path: cut at absolute positions that are multiples of EXACT_PIECE. Fast path: one piece."""
     if not exact:
         return [tokens]
-    pieces, start = [], 0
-    while start < tokens.numel():
-        stop = min(tokens.numel(), start + EXACT_PIECE - (pos0 + start) % EXACT_PIECE)
-        pieces.append(tokens[start:stop])
-        start = stop
-    return pieces
+    return [tokens[a:b] for a, b in aligned_cuts(tokens.numel(), pos0, EXACT_PIECE)]
 
 
 def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:

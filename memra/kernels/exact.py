@@ -23,6 +23,18 @@ from memra.errors import MemraError
 TILE = 64  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 
 
+def aligned_cuts(n: int, pos0: int, size: int = TILE) -> list[tuple[int, int]]:
+    """Split n tokens starting at absolute position pos0 into [start, stop) pieces of at most `size`,
+    cut where the absolute position is a multiple of `size` (so the cuts do not depend on how the
+    tokens were handed in, as long as every hand-in boundary is itself a multiple of `size`)."""
+    cuts, start = [], 0
+    while start < n:
+        stop = min(n, start + size - (pos0 + start) % size)
+        cuts.append((start, stop))
+        start = stop
+    return cuts
+
+
 class ExactnessError(MemraError):
     """This platform breaks an invariance the exact path relies on."""
 

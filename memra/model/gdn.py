@@ -6,6 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels import ops
+from memra.kernels.exact import aligned_cuts
 from memra.model.context import StepContext
 
 GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts align to absolute multiples of it
@@ -73,10 +74,8 @@ class GatedDeltaNet:
     def _chunked(q, k, v, beta, decay, state, pos0):
         """Run the closed form over chunks whose cuts sit at absolute positions that are multiples of
         GDN_CHUNK, so a prompt primed in 64-aligned pieces sees exactly the chunks of a one-shot prime."""
-        outs, start, t = [], 0, q.shape[0]
-        while start < t:
-            stop = min(t, start + GDN_CHUNK - (pos0 + start) % GDN_CHUNK)
-            o, state = ops.gdn_chunk(q[start:stop], k[start:stop], v[start:stop], beta[start:stop], decay[start:stop], state)
+        outs = []
+        for a, b in aligned_cuts(q.shape[0], pos0, GDN_CHUNK):
+            o, state = ops.gdn_chunk(q[a:b], k[a:b], v[a:b], beta[a:b], decay[a:b], state)
             outs.append(o)
-            start = stop
         return torch.cat(outs), state
