@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (the stream depends only on seed and step)")
+    gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
 
@@ -78,7 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from memra.tokenizer import IncrementalDetokenizer
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens)
+                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            repetition_penalty=args.repetition_penalty)
     if len(args.args) > 2:
         raise MemraError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_path, prompt = (args.args if len(args.args) == 2 else ("demo", args.args[0]))
@@ -95,10 +98,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     if not args.chat:
         out.write(prompt)
+    stream = StopStringFilter(params.stop)
     for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids):
-        out.write(detok.push(token))
+        out.write(stream.push(detok.push(token)))
         out.flush()
-    out.write(detok.flush() + "\n")
+        if stream.stopped:
+            stats.finish_reason = "stop"
+            break
+    if not stream.stopped:
+        out.write(stream.push(detok.flush()) + stream.flush())
+    out.write("\n")
     out.flush()
     print(
         f"[{stats.prompt_tokens} prompt tokens in {stats.prefill_seconds:.2f}s, {stats.generated_tokens} generated"
@@ -106,6 +115,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+class StopStringFilter:
+    """Streams text but holds back any tail that could still grow into a stop string; on a match,
+    emits the text before it and stops (the stop string itself is not printed, as in OpenAI's API)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.pending, self.stopped = stops, "", False
+
+    def push(self, text: str) -> str:
+        if not self.stops or self.stopped:
+            return "" if self.stopped else text
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -47,16 +47,18 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
     t0 = time.perf_counter()
     stop = set(eos_ids)
     prompt = list(prompt_ids)
-    for step in range(params.max_tokens):
-        token = sample(apply_penalties(logits, params, prompt, stats.token_ids), params, ctr=step)
-        stats.token_ids.append(token)
-        stats.generated_tokens += 1
-        yield token
-        if token in stop:
-            stats.finish_reason = "stop"
-            break
-        if step + 1 == params.max_tokens or cache.pos >= cache.max_ctx:
-            stats.finish_reason = "length"
-            break
-        logits = model.decode_step(token, cache)
-    stats.decode_seconds = time.perf_counter() - t0
+    try:
+        for step in range(params.max_tokens):
+            token = sample(apply_penalties(logits, params, prompt, stats.token_ids), params, ctr=step)
+            stats.token_ids.append(token)
+            stats.generated_tokens += 1
+            yield token
+            if token in stop:
+                stats.finish_reason = "stop"
+                break
+            if step + 1 == params.max_tokens or cache.pos >= cache.max_ctx:
+                stats.finish_reason = "length"
+                break
+            logits = model.decode_step(token, cache)
+    finally:  # also when the consumer stops early (a stop string, a closed pipe)
+        stats.decode_seconds = time.perf_counter() - t0

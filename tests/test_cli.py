@@ -64,3 +64,16 @@ def test_generation_stops_at_eos(load_model):
     first = ref["greedy0"][3].item()  # pretend the 4th greedy token ends the sequence
     out = list(generate_tokens(load_model(hf_dir("qwen3")), ref["prompt0"].tolist(), SamplingParams(max_tokens=16), eos_ids=[first]))
     assert out == ref["greedy0"][:4].tolist()
+
+
+def test_stop_strings_end_generation_without_printing_the_stop():
+    from memra.cli import StopStringFilter
+
+    f = StopStringFilter(("SCENE I.",))
+    pieces = ["ACT I.\n\nSC", "ENE", " I", ". A Room"]
+    out = "".join(f.push(p) for p in pieces)
+    assert out == "ACT I.\n\n" and f.stopped
+    g = StopStringFilter(("xyz",))
+    assert g.push("abx") == "ab" and g.push("q") == "xq" and g.flush() == ""
+    r = run("generate", "ROMEO:", "--max-tokens", "60", "--stop", "ACT")
+    assert r.returncode == 0 and "ACT" not in r.stdout and "finish: stop" in r.stderr
