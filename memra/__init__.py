@@ -4,10 +4,12 @@ Public surface:
     m = memra.load(path, device="cpu" | "cuda:0", dtype=None)   # HF directory or .gguf file
     c = m.new_cache(max_ctx)
     logits = m.prime(prompt_ids, c); logits = m.decode_step(token, c)
+    rows = m.decode_step_batch(tokens, caches)          # each row bit-identical to its B=1 run
 """
 
 from memra.errors import MemraError
 from memra.loading.checkpoint import load
+from memra.sampling import DevSamp, SamplingParams
 
-__all__ = ["load", "MemraError"]
+__all__ = ["load", "MemraError", "SamplingParams", "DevSamp"]
 __version__ = "0.1.0"
