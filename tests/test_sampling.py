@@ -49,3 +49,27 @@ def test_filters_keep_the_right_tokens():
 def test_bad_params_are_refused(kw):
     with pytest.raises(MemraError):
         SamplingParams(**kw)
+
+
+def test_penalties_and_logit_bias():
+    from memra.sampling import apply_penalties
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    p = SamplingParams(repetition_penalty=2.0)
+    assert apply_penalties(logits, p, [0], [1]).tolist() == [1.0, -2.0, 0.5, 3.0]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    assert apply_penalties(logits, p, [], [2, 2, 3]).tolist() == [2.0, -1.0, 0.5 - 0.5 - 0.5, 3.0 - 0.5 - 0.25]
+    p = SamplingParams(logit_bias={1: 100, 3: -100})
+    out = apply_penalties(logits, p, [], [])
+    assert out.tolist() == [2.0, 99.0, 0.5, -97.0] and sample(out, p, 0) == 1
+    assert apply_penalties(logits, SamplingParams(), [0], [1]) is logits  # no work when nothing is asked
+    with pytest.raises(MemraError, match="outside the vocabulary"):
+        apply_penalties(logits, SamplingParams(logit_bias={9: 1.0}), [], [])
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
+                                dict(logit_bias={5: 101.0}), dict(logit_bias={"x": 1.0}), dict(stop=("",)),
+                                dict(stop=tuple("abcdefghijklmnopq"))])
+def test_bad_penalty_params_are_refused(kw):
+    with pytest.raises(MemraError):
+        SamplingParams(**kw)
