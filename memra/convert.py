@@ -19,7 +19,6 @@ import torch
 from memra.config import GGUF_ARCHITECTURES, HYBRID, ModelConfig
 from memra.errors import MemraError
 from memra.loading.checkpoint import load_weights, progress
-from memra.loading.gguf import unpermute_rope_rows
 from memra.model.hybrid import rope_inv_freq
 
 GGUF_NAME = {v: k for k, v in GGUF_ARCHITECTURES.items()}  # memra arch -> llama.cpp arch
@@ -256,4 +255,4 @@ def convert(model_path: str | Path, out_path: str | Path, qtype: str = "f16") ->
     return out
 
 
-__all__ = ["convert", "gguf_tensors", "permute_rope_rows", "tile_value_heads", "unpermute_rope_rows"]
+__all__ = ["convert", "gguf_tensors", "permute_rope_rows", "tile_value_heads"]

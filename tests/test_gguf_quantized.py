@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import DEVICE, GGUF_QUANTIZED, gguf_file, hf_dir, reference, rel_err
 from memra.loading.checkpoint import load_weights
+from memra.convert import tile_value_heads
 from memra.loading.gguf import untile_value_heads
 from memra.model.hybrid import HybridModel
 
@@ -27,14 +28,6 @@ def converter_rounding(w: torch.Tensor, qtype: str) -> torch.Tensor:
         return w.half().float()
     q = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
     return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)).reshape(w.shape).clone()
-
-
-def tile_value_heads(t: torch.Tensor, dim: int, nk: int, r: int) -> torch.Tensor:
-    """The qwen35 converter's reorder (grouped g*r + j -> tiled j*nk + g); inverse of untile_value_heads."""
-    moved = t.movedim(dim, 0)
-    blk = moved.shape[0] // (nk * r)
-    tiled = moved.reshape(nk, r, blk, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
-    return tiled.movedim(0, dim)
 
 
 def rounded_hf_weights(name: str):

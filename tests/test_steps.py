@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import memra
 from conftest import HF_ARCHS, HYBRID_ARCHS, hf_dir, reference, rel_err
 from memra.cache import BLOCK_SIZE
 from memra.errors import ContextOverflowError, MemraError

@@ -14,7 +14,6 @@ Seeded: data order and init depend only on --seed (GPU kernels may still differ 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import shutil

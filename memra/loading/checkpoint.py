@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from memra.config import ModelConfig, from_gguf_metadata, from_hf_config
+from memra.config import from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
 
 # Canonical weights kept in fp32 whatever the model dtype: norm multipliers and the GDN gate parameters

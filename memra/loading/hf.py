@@ -47,7 +47,7 @@ class HfNames:
         return self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}")
 
     def mtp(self, j: int) -> dict[str, torch.Tensor]:
-        c, e = self.cfg, self.cfg.hidden_size
+        e = self.cfg.hidden_size
         why = f"MTP block {j}"
         out = {
             "fc": self.get("mtp.fc.weight", (e, 2 * e), why),
