@@ -47,23 +47,22 @@ def test_batched_rows_equal_isolated_runs(arch, dtype, load_model):
             assert torch.equal(a, b)
 
 
-def test_batch_sizes_1_to_64_property(load_model):
-    """Seeded random compositions: B in 1..64, random positions, the probe row anywhere in the batch."""
+def test_every_batch_size_1_to_64_and_every_row_position(load_model):
+    """Seeded random compositions: for every B in 1..64, B of 64 sequences (uneven prompts) in random
+    order; every row — so every row position — must equal that sequence's isolated B=1 logits."""
     model = load_model(hf_dir("qwen3_5_moe"))
-    probe_prompt = prompts(7, 1, 1024)[0]
-    ref = isolated_stream(model, probe_prompt, [11])[0]
+    pool = prompts(7, 64, 1024, 1, 24)
+    feed = [(31 * i + 5) % 1024 for i in range(64)]
+    ref = [isolated_stream(model, p, [t])[0] for p, t in zip(pool, feed)]
     rng = random.Random(3)
-    for b in (1, 2, 3, 7, 16, 33, 64):
-        others = prompts(b, b - 1, 1024, 1, 20)
-        caches = [model.new_cache(64) for _ in range(b)]
-        where = rng.randrange(b)
-        order = others[:where] + [probe_prompt] + others[where:]
-        for p, c in zip(order, caches):
-            model.prime(p, c)
-        toks = [rng.randrange(3, 1024) for _ in range(b)]
-        toks[where] = 11
-        rows = model.decode_step_batch(toks, caches)
-        assert torch.equal(rows[where], ref), f"B={b} row {where}"
+    for b in range(1, 65):
+        chosen = rng.sample(range(64), b)
+        caches = [model.new_cache(32) for _ in chosen]
+        for i, c in zip(chosen, caches):
+            model.prime(pool[i], c)
+        rows = model.decode_step_batch([feed[i] for i in chosen], caches)
+        for r, i in enumerate(chosen):
+            assert torch.equal(rows[r], ref[i]), f"B={b} row {r} (sequence {i})"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
