@@ -151,6 +151,13 @@ class Cache:
             self.ssm_state(i).copy_(t)
         self.last_logits_dev = None
 
+    def reset(self) -> None:
+        """Back to an empty sequence (position 0, zero recurrent state), keeping the allocated blocks."""
+        self.pos = 0
+        if self.rec is not None and self.slot is not None:
+            self.rec.zero(self.slot)
+        self.last_logits_dev = None
+
     def grow(self, new_max_ctx: int) -> None:
         """Let this sequence run longer. A private pool is enlarged in place; state is untouched."""
         if new_max_ctx < self.max_ctx:

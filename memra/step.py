@@ -85,12 +85,26 @@ def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:
     return model.logits(model.norm_out(h))[0]
 
 
+def _decode_rows(model, ids: torch.Tensor, caches, exact: bool) -> torch.Tensor:
+    """The decode body shared by decode_step and decode_step_batch, grouped by the decode plan."""
+    from memra.decode_plan import decode_bucketed, decode_plan
+
+    if not exact:
+        return _decode_stacked(model, ids, caches)
+    if decode_plan(model) == "bucket":
+        return decode_bucketed(model, ids, caches, _decode_stacked)
+    return torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
+
+
 @torch.inference_mode()
 def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     """Feed one generated token at cache.pos; returns next-token logits [V] (fp32)."""
+    exact = doors.exact_mode()
+    if exact:
+        require_exact(model.dtype, model.device)
     tokens = _as_ids(model, [int(token)])
     cache.reserve(1)
-    return _decode_one(model, tokens, cache)
+    return _decode_rows(model, tokens, [cache], exact)[0]
 
 
 def _check_batch(model, tokens, caches) -> torch.Tensor:
@@ -115,16 +129,14 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     """One decode step for B sequences at their own positions. -> logits [B, V] (fp32).
 
     Row i is bit-identical to decode_step(tokens[i], caches[i]) run alone (promise E1): each row is
-    computed with exactly its B=1 shapes.
+    computed with exactly its B=1 shapes, or in a fixed-shape bucket verified on this model
+    (memra.decode_plan).
     """
     exact = doors.exact_mode()
     if exact:
         require_exact(model.dtype, model.device)
     ids = _check_batch(model, tokens, caches)
-    if exact:
-        rows = torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
-    else:
-        rows = _decode_stacked(model, ids, caches)
+    rows = _decode_rows(model, ids, caches, exact)
     counters.bump("decode_batch_rows", len(caches))
     return rows
 

@@ -199,3 +199,48 @@ def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monk
     monkeypatch.setenv("MEMRA_EXACT", "0")  # the door lets a user run anyway, knowingly
     model.prime([1, 2, 3], c)
     assert c.pos == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_moe", "qwen3_next"])
+def test_bucket_plan_is_exact_where_verified_and_refused_elsewhere(arch, dtype, load_model, monkeypatch):
+    """MEMRA_DECODE_PLAN=bucket stacks rows in fixed 64-row buckets. Where the on-model check passes,
+    E1 holds through it (and gate2 sees the same bits); where it fails (measured on this CPU: the fp32
+    MoE and qwen3_next fixtures), decoding is refused before any cache moves."""
+    from memra.decode_plan import verify_bucket
+    from memra.kernels.exact import ExactnessError
+
+    model = load_model(hf_dir(arch), dtype=dtype)
+    monkeypatch.setenv("MEMRA_DECODE_PLAN", "bucket")
+    c = model.new_cache(64)
+    model.prime([5, 6, 7], c)
+    if not verify_bucket(model):
+        with pytest.raises(ExactnessError, match="MEMRA_DECODE_PLAN=row"):
+            model.decode_step_batch([1], [c])
+        assert c.pos == 3
+        return
+    ps = prompts(hash(arch) % 97, 70, model.cfg.vocab_size, 2, 12)  # 70 rows: two buckets
+    caches = [model.new_cache(32) for _ in ps]
+    for p, cc in zip(ps, caches):
+        model.prime(p, cc)
+    rows = model.decode_step_batch([9] * len(ps), caches)
+    for i in (0, 33, 63, 64, 69):
+        assert torch.equal(rows[i], isolated_stream(model, ps[i], [9])[0]), f"row {i}"
+    lines = []
+    assert run_battery_quick(model, lines), "\n".join(lines)
+
+
+def run_battery_quick(model, lines):
+    from memra.gate import run_battery
+
+    return run_battery(model, steps=3, batch=5, plen=8, out=lines.append)
+
+
+def test_decode_plan_door(load_model, monkeypatch):
+    from memra.decode_plan import decode_plan
+
+    model = load_model(hf_dir("llama"))
+    assert decode_plan(model) == "row"  # auto on CPU: per row (a bucket costs B=1 sixty-four rows here)
+    monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
+    with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
+        model.decode_step_batch([1], [model.new_cache(8)])

@@ -82,9 +82,13 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
     live_before = counters.snapshot()
     out(f"memra gate --mode {mode}: {model.cfg.arch} {model.dtype} on {model.device}, B={b_n}, {steps} steps, "
         f"plen {plen}, seed {seed}{', CANARY (must FAIL)' if canary else ''}")
+    from memra.decode_plan import decode_plan
+
+    out(f"decode plan: {decode_plan(model)} (MEMRA_DECODE_PLAN=auto|row|bucket)")
     broken = platform_report(model.dtype, model.device)
-    out("platform self-test: " + ("every probed shortcut is row-invariant" if not broken else
-                                  f"stacked-batch shortcuts that would break bits here: {', '.join(broken)}"))
+    out("platform self-test: " + ("every probe is position-invariant" if not broken else
+                                  f"probes that change bits with position (informational; plans are checked on the "
+                                  f"model itself): {', '.join(broken)}"))
 
     # ---- gate1: eager B=1 vs the batched body at B=1 ----
     early = 0

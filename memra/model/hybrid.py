@@ -51,6 +51,8 @@ class HybridModel:
         def sub(prefix: str) -> dict[str, torch.Tensor]:
             return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
+        self.bucket_verified: bool | None = None  # decode_plan: has the bucket plan been checked on this model?
+        self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
 
