@@ -10,7 +10,9 @@
             On a GPU decode is bound by reading the weights, so a 64-row bucket costs about what one
             row does: this is the plan that makes exact batching pay off there.
 
-MEMRA_DECODE_PLAN = auto (default: bucket on CUDA when verified, else row) | row | bucket.
+MEMRA_DECODE_PLAN = auto (default; today: row everywhere) | row | bucket (opt-in). `auto` will choose
+bucket on CUDA once a GPU session has measured it there; until then a plan that was never run on the
+hardware does not become anyone's default.
 B=1 decode_step uses the same plan as decode_step_batch, so gate1 compares like with like.
 """
 
@@ -38,18 +40,16 @@ def requested_plan() -> str:
 def decode_plan(model) -> str:
     """The plan for this model now: the door, resolved and (for bucket) verified once per model."""
     want = requested_plan()
-    if want == "row" or (want == "auto" and model.device.type != "cuda"):
+    if want in ("row", "auto"):
         return "row"
     if model.bucket_verified is None:
         model.bucket_verified = verify_bucket(model)
-    if model.bucket_verified:
-        return "bucket"
-    if want == "bucket":
+    if not model.bucket_verified:
         raise ExactnessError(
             f"MEMRA_DECODE_PLAN=bucket refused for {model.cfg.arch} on {model.device} {model.dtype}: a row's logits "
             "changed with its position or neighbours inside a fixed bucket; use MEMRA_DECODE_PLAN=row (exact, per row)"
         )
-    return "row"
+    return "bucket"
 
 
 def pad_caches(model, n: int):

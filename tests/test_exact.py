@@ -240,7 +240,7 @@ def test_decode_plan_door(load_model, monkeypatch):
     from memra.decode_plan import decode_plan
 
     model = load_model(hf_dir("llama"))
-    assert decode_plan(model) == "row"  # auto on CPU: per row (a bucket costs B=1 sixty-four rows here)
+    assert decode_plan(model) == "row"  # auto: per row until the bucket plan is measured on a GPU
     monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
     with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
         model.decode_step_batch([1], [model.new_cache(8)])
