@@ -5,7 +5,8 @@
 1. the exact-path self-test on this GPU (bf16, fp32): which batched shortcuts would break bits here;
 2. `memra gate` config + strict on the bundled demo model in bf16;
 3. the gate on a random-weight Qwen3.5-9B-shaped model (bf16, built in memory) at B = 1, 4, 16, 64;
-4. decode tokens/s at B = 1 and 64: the exact path vs the stacked F.linear path (MEMRA_EXACT=0).
+4. decode tokens/s at B = 1 and 64: the exact row plan, the exact bucket plan (MEMRA_DECODE_PLAN=bucket,
+   if its on-model check passes) and the stacked F.linear path (MEMRA_EXACT=0).
 Stops starting new parts once --budget seconds have passed, and prints a short table last.
 """
 
@@ -26,8 +27,9 @@ from memra.kernels.exact import self_test  # noqa: E402
 from memra.random_model import random_model  # noqa: E402
 
 
-def decode_rate(model, batch: int, exact: bool, steps: int = 4) -> float:
+def decode_rate(model, batch: int, exact: bool, steps: int = 4, plan: str = "row") -> float:
     os.environ["MEMRA_EXACT"] = "1" if exact else "0"
+    os.environ["MEMRA_DECODE_PLAN"] = plan
     caches = [model.new_cache(64) for _ in range(batch)]
     for i, c in enumerate(caches):
         model.prime([(7 + 31 * i + j) % model.cfg.vocab_size for j in range(16)], c)
@@ -39,6 +41,7 @@ def decode_rate(model, batch: int, exact: bool, steps: int = 4) -> float:
         toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
     torch.cuda.synchronize()
     os.environ["MEMRA_EXACT"] = "1"
+    os.environ["MEMRA_DECODE_PLAN"] = "auto"
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -73,11 +76,22 @@ def main() -> None:
         ok = run_battery(big, steps=2, batch=b, mode="config", plen=8, out=lines.append)
         print("\n".join("  " + l for l in lines if "PASS" in l or "FAIL" in l or "GREEN" in l), flush=True)
         table.append((f"gate 9B-shape B={b}", f"{'ALL GREEN' if ok else 'FAILED'} ({time.time() - t0:.0f}s)"))
+    from memra.decode_plan import verify_bucket
+
+    bucket_ok = verify_bucket(big)
+    table.append(("bucket plan check 9B-shape", "passes" if bucket_ok else "REFUSED"))
+    if bucket_ok and left() > 90:
+        os.environ["MEMRA_DECODE_PLAN"] = "bucket"
+        lines = []
+        ok = run_battery(big, steps=2, batch=64, mode="config", plen=8, out=lines.append)
+        os.environ["MEMRA_DECODE_PLAN"] = "auto"
+        table.append(("gate 9B-shape B=64 bucket plan", "ALL GREEN" if ok else "FAILED"))
     for b in (1, 64):
         if left() < 30:
             break
         exact, fast = decode_rate(big, b, True), decode_rate(big, b, False)
-        table.append((f"decode tok/s 9B-shape B={b}", f"exact {exact:.1f}  stacked F.linear {fast:.1f}  ({exact / fast:.2f}x)"))
+        bucket = f"  bucket {decode_rate(big, b, True, plan='bucket'):.1f}" if bucket_ok else ""
+        table.append((f"decode tok/s 9B-shape B={b}", f"exact row {exact:.1f}{bucket}  stacked F.linear {fast:.1f}"))
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.time() - start:.0f}s")
     for k, v in table:
