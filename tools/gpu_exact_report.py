@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memra  # noqa: E402
+from memra.decode_plan import verify_bucket  # noqa: E402
 from memra.gate import run_battery  # noqa: E402
 from memra.kernels.exact import self_test  # noqa: E402
 from memra.random_model import random_model  # noqa: E402
@@ -76,8 +77,6 @@ def main() -> None:
         ok = run_battery(big, steps=2, batch=b, mode="config", plen=8, out=lines.append)
         print("\n".join("  " + l for l in lines if "PASS" in l or "FAIL" in l or "GREEN" in l), flush=True)
         table.append((f"gate 9B-shape B={b}", f"{'ALL GREEN' if ok else 'FAILED'} ({time.time() - t0:.0f}s)"))
-    from memra.decode_plan import verify_bucket
-
     bucket_ok = verify_bucket(big)
     table.append(("bucket plan check 9B-shape", "passes" if bucket_ok else "REFUSED"))
     if bucket_ok and left() > 90:
