@@ -223,3 +223,13 @@ def test_bad_device_and_dtype():
     if not torch.cuda.is_available():
         with pytest.raises(MemraError, match="CUDA is not available"):
             memra.load(hf_dir("llama"), device="cuda:0")
+
+
+def test_broken_tokenizer_fails_the_load_clearly(tmp_path):
+    from memra.errors import TokenizerError
+
+    d = copy_dir("qwen3", tmp_path)
+    (d / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        memra.load(d)
+    assert memra.load(d, tokenizer=False).tokenizer is None  # the weights alone still load

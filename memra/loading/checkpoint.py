@@ -135,9 +135,10 @@ def _open_gguf(path: Path):
     return cfg, names, tokenizer, "gguf"
 
 
-def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype):
-    """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32."""
-    cfg, names, make_tokenizer, _ = open_checkpoint(path)
+def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None):
+    """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32.
+    `opened` is open_checkpoint(path)'s result when the caller already has it."""
+    cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -163,9 +164,10 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    cfg, weights, make_tokenizer = load_weights(path, dev, dt)
-    return HybridModel(cfg, weights, dev, dt, tokenizer=make_tokenizer() if tokenizer else None,
-                       source=str(resolve_model_path(path)))
+    opened = open_checkpoint(path)
+    tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
+    cfg, weights, _ = load_weights(path, dev, dt, opened=opened)
+    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)))
 
 
 def inspect_checkpoint(path: str | Path) -> str:
@@ -175,10 +177,7 @@ def inspect_checkpoint(path: str | Path) -> str:
     cfg, names, make_tokenizer, kind = open_checkpoint(path)
     src = names.src
     lines = [f"checkpoint     {path}  ({'GGUF' if kind == 'gguf' else 'Hugging Face safetensors'})", cfg.describe()]
-    if kind == "gguf":
-        types = Counter(src.qtype(n).name for n in src.names())
-    else:
-        types = Counter(str(src._handles[src._where[n]].get_slice(n).get_dtype()) for n in src.names())
+    types = Counter(src.type_name(n) for n in src.names())
     lines.append(f"tensors        {len(src.names())}  (" + ", ".join(f"{k}: {v}" for k, v in sorted(types.items())) + ")")
     try:
         lines.append("tokenizer      " + make_tokenizer().summary())

@@ -36,6 +36,10 @@ class TensorSource(ABC):
     def _read(self, name: str) -> torch.Tensor:
         """The tensor as floats on the CPU (dequantized if stored quantized)."""
 
+    @abstractmethod
+    def type_name(self, name: str) -> str:
+        """How the tensor is stored (e.g. F32, BF16, Q8_0)."""
+
     def has(self, name: str) -> bool:
         return name in self.names()
 
@@ -95,6 +99,9 @@ class SafetensorsSource(TensorSource):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
+    def type_name(self, name: str) -> str:
+        return str(self._handles[self._where[name]].get_slice(name).get_dtype())
+
     def _read(self, name: str) -> torch.Tensor:
         try:
             return self._handles[self._where[name]].get_tensor(name)
@@ -139,8 +146,8 @@ class GgufSource(TensorSource):
         # GGUF lists dims fastest-first (ne); torch shapes are the reverse.
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
-    def qtype(self, name: str):
-        return self._tensors[name].tensor_type
+    def type_name(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
 
     def _read(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
