@@ -233,3 +233,22 @@ def test_broken_tokenizer_fails_the_load_clearly(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json"):
         memra.load(d)
     assert memra.load(d, tokenizer=False).tokenizer is None  # the weights alone still load
+
+
+def test_fast_gguf_reader_agrees_with_the_gguf_package():
+    """memra reads GGUF headers itself (GGUFReader needs ~15 s for a 248k-token vocabulary); every key,
+    value and tensor entry must equal what gguf.GGUFReader reports, on every fixture file."""
+    from memra.loading.gguf_file import GgufFile
+
+    files = sorted((gguf_file("llama-f32").parent).glob("*.gguf"))
+    assert len(files) >= 12
+    for path in files:
+        ours, ref = GgufFile(path), gguf.GGUFReader(str(path))
+        expected = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert ours.metadata == expected, path.name
+        assert list(ours.tensors) == [t.name for t in ref.tensors], path.name
+        for t in ref.tensors:
+            e = ours.tensors[t.name]
+            assert (e.type_id, e.offset, e.n_bytes) == (int(t.tensor_type), t.data_offset, t.n_bytes), (path.name, t.name)
+            assert e.shape == tuple(int(d) for d in reversed(t.shape))
+            assert np.array_equal(ours.raw(t.name), np.asarray(ref.data[t.data_offset:t.data_offset + t.n_bytes]))

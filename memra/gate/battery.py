@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from memra import counters, doors
+from memra.errors import MemraError
 from memra.kernels.exact import platform_report
 from memra.sampling import DevSamp
 
@@ -70,7 +71,7 @@ def _primed(model, prompt: list[int], ctx: int):
 def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", plen: int = 20,
                 out: Callable[[str], None] = print) -> bool:
     if mode not in ("config", "strict"):
-        raise ValueError(f"unknown gate mode {mode!r}")
+        raise MemraError(f"unknown gate mode {mode!r}; use config or strict")
     strict = mode == "strict"
     seed = doors.integer("MEMRA_GATE_SEED", 0)
     canary = doors.flag("MEMRA_GATE_CANARY", False)

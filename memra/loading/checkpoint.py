@@ -130,7 +130,7 @@ def _open_gguf(path: Path):
     def tokenizer():
         from memra.tokenizer import Tokenizer
 
-        return Tokenizer.from_gguf(src.reader, str(path))
+        return Tokenizer.from_gguf(path, str(path))
 
     return cfg, names, tokenizer, "gguf"
 

@@ -13,7 +13,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from memra.errors import CheckpointError
@@ -111,50 +110,37 @@ class SafetensorsSource(TensorSource):
 
 class GgufSource(TensorSource):
     def __init__(self, path: Path):
-        import gguf
+        from memra.loading.gguf_file import GgufFile
 
         self.path = str(path)
-        try:
-            self.reader = gguf.GGUFReader(str(path), "r")
-        except Exception as e:  # truncated files fail inside numpy's memmap / the header parser
-            raise CheckpointError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        file_size = len(self.reader.data)
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > file_size:
-                raise CheckpointError(f"{path}: tensor {t.name!r} runs past the end of the file (truncated download?)")
+        self.file = GgufFile(path)
 
-    def metadata(self, skip_prefix: str = "tokenizer.ggml.") -> dict[str, Any]:
-        """Every key/value pair except the (large) tokenizer arrays, as plain Python values."""
-        meta = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith(skip_prefix) and key.endswith(("tokens", "merges", "scores", "token_type")):
-                continue
-            try:
-                meta[key] = field.contents()
-            except Exception as e:
-                raise CheckpointError(f"{self.path}: metadata key {key!r} cannot be read ({e})") from None
-        return meta
+    def metadata(self) -> dict[str, Any]:
+        """Every key/value pair, as plain Python values."""
+        return self.file.metadata
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self.file.tensors)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self.file.tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
-        # GGUF lists dims fastest-first (ne); torch shapes are the reverse.
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        return self.file.tensors[name].shape
+
+    def qtype(self, name: str):
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.file.tensors[name].type_id)
 
     def type_name(self, name: str) -> str:
-        return self._tensors[name].tensor_type.name
+        return self.qtype(name).name
 
     def _read(self, name: str) -> torch.Tensor:
-        t = self._tensors[name]
-        if t.tensor_type not in dequant.SUPPORTED:
+        qtype = self.qtype(name)
+        if qtype not in dequant.SUPPORTED:
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} has quantization type {t.tensor_type.name}, which memra cannot read; "
+                f"{self.path}: tensor {name!r} has quantization type {qtype.name}, which memra cannot read; "
                 f"supported: {', '.join(sorted(q.name for q in dequant.SUPPORTED))}"
             )
-        raw = np.asarray(self.reader.data[t.data_offset : t.data_offset + t.n_bytes])
-        return dequant.dequantize(torch.from_numpy(raw.copy()), t.tensor_type, self.shape(name))
+        return dequant.dequantize(torch.from_numpy(self.file.raw(name)), qtype, self.shape(name))
