@@ -1,4 +1,4 @@
-"""Shared test helpers. Tests read fixtures only from tests/fixtures (never ../shared)."""
+"""Shared test helpers. Tests read fixtures only from tests/fixtures, never from outside the repository."""
 
 from __future__ import annotations
 

@@ -19,9 +19,64 @@ import gguf
 import numpy as np
 
 from memra.errors import CheckpointError
-from memra.loading.gguf_vocab import _MetadataCursor
 
 DEFAULT_ALIGNMENT = 32
+
+# GGUF value types (the spec's numbering) that are fixed-size numbers, as struct / numpy format codes.
+_NUMBER_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class MetadataCursor:
+    """Reads GGUF values one after another from the key/value section at the start of the file."""
+
+    def __init__(self, buffer: Any, order: str, pos: int):
+        self.buffer, self.order, self.pos = buffer, order, pos
+
+    def number(self, code: str) -> Any:
+        (value,) = struct.unpack_from(self.order + code, self.buffer, self.pos)
+        self.pos += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        size = self.number("Q")
+        raw = bytes(self.buffer[self.pos:self.pos + size])
+        if len(raw) != size:
+            raise struct.error("a string runs past the end of the file")
+        self.pos += size
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind in _NUMBER_FORMATS:
+            return self.number(_NUMBER_FORMATS[kind])
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = self.number("I"), self.number("Q")
+            if item_kind in _NUMBER_FORMATS:  # one bulk read instead of `count` small ones
+                dtype = np.dtype(self.order + _NUMBER_FORMATS[item_kind])
+                items = np.frombuffer(self.buffer, dtype, count, self.pos).tolist()
+                self.pos += count * dtype.itemsize
+                return items
+            return [self.value(item_kind) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+
+
+def read_metadata(buffer: Any) -> tuple[dict[str, Any], MetadataCursor, int]:
+    """Header and key/value section of a GGUF buffer (magic already checked) -> (all pairs, a cursor at
+    the tensor directory, the tensor count). Raises struct.error / ValueError on corrupt or truncated bytes."""
+    order = "<" if struct.unpack_from("<I", buffer, 4)[0] & 0xFFFF else ">"  # v2/v3, either byte order
+    cur = MetadataCursor(buffer, order, pos=4)
+    version = cur.number("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are); reconvert with a current llama.cpp")
+    n_tensors = cur.number("Q")
+    meta: dict[str, Any] = {}
+    for _ in range(cur.number("Q")):
+        key = cur.string()
+        meta[key] = cur.value(cur.number("I"))
+    return meta, cur, n_tensors
 
 
 @dataclass(frozen=True)
@@ -55,16 +110,7 @@ class GgufFile:
         buf = self._map
         if buf[:4] != b"GGUF":
             raise CheckpointError(f"{self.path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
-        cur = _MetadataCursor(buf, order, pos=4)
-        version = cur.number("I")
-        if version not in (2, 3):
-            raise CheckpointError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
-        n_tensors, n_kv = cur.number("Q"), cur.number("Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            meta[key] = cur.value(cur.number("I"))
+        meta, cur, n_tensors = read_metadata(buf)
         infos = []
         for _ in range(n_tensors):
             name = cur.string()

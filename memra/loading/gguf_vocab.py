@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
@@ -78,71 +77,21 @@ def read_tokenizer_metadata(reader: "gguf.GGUFReader", source: str) -> dict[str,
     return meta
 
 
-# GGUF value types (the spec's numbering) that are fixed-size numbers, as struct / numpy format codes.
-_NUMBER_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _MetadataCursor:
-    """Reads GGUF values one after another from the key/value section at the start of the file."""
-
-    def __init__(self, buffer: Any, order: str, pos: int):
-        self.buffer, self.order, self.pos = buffer, order, pos
-
-    def number(self, code: str) -> Any:
-        (value,) = struct.unpack_from(self.order + code, self.buffer, self.pos)
-        self.pos += struct.calcsize(code)
-        return value
-
-    def string(self) -> str:
-        size = self.number("Q")
-        raw = bytes(self.buffer[self.pos:self.pos + size])
-        if len(raw) != size:
-            raise struct.error("a string runs past the end of the file")
-        self.pos += size
-        return raw.decode("utf-8")
-
-    def value(self, kind: int) -> Any:
-        if kind in _NUMBER_FORMATS:
-            return self.number(_NUMBER_FORMATS[kind])
-        if kind == _GGUF_STRING:
-            return self.string()
-        if kind == _GGUF_ARRAY:
-            item_kind, count = self.number("I"), self.number("Q")
-            if item_kind in _NUMBER_FORMATS:  # one bulk read instead of `count` small ones
-                dtype = np.dtype(self.order + _NUMBER_FORMATS[item_kind])
-                items = np.frombuffer(self.buffer, dtype, count, self.pos).tolist()
-                self.pos += count * dtype.itemsize
-                return items
-            return [self.value(item_kind) for _ in range(count)]
-        raise ValueError(f"unknown GGUF value type {kind}")
-
-
 def read_tokenizer_metadata_file(path: str | Path) -> dict[str, Any]:
     """What `read_tokenizer_metadata(gguf.GGUFReader(path), ...)` returns, read straight from the file.
 
     gguf.GGUFReader makes a numpy view of every element of every array, which takes ~15 s for a
-    150k-token vocabulary; walking the same bytes sequentially takes well under a second.
+    150k-token vocabulary; walking the same bytes sequentially (memra.loading.gguf_file) takes well
+    under a second.
     """
+    from memra.loading.gguf_file import read_metadata
+
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
             if buffer[:4] != b"GGUF":
                 raise TokenizerError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
-            # Version 2 or 3: a little-endian file reads it as a small number, a big-endian one as 0x0N000000.
-            order = "<" if struct.unpack_from("<I", buffer, 4)[0] & 0xFFFF else ">"
-            cursor = _MetadataCursor(buffer, order, pos=4)
-            version = cursor.number("I")
-            if version not in (2, 3):
-                raise TokenizerError(f"{path}: GGUF version {version} is not supported (2 and 3 are); "
-                                     "reconvert the model with a current llama.cpp")
-            cursor.number("Q")  # tensor count
-            meta: dict[str, Any] = {}
-            for _ in range(cursor.number("Q")):
-                key = cursor.string()
-                value = cursor.value(cursor.number("I"))
-                if _wanted(key):
-                    meta[key] = value
-            return meta
+            meta = read_metadata(buffer)[0]
+            return {k: v for k, v in meta.items() if _wanted(k)}
     except OSError as e:
         raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
     except (struct.error, ValueError) as e:  # ValueError includes UnicodeDecodeError and an empty file
