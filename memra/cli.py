@@ -39,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
 
+    chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit")
+    chat.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
+    chat.add_argument("--device", default=None)
+    chat.add_argument("--dtype", default=None)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=0)
+
     ins = sub.add_parser("inspect", help="print a checkpoint's config, tensors and tokenizer")
     ins.add_argument("model", help="a Hugging Face model directory or a .gguf file ('demo' = the bundled model)")
 
@@ -117,6 +127,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A read-eval-print loop over the chat template. Each turn re-primes the whole conversation (the
+    cache is per call here; the server keeps caches across turns)."""
+    import memra
+    from memra.generate import GenerationStats, generate_tokens
+    from memra.sampling import SamplingParams
+    from memra.tokenizer import IncrementalDetokenizer
+
+    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    tok = model.tokenizer
+    if not tok.chat_template:
+        raise MemraError(f"{args.model}: the model has no chat template; use `memra generate` instead")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            print(">>> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            history.clear()
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        prompt = tok.apply_chat_template(system + history, add_generation_prompt=True)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
+                                max_tokens=args.max_tokens)
+        detok, stats, reply = IncrementalDetokenizer(tok, skip_special=True), GenerationStats(), []
+        for token in generate_tokens(model, tok.encode(prompt), params, stats, eos_ids=tok.eos_ids):
+            piece = detok.push(token)
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        reply.append(detok.flush())
+        print(reply[-1])
+        history.append({"role": "assistant", "content": "".join(reply).strip()})
+        turn += 1
+
+
 class StopStringFilter:
     """Streams text but holds back any tail that could still grow into a stop string; on a match,
     emits the text before it and stops (the stop string itself is not printed, as in OpenAI's API)."""
@@ -187,7 +241,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
-                "gate": cmd_gate}
+                "gate": cmd_gate, "chat": cmd_chat}
     try:
         return commands[args.command](args)
     except MemraError as e:

@@ -77,3 +77,11 @@ def test_stop_strings_end_generation_without_printing_the_stop():
     assert g.push("abx") == "ab" and g.push("q") == "xq" and g.flush() == ""
     r = run("generate", "ROMEO:", "--max-tokens", "60", "--stop", "ACT")
     assert r.returncode == 0 and "ACT" not in r.stdout and "finish: stop" in r.stderr
+
+
+def test_chat_repl_reads_turns_until_exit():
+    r = subprocess.run([sys.executable, "-m", "memra", "chat", "--max-tokens", "8"], input="Good morrow.\n/reset\nWhat news?\n/exit\nignored\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[conversation cleared]" in r.stderr
+    assert len(r.stdout.strip().splitlines()) >= 2  # two replies
