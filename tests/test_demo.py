@@ -88,3 +88,14 @@ def test_shipped_gguf_is_memras_q8_0_conversion_of_the_shipped_weights(tmp_path)
     shipped = DEMO_DIR.parent / "demo-q8_0.gguf"
     fresh = convert(DEMO_DIR, tmp_path / "demo-q8_0.gguf", "q8_0")
     assert shipped.read_bytes() == fresh.read_bytes()
+
+
+def test_readme_shows_real_output():
+    """The README's quick-start transcript is what `memra generate` prints today (greedy and seeded)."""
+    readme = (DEMO_DIR.parents[2] / "README.md").read_text()
+    greedy = subprocess.run([sys.executable, "-m", "memra", "generate", "ROMEO:", "--max-tokens", "40"],
+                            capture_output=True, text=True, timeout=120).stdout
+    seeded = subprocess.run([sys.executable, "-m", "memra", "generate", "JULIET:\nO Romeo, Romeo,", "--max-tokens", "60",
+                             "--temperature", "0.8", "--seed", "1"], capture_output=True, text=True, timeout=120).stdout
+    assert greedy.strip() and greedy.rstrip("\n") in readme
+    assert seeded.strip() and seeded.rstrip("\n") in readme
