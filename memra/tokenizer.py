@@ -70,12 +70,9 @@ _SPACE_MARK = "\u2581"  # SentencePiece's "▁"
 TextOf = Callable[[int], "str | None"]  # token id -> its vocabulary string
 
 
-class ByteLevelPieces:
-    """Token bytes for byte-level BPE (GPT-2, Llama 3, Qwen): map each character back to its byte.
-
-    `verbatim` tokens (added / control tokens such as <|im_end|>) are stored as plain text, not in the
-    byte alphabet, and come out as their UTF-8.
-    """
+class _VocabPieces:
+    """Token bytes from the vocabulary's spelling. `verbatim` tokens (added / control tokens such as
+    <|im_end|>) are stored as plain text, not in the vocabulary's encoding, and come out as their UTF-8."""
 
     def __init__(self, text_of: TextOf, verbatim: Mapping[int, str]):
         self._text_of, self._verbatim = text_of, verbatim
@@ -83,21 +80,24 @@ class ByteLevelPieces:
     def __call__(self, token_id: int) -> bytes:
         if token_id in self._verbatim:
             return self._verbatim[token_id].encode()
-        text = self._text_of(token_id) or ""
+        return self._spell(self._text_of(token_id) or "")
+
+    def _spell(self, text: str) -> bytes:
+        raise TypeError("use ByteLevelPieces or SentencePiecePieces")
+
+
+class ByteLevelPieces(_VocabPieces):
+    """Token bytes for byte-level BPE (GPT-2, Llama 3, Qwen): map each character back to its byte."""
+
+    def _spell(self, text: str) -> bytes:
         # A character outside the alphabet cannot come from the converter; keep it rather than fail.
         return b"".join(bytes([_BYTE_OF_CHAR[c]]) if c in _BYTE_OF_CHAR else c.encode() for c in text)
 
 
-class SentencePiecePieces:
+class SentencePiecePieces(_VocabPieces):
     """Token bytes for SentencePiece vocabularies: '▁' is a space, '<0xNN>' is the single byte NN."""
 
-    def __init__(self, text_of: TextOf, verbatim: Mapping[int, str]):
-        self._text_of, self._verbatim = text_of, verbatim
-
-    def __call__(self, token_id: int) -> bytes:
-        if token_id in self._verbatim:
-            return self._verbatim[token_id].encode()
-        text = self._text_of(token_id) or ""
+    def _spell(self, text: str) -> bytes:
         if match := _BYTE_TOKEN.fullmatch(text):
             return bytes([int(match[1], 16)])
         return text.replace(_SPACE_MARK, " ").encode()

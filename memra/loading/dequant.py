@@ -234,15 +234,20 @@ def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, mins
 
 
+def _k_scale_offset(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header Q4_K and Q5_K share: d (fp16) | dmin (fp16) | 12 bytes of 6-bit scales and mins.
+    -> per sub-block (d * scale, dmin * min), each [n, 8, 1] fp32."""
+    d, dmin = _f16_field(blocks, 0), _f16_field(blocks, 2)
+    scale, mins = _k_scale_min(blocks[:, 4:16])
+    return (d * scale.float()).unsqueeze(-1), (dmin * mins.float()).unsqueeze(-1)
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     # 144 bytes: d (fp16) | dmin (fp16) | scales+mins (12 bytes, 6-bit each) | qs (128 bytes of 4-bit q).
     # qs is four runs of 32 bytes; each run holds two 32-value sub-blocks (low nibbles, then high).
     # value = (d * scale) * q - (dmin * min)
     n = blocks.shape[0]
-    d, dmin = _f16_field(blocks, 0), _f16_field(blocks, 2)
-    scale, mins = _k_scale_min(blocks[:, 4:16])
-    dl = (d * scale.float()).unsqueeze(-1)  # [n, 8, 1]
-    ml = (dmin * mins.float()).unsqueeze(-1)  # [n, 8, 1]
+    dl, ml = _k_scale_offset(blocks)
     q = _fields(blocks[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 8, 32)
     return _offset(torch.sub, q.float().mul_(dl), ml).view(n, QK_K)
 
@@ -253,10 +258,7 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     #          | qs (128 bytes: low 4 bits, as Q4_K).
     # value = (d * scale) * q - (dmin * min)
     n = blocks.shape[0]
-    d, dmin = _f16_field(blocks, 0), _f16_field(blocks, 2)
-    scale, mins = _k_scale_min(blocks[:, 4:16])
-    dl = (d * scale.float()).unsqueeze(-1)  # [n, 8, 1]
-    ml = (dmin * mins.float()).unsqueeze(-1)  # [n, 8, 1]
+    dl, ml = _k_scale_offset(blocks)
     low = _fields(blocks[:, 48:176].reshape(n, 4, 32), 4).reshape(n, 8, 32)
     high = _fields(blocks[:, 16:48], 1)  # [n, 8, 32]
     q = low | (high << 4)
