@@ -151,6 +151,8 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_
 
 def allowed_tokens(logits: torch.Tensor, p: SamplingParams | DevSamp) -> torch.Tensor:
     """Boolean mask [V] of the tokens top-k, top-p and min-p keep (the most likely token always survives)."""
+    if not p.top_k and p.top_p >= 1.0 and p.min_p <= 0.0:
+        return torch.ones_like(logits, dtype=torch.bool)  # no filter: skip the vocab-wide sort
     scaled = logits.double() / p.temperature
     probs = torch.softmax(scaled, dim=-1)
     keep = torch.ones_like(probs, dtype=torch.bool)
