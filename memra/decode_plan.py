@@ -1,33 +1,35 @@
 """How a decode step groups its rows: the exactness seam of batched decode.
 
-    row     each row runs alone with B=1 shapes. Exact by construction (determinism is all it needs);
-            B rows cost B forwards. The CPU default.
-    bucket  rows run stacked in fixed buckets of BUCKET rows, padded with inert rows (scratch caches at
-            position 0, never seen by a real sequence). A row's bits then come from calls of one fixed
-            shape, so they cannot depend on B — provided no kernel lets a row's result depend on its
-            position in the call or on its neighbours. That proviso is checked on the model itself
-            (`verify_bucket`) before the plan is used; if it fails the plan is refused (fail closed).
-            On a GPU decode is bound by reading the weights, so a 64-row bucket costs about what one
-            row does: this is the plan that makes exact batching pay off there.
+    row      each row runs alone with B=1 shapes. Exact by construction (determinism is all it needs);
+             B rows cost B forwards. The default wherever the batch-invariant kernels are not live.
+    stacked  all rows in one forward, every op a batch-invariant kernel (memra.kernels.triton_ops: frozen
+             tiles, one program per row), so a row's bits cannot depend on B or on its neighbours. Only
+             where those kernels run (CUDA + Triton, memra.kernels.ops.invariant_kernels), and only after
+             the self-test's kernel probes and an on-model check (`verify_plan`) pass. B=1 uses it too.
+    bucket   rows run stacked in fixed buckets of BUCKET rows, padded with inert rows (scratch caches at
+             position 0, never seen by a real sequence), so a row's bits come from calls of one fixed
+             shape. Opt-in; verified on the model like `stacked` (on CPU it holds for dense models, not
+             for every MoE/hybrid in fp32 — the check refuses those).
 
-MEMRA_DECODE_PLAN = auto (default; today: row everywhere) | row | bucket (opt-in). `auto` will choose
-bucket on CUDA once a GPU session has measured it there; until then a plan that was never run on the
-hardware does not become anyone's default.
-B=1 decode_step uses the same plan as decode_step_batch, so gate1 compares like with like.
+MEMRA_DECODE_PLAN = auto (default: stacked where the invariant kernels are live and verified, else row)
+| row | stacked | bucket. An explicit plan that fails its check is refused (ExactnessError); `auto` falls
+back to row with a one-time warning, because row is exact everywhere — only slower.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import torch
 
 from memra.errors import MemraError
-from memra.kernels.exact import ExactnessError
+from memra.kernels import ops
+from memra.kernels.exact import ExactnessError, platform_report
 
 BUCKET = 64
-PLANS = ("auto", "row", "bucket")
+PLANS = ("auto", "row", "stacked", "bucket")
 
 
 def requested_plan() -> str:
@@ -37,19 +39,41 @@ def requested_plan() -> str:
     return raw
 
 
+def _plan_ok(model, plan: str) -> tuple[bool, str]:
+    """Is `plan` usable on this model now? (verdict, why not). The on-model check runs once per model."""
+    if plan == "stacked":
+        if not ops.invariant_kernels(model.device):
+            return False, "the batch-invariant kernels are not live here (they need CUDA, Triton and MEMRA_TRITON=1)"
+        broken = [f for f in platform_report(model.dtype, model.device) if f.startswith("triton")]
+        if broken:
+            return False, f"the kernel self-test found rows that change with the batch: {', '.join(broken[:3])}"
+    key = (plan, str(model.device), ops.invariant_kernels(model.device))
+    if key not in model.plan_verified:
+        model.plan_verified[key] = verify_plan(model, plan)
+    if not model.plan_verified[key]:
+        return False, "a row's logits changed with its position or neighbours in the on-model check"
+    return True, ""
+
+
 def decode_plan(model) -> str:
-    """The plan for this model now: the door, resolved and (for bucket) verified once per model."""
+    """The plan for this model now: the door, resolved and verified."""
     want = requested_plan()
-    if want in ("row", "auto"):
+    if want == "row":
         return "row"
-    if model.bucket_verified is None:
-        model.bucket_verified = verify_bucket(model)
-    if not model.bucket_verified:
-        raise ExactnessError(
-            f"MEMRA_DECODE_PLAN=bucket refused for {model.cfg.arch} on {model.device} {model.dtype}: a row's logits "
-            "changed with its position or neighbours inside a fixed bucket; use MEMRA_DECODE_PLAN=row (exact, per row)"
-        )
-    return "bucket"
+    if want == "auto":
+        if not ops.invariant_kernels(model.device):
+            return "row"
+        ok, why = _plan_ok(model, "stacked")
+        if not ok:
+            warnings.warn(f"exact decode falls back to the row plan (one forward per sequence) on {model.device}: {why}",
+                          stacklevel=3)
+            return "row"
+        return "stacked"
+    ok, why = _plan_ok(model, want)
+    if not ok:
+        raise ExactnessError(f"MEMRA_DECODE_PLAN={want} refused for {model.cfg.arch} on {model.device} {model.dtype}: "
+                             f"{why}; use MEMRA_DECODE_PLAN=row (exact, per row)")
+    return want
 
 
 def pad_caches(model, n: int):
@@ -75,12 +99,15 @@ def decode_bucketed(model, ids: torch.Tensor, caches, stacked) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def verify_bucket(model, seed: int = 0) -> bool:
+def verify_plan(model, plan: str, seed: int = 0) -> bool:
     """Decode the same BUCKET sequences (uneven prompts) in four arrangements — all in order, all
-    shuffled, only the first half (the rest padding), and three of them alone — and require every
-    sequence's row to have the same bits in every arrangement. A check on this model's real shapes,
-    not a proof: it is the evidence the bucket plan needs before it may be used."""
+    shuffled, only the first half, and three of them alone — under `plan` ("stacked" or "bucket"),
+    and require every sequence's row to have the same bits in every arrangement. A check on this
+    model's real shapes, not a proof: it is the evidence a stacking plan needs before it is used."""
     from memra.step import _decode_stacked
+
+    run = (lambda ids, caches: decode_bucketed(model, ids, caches, _decode_stacked)) if plan == "bucket" else \
+        (lambda ids, caches: _decode_stacked(model, ids, caches))
 
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
@@ -96,7 +123,7 @@ def verify_bucket(model, seed: int = 0) -> bool:
             model.prime(prompts[i], c)
             c.reserve(1)
         ids = torch.tensor([tokens[i] for i in order], device=model.device)
-        rows = decode_bucketed(model, ids, caches, _decode_stacked)
+        rows = run(ids, caches)
         for r, i in enumerate(order):
             if i in seen and not torch.equal(rows[r], seen[i]):
                 return False
@@ -104,3 +131,7 @@ def verify_bucket(model, seed: int = 0) -> bool:
         for c in caches:
             c.free()
     return True
+
+
+def verify_bucket(model, seed: int = 0) -> bool:
+    return verify_plan(model, "bucket", seed)

@@ -91,7 +91,10 @@ def _decode_rows(model, ids: torch.Tensor, caches, exact: bool) -> torch.Tensor:
 
     if not exact:
         return _decode_stacked(model, ids, caches)
-    if decode_plan(model) == "bucket":
+    plan = decode_plan(model)
+    if plan == "stacked":
+        return _decode_stacked(model, ids, caches)
+    if plan == "bucket":
         return decode_bucketed(model, ids, caches, _decode_stacked)
     return torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
 
@@ -142,8 +145,9 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
 
 
 def _decode_stacked(model, ids: torch.Tensor, caches) -> torch.Tensor:
-    """MEMRA_EXACT=0: all rows in one stacked forward (matmuls over [B, E]). Faster, but a row's bits
-    may depend on B and on its place in the batch; kept for measured comparisons, never by default."""
+    """All rows in one stacked forward (matmuls over [B, E]). With MEMRA_EXACT=0 (torch kernels) a
+    row's bits may depend on B and on its place in the batch; under the exact `stacked` plan every op
+    is a batch-invariant kernel, and under `bucket` the shape is fixed (memra.decode_plan)."""
     ctxs = [model.context(c, c.pos, 1, recurrent=True) for c in caches]
     h = model.forward_layers_stacked(model.embed_tokens(ids), ctxs)
     for c in caches:

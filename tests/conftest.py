@@ -17,6 +17,31 @@ torch.set_num_threads(1)
 FIXTURES = Path(__file__).parent / "fixtures"
 # The model tests run on CPU by default; the device tool runs the same files with MEMRA_TEST_DEVICE=cuda.
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # Triton kernels (where Triton is installed) run in its numpy interpreter. Triton reads this when
+    # it decorates its own library at import, so it must be set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _triton_interpreter_numpy2_fix() -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with int(ndarray of shape (1,)), which
+    NumPy >= 2.4 refuses; convert through the single element instead (test-time shim, CPU only)."""
+    import importlib.util
+
+    if DEVICE != "cpu" or importlib.util.find_spec("triton") is None:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_triton_interpreter_numpy2_fix()
 
 HF_ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GGUF_F32_ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]

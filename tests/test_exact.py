@@ -239,8 +239,19 @@ def run_battery_quick(model, lines):
 def test_decode_plan_door(load_model, monkeypatch):
     from memra.decode_plan import decode_plan
 
+    from memra.kernels import ops
+    from memra.kernels.exact import ExactnessError
+
     model = load_model(hf_dir("llama"))
-    assert decode_plan(model) == "row"  # auto: per row until the bucket plan is measured on a GPU
+    live = ops.invariant_kernels(model.device)  # CUDA + Triton: the batch-invariant kernels run
+    assert decode_plan(model) == ("stacked" if live else "row")
+    if not live:  # an explicit stacked plan where its kernels do not run: refused before the cache moves
+        monkeypatch.setenv("MEMRA_DECODE_PLAN", "stacked")
+        c = model.new_cache(8)
+        model.prime([1, 2], c)
+        with pytest.raises(ExactnessError, match="not live here.*MEMRA_DECODE_PLAN=row"):
+            model.decode_step_batch([1], [c])
+        assert c.pos == 2
     monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
     with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
         model.decode_step_batch([1], [model.new_cache(8)])

@@ -5,8 +5,8 @@
 1. the exact-path self-test on this GPU (bf16, fp32): which batched shortcuts would break bits here;
 2. `memra gate` config + strict on the bundled demo model in bf16;
 3. the gate on a random-weight Qwen3.5-9B-shaped model (bf16, built in memory) at B = 1, 4, 16, 64;
-4. decode tokens/s at B = 1 and 64: the exact row plan, the exact bucket plan (MEMRA_DECODE_PLAN=bucket,
-   if its on-model check passes) and the stacked F.linear path (MEMRA_EXACT=0).
+4. decode tokens/s at B = 1 and 64: the exact plan `auto` picks (stacked, on the Triton batch-invariant
+   kernels), the exact row plan (one forward per sequence) and the stacked F.linear path (MEMRA_EXACT=0).
 Stops starting new parts once --budget seconds have passed, and prints a short table last.
 """
 
@@ -22,13 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memra  # noqa: E402
-from memra.decode_plan import verify_bucket  # noqa: E402
+from memra.decode_plan import decode_plan  # noqa: E402
 from memra.gate import run_battery  # noqa: E402
 from memra.kernels.exact import self_test  # noqa: E402
 from memra.random_model import random_model  # noqa: E402
 
 
-def decode_rate(model, batch: int, exact: bool, steps: int = 4, plan: str = "row") -> float:
+def decode_rate(model, batch: int, exact: bool, steps: int = 4, plan: str = "auto") -> float:
     os.environ["MEMRA_EXACT"] = "1" if exact else "0"
     os.environ["MEMRA_DECODE_PLAN"] = plan
     caches = [model.new_cache(64) for _ in range(batch)]
@@ -77,21 +77,13 @@ def main() -> None:
         ok = run_battery(big, steps=2, batch=b, mode="config", plen=8, out=lines.append)
         print("\n".join("  " + l for l in lines if "PASS" in l or "FAIL" in l or "GREEN" in l), flush=True)
         table.append((f"gate 9B-shape B={b}", f"{'ALL GREEN' if ok else 'FAILED'} ({time.time() - t0:.0f}s)"))
-    bucket_ok = verify_bucket(big)
-    table.append(("bucket plan check 9B-shape", "passes" if bucket_ok else "REFUSED"))
-    if bucket_ok and left() > 90:
-        os.environ["MEMRA_DECODE_PLAN"] = "bucket"
-        lines = []
-        ok = run_battery(big, steps=2, batch=64, mode="config", plen=8, out=lines.append)
-        os.environ["MEMRA_DECODE_PLAN"] = "auto"
-        table.append(("gate 9B-shape B=64 bucket plan", "ALL GREEN" if ok else "FAILED"))
+    table.append(("decode plan (auto) 9B-shape", decode_plan(big)))
     for b in (1, 64):
         if left() < 30:
             break
-        exact, fast = decode_rate(big, b, True), decode_rate(big, b, False)
-        bucket = f"  bucket {decode_rate(big, b, True, plan='bucket'):.1f}" if bucket_ok else ""
-        table.append((f"decode tok/s 9B-shape B={b}", f"exact row {exact:.1f}{bucket}  stacked F.linear {fast:.1f}"))
-
+        stacked, fast = decode_rate(big, b, True), decode_rate(big, b, False, steps=8)
+        row = f"  exact row {decode_rate(big, b, True, plan='row', steps=1 if b > 1 else 4):.1f}" if left() > 60 else ""
+        table.append((f"decode tok/s 9B-shape B={b}", f"exact auto {stacked:.1f}{row}  stacked F.linear {fast:.1f}"))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.time() - start:.0f}s")
     for k, v in table:
         print(f"{k:<32} {v}")

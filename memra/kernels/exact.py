@@ -84,7 +84,27 @@ def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tupl
         for lead in (1, 3, 8, 13, 64):
             padded = torch.cat((rnd(1, lead).float(), v), dim=1)
             _check(f"{name} at offset {lead}", fn(padded)[:, lead:], alone, failures)
+    if torch.device(device).type == "cuda":
+        _triton_probes(rnd, failures)
     return failures
+
+
+def _triton_probes(rnd, failures: list[str]) -> None:
+    """The batch-invariant kernels' promise, probed at the model's kind of shapes: a row's bits in
+    calls of 1..TILE rows, and a row alone vs inside a full tile. Named 'triton ...' so the decode
+    plan can refuse stacking on exactly these failures."""
+    from memra.kernels import ops
+
+    tk = ops._triton()
+    if tk is None:
+        return
+    for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
+        w, x, nw = rnd(n_out, k), rnd(TILE, k), rnd(k).float().abs() + 0.5
+        full, full_norm = tk.linear(x, w), tk.rms_norm(x, nw, 1e-6, True)
+        for m in (1, 2, 7, 33):
+            _check(f"triton linear[{m}x{k}] vs rows of [{TILE}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
+        _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
+        _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
 
 
 # Memo of self_test results per (device type, dtype): a property of the platform, computed once per process.

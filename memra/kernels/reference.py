@@ -87,6 +87,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: in
     return torch.matmul(probs, vh).transpose(0, 1)  # [T, Hq, D]
 
 
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One new query per head over a paged prefix: q [Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
+    rows [S] flat pool rows of positions 0..S-1 in order (the new token last). -> [Hq, D]."""
+    hkv, d = k_pool.shape[-2:]
+    k = k_pool.view(-1, hkv, d)[rows]
+    v = v_pool.view(-1, hkv, d)[rows]
+    return causal_attention(q[None], k, v, rows.numel() - 1, scale)[0]
+
+
 # --- Gated DeltaNet ----------------------------------------------------------------------------
 
 
@@ -134,17 +144,19 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_neg: torch.Tensor, dt_bias: to
     return beta, g
 
 
-def gdn_recurrent(q, k, v, beta, g, state):
+def gdn_recurrent(q, k, v, beta, g, state, step=None):
     """The delta rule, one token at a time (decode, and the definition of the op).
 
     q, k [T, Hv, Dk] (l2-normalised, q scaled), v [T, Hv, Dv], beta, g [T, Hv], all fp32;
     state [Hv, Dk, Dv] fp32. For each token: decay S, predict m = S^T k, correct
     S += k (beta (v - m))^T, read o = S^T q. Returns (o [T, Hv, Dv], final state).
+    `step` replaces delta_rule_step (the op table passes its fast twin).
     """
+    step = step or delta_rule_step
     s = state
     outs = []
     for t in range(q.shape[0]):
-        o, s = delta_rule_step(q[t], k[t], v[t], beta[t], g[t], s)
+        o, s = step(q[t], k[t], v[t], beta[t], g[t], s)
         outs.append(o)
     return torch.stack(outs), s
 
@@ -214,11 +226,17 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: t
     return weights.to(dtype), ids
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the chosen SwiGLU experts. x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F]."""
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                linear_fn=None) -> torch.Tensor:
+    """Weighted sum of the chosen SwiGLU experts. x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F].
+
+    Experts run in ascending id, each over the rows that chose it, so a row's sum is accumulated in
+    the same order whatever its batchmates chose; with an M-invariant `linear_fn` (the op table's)
+    a row's expert outputs do not depend on how many rows share the expert either."""
+    linear_fn = linear_fn or linear
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         rows, slot = (ids == expert).nonzero(as_tuple=True)
-        h = linear(silu_mul(linear(x[rows], w_gate_up[expert])), w_down[expert])
+        h = linear_fn(silu_mul(linear_fn(x[rows], w_gate_up[expert])), w_down[expert])
         out.index_add_(0, rows, h * weights[rows, slot, None])
     return out

@@ -64,7 +64,10 @@ class Attention:
         flat_v = kv.v[self.layer].view(-1, self.n_kv, d)
         flat_k[ctx.kv_write_rows] = k
         flat_v[ctx.kv_write_rows] = v
-        o = ops.causal_attention(q, flat_k[ctx.kv_read_rows], flat_v[ctx.kv_read_rows], ctx.pos0, self.scale)  # [T, Hq, D]
+        if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
+            o = ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
+        else:
+            o = ops.causal_attention(q, flat_k[ctx.kv_read_rows], flat_v[ctx.kv_read_rows], ctx.pos0, self.scale)  # [T, Hq, D]
         return o.reshape(t, self.n_heads * d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

@@ -51,7 +51,7 @@ class HybridModel:
         def sub(prefix: str) -> dict[str, torch.Tensor]:
             return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
-        self.bucket_verified: bool | None = None  # decode_plan: has the bucket plan been checked on this model?
+        self.plan_verified: dict[tuple, bool] = {}  # decode_plan: on-model checks already run, by (plan, device, kernels)
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]

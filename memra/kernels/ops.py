@@ -1,0 +1,91 @@
+"""The op table the model calls. Which implementation runs is decided here and nowhere else,
+because exactness depends on it:
+
+- CPU, and CUDA with MEMRA_EXACT=0: the pure-torch reference (cuBLAS / ATen on CUDA), whose bits
+  may depend on how many rows share a call.
+- CUDA in exact mode with Triton present (and MEMRA_TRITON not 0): the batch-invariant Triton twins
+  for every op whose torch form picks its algorithm from the row count (matmuls, row norms, the
+  delta-rule step, decode attention). Elementwise ops stay in torch: the self-test checks that they
+  give a value the same bits wherever it sits.
+
+`invariant_kernels(device)` says whether the second table is live; the decode plan uses it to
+decide whether B rows may run as one stacked forward (memra.decode_plan).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from memra import doors
+from memra.kernels import reference
+from memra.kernels.reference import (  # ops with no fast twin: elementwise, or never batch-shaped
+    apply_rope,
+    causal_attention,
+    causal_conv,
+    causal_conv_step,
+    gdn_chunk,
+    gdn_gates,
+    moe_route,
+    rope_cos_sin,
+    silu_mul,
+)
+
+__all__ = [
+    "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_step", "gated_rms_norm",
+    "gdn_chunk", "gdn_gates", "gdn_recurrent", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
+    "moe_route", "paged_decode_attention", "rms_norm", "rope_cos_sin", "silu_mul",
+]
+
+
+@functools.cache
+def _triton():
+    """The Triton module, or None where Triton is not installed (CPU-only machines)."""
+    try:
+        from memra.kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def invariant_kernels(device: torch.device | str) -> bool:
+    """Are the batch-invariant kernels the ones that run on this device now?"""
+    return (torch.device(device).type == "cuda" and doors.flag("MEMRA_TRITON", True) and doors.exact_mode()
+            and _triton() is not None)
+
+
+def _impl(x: torch.Tensor):
+    return _triton() if x.is_cuda and invariant_kernels(x.device) else reference
+
+
+def linear(x, w, b=None):
+    return _impl(x).linear(x, w, b)
+
+
+def rms_norm(x, w, eps, zero_centered):
+    return _impl(x).rms_norm(x, w, eps, zero_centered)
+
+
+def l2_normalize(x, eps=1e-6):
+    return _impl(x).l2_normalize(x, eps)
+
+
+def gated_rms_norm(o, z, w, eps):
+    return _impl(z).gated_rms_norm(o, z, w, eps)
+
+
+def delta_rule_step(q, k, v, beta, g, s):
+    return _impl(q).delta_rule_step(q, k, v, beta, g, s)
+
+
+def gdn_recurrent(q, k, v, beta, g, state):
+    return reference.gdn_recurrent(q, k, v, beta, g, state, step=delta_rule_step)
+
+
+def paged_decode_attention(q, k_pool, v_pool, rows, scale):
+    return _impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)
+
+
+def moe_experts(x, weights, ids, w_gate_up, w_down):
+    return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=linear)

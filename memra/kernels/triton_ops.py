@@ -1,0 +1,235 @@
+"""Batch-invariant GPU kernels (Triton): a row's result never depends on how many rows share the call.
+
+cuBLAS and torch's reductions choose their algorithm from the shape of the call (GEMV for one row,
+split-K for few rows, a different tree for a different row count), so the same row gets different
+bits at B=1 and B=64. The kernels here freeze every choice instead: one tile configuration for all M,
+a K loop in one fixed order, one program per row for reductions, positions visited in order. Row i
+of the output is then computed by exactly the same instructions whatever M is, which is what makes a
+stacked decode of B sequences bit-identical to each sequence decoded alone (promise E1).
+
+Each kernel has its meaning in memra.kernels.reference; tests/test_triton_kernels.py holds every
+kernel to its twin (to a stated tolerance: the summation order differs, deliberately) and to its own
+output across row counts (bit for bit). The kernels also run under TRITON_INTERPRET=1 on CPU, which
+is how CI checks them without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The frozen configuration. Changing any of these changes bits (never across batch sizes, but
+# across memra versions), so they are constants rather than autotuned.
+LINEAR_BLOCK_M = 64
+LINEAR_BLOCK_N = 32
+LINEAR_BLOCK_K = 64
+LINEAR_WARPS = 4
+LINEAR_STAGES = 4
+ATTN_BLOCK_S = 16  # KV positions per step of the decode-attention loop (= the KV page size)
+GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --- linear ------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, LINEAR_BLOCK_N))
+        _linear_kernel[grid](x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
+                             HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
+                             BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
+                             num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
+    return y.reshape(*lead, n)
+
+
+# --- row norms -----------------------------------------------------------------------------------
+
+RMS_ZERO_CENTRED, RMS_LLAMA, L2 = 0, 1, 2
+
+
+@triton.jit
+def _row_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row, the whole row in one tile: the sum is one tree of fixed shape.
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=0)
+    if MODE == 2:  # l2: x / sqrt(sum + eps), fp32 out
+        tl.store(y_ptr + row * D + cols, x * (1.0 / tl.sqrt(ss + eps)), mask=mask)
+    else:
+        xn = x * (1.0 / tl.sqrt(ss / D + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        out_ty = y_ptr.dtype.element_ty
+        if MODE == 0:  # zero-centred style: multiply in fp32, round last
+            tl.store(y_ptr + row * D + cols, (xn * w).to(out_ty), mask=mask)
+        else:  # llama style: round the normalised row, multiply in the model dtype
+            y = w.to(out_ty).to(tl.float32) * xn.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + row * D + cols, y.to(out_ty), mask=mask)
+
+
+def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, out_dtype: torch.dtype) -> torch.Tensor:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        _row_norm_kernel[(x2.shape[0],)](x2, w if w is not None else x2, y, d, eps, MODE=mode,
+                                         BLOCK=triton.next_power_of_2(d))
+    return y.reshape(x.shape)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    return _row_norm(x, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return _row_norm(x.float(), None, eps, L2, torch.float32)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    o = tl.load(o_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out_ty = y_ptr.dtype.element_ty
+    on = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps))
+    y = (w.to(out_ty).to(tl.float32) * on.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (y * (z / (1.0 + tl.exp(-z)))).to(out_ty), mask=mask)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    d = o.shape[-1]
+    o2, z2 = o.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
+    y = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
+    if o2.shape[0]:
+        _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, w, y, d, eps, BLOCK=triton.next_power_of_2(d))
+    return y.reshape(z.shape)
+
+
+# --- Gated DeltaNet recurrent step ---------------------------------------------------------------
+
+
+@triton.jit
+def _delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, DK, DV,
+                            BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # One program per (row x head, block of value columns): those columns of the state evolve
+    # independently of every other column and every other row.
+    r = tl.program_id(0)
+    cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    ck = tl.arange(0, BLOCK_DK)
+    mk, mv = ck < DK, cv < DV
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.load(s_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
+    k = tl.load(k_ptr + r * DK + ck, mask=mk, other=0.0)
+    q = tl.load(q_ptr + r * DK + ck, mask=mk, other=0.0)
+    v = tl.load(v_ptr + r * DV + cv, mask=mv, other=0.0)
+    s = s * tl.exp(tl.load(g_ptr + r))
+    predicted = tl.sum(s * k[:, None], axis=0)  # S^T k  [BDV]
+    delta = (v - predicted) * tl.load(beta_ptr + r)
+    s = s + k[:, None] * delta[None, :]
+    tl.store(o_ptr + r * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
+    tl.store(s_out_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+
+
+def delta_rule_step(q, k, v, beta, g, s):
+    """Same contract as reference.delta_rule_step (fp32 throughout); leading dims flattened to rows."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    lead = q.shape[:-1]
+    rows = q.numel() // dk
+    args = [t.reshape(-1).contiguous().float() for t in (q, k, v, beta, g)]
+    s_in = s.reshape(rows, dk, dv).contiguous()
+    o = torch.empty(rows, dv, dtype=torch.float32, device=q.device)
+    s_out = torch.empty_like(s_in)
+    if rows:
+        grid = (rows, triton.cdiv(dv, GDN_BLOCK_DV))
+        _delta_rule_step_kernel[grid](*args, s_in, o, s_out, dk, dv,
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+    return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)
+
+
+# --- decode attention over a paged KV prefix ------------------------------------------------------
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, S, scale, GROUP: tl.constexpr,
+                             HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program per query head; the prefix is visited in position order, BLOCK_S positions a step,
+    # with an online softmax in fp32. `rows` maps position -> flat KV-pool row (the page table, resolved).
+    h = tl.program_id(0)
+    kvh = h // GROUP
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    q = tl.load(q_ptr + h * D + cd, mask=md, other=0.0).to(tl.float32)
+    m_run = tl.full((), float("-inf"), tl.float32)
+    l_run = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ps = s0 + tl.arange(0, BLOCK_S)
+        ms = ps < S
+        rows = tl.load(rows_ptr + ps, mask=ms, other=0)
+        base = (rows * HKV + kvh) * D
+        kt = tl.load(k_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
+        scores = tl.sum(kt * q[None, :], axis=1) * scale
+        scores = tl.where(ms, scores, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(scores, axis=0))
+        alpha = tl.exp(m_run - m_new)
+        p = tl.exp(scores - m_new)
+        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+        l_run = l_run * alpha + tl.sum(p, axis=0)
+        m_run = m_new
+    tl.store(o_ptr + h * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One new query per head over a paged prefix. q [Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
+    rows [S] flat pool rows of positions 0..S-1 (the new token's K/V already written). -> [Hq, D]."""
+    hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    o = torch.empty_like(q)
+    _decode_attention_kernel[(hq,)](q.contiguous(), k_pool, v_pool, rows.contiguous(), o, rows.numel(), scale,
+                                    GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
+                                    BLOCK_S=ATTN_BLOCK_S)
+    return o

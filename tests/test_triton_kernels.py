@@ -1,0 +1,102 @@
+"""Each Triton kernel against its pure-torch twin (to a stated tolerance), and against itself across
+row counts (bit for bit: the property the exact path buys with them).
+
+On a CPU machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1: the same kernel
+code, executed with numpy), so CI checks their meaning; MEMRA_TEST_DEVICE=cuda runs them compiled.
+Tolerances: the kernels sum in another order than torch does (that is their point), so against the
+twin we allow fp32 rounding noise (2e-5 of the largest value) and, in bf16, two roundings of the
+output (2^-6: each side rounds once, differently).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra.kernels import reference  # noqa: E402
+from memra.kernels import triton_ops as tk  # noqa: E402  (interpreted on CPU: conftest sets TRITON_INTERPRET)
+
+DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}
+
+
+def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def close(a, b, dtype):
+    a, b = a.float(), b.float()
+    assert a.shape == b.shape
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    assert err <= TOL[dtype] * 2, f"relative error {err:.3g} over {TOL[dtype] * 2:.3g}"
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_twin_and_rows_do_not_depend_on_m(dtype):
+    w, b = rnd(96, 200, dtype=dtype, seed=1), rnd(96, dtype=dtype, seed=2)
+    x = rnd(70, 200, dtype=dtype, seed=3)
+    full = tk.linear(x, w, b)
+    close(full, reference.linear(x.float(), w.float(), b.float()), dtype)
+    for m in (1, 3, 64):  # the same rows inside smaller calls, and row 5 moved to the front
+        same_bits(tk.linear(x[:m], w, b), full[:m])
+    same_bits(tk.linear(x[5:6], w)[0], tk.linear(x, w)[5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rms_norm_matches_twin_and_is_row_invariant(dtype, zero_centered):
+    x, w = rnd(9, 3, 40, dtype=dtype, seed=4), rnd(40, seed=5) + 1
+    full = tk.rms_norm(x, w, 1e-6, zero_centered)
+    close(full, reference.rms_norm(x, w, 1e-6, zero_centered), dtype)
+    same_bits(tk.rms_norm(x[2:3], w, 1e-6, zero_centered), full[2:3])
+
+
+def test_l2_normalize_and_gated_norm_match_twins():
+    x = rnd(7, 4, 24, seed=6)
+    close(tk.l2_normalize(x), reference.l2_normalize(x), torch.float32)
+    same_bits(tk.l2_normalize(x[3:4]), tk.l2_normalize(x)[3:4])
+    for dtype in DTYPES:
+        o, z, w = rnd(5, 2, 24, seed=7), rnd(5, 2, 24, dtype=dtype, seed=8), rnd(24, seed=9)
+        full = tk.gated_rms_norm(o, z, w, 1e-6)
+        close(full, reference.gated_rms_norm(o, z, w, 1e-6), dtype)
+        same_bits(tk.gated_rms_norm(o[1:2], z[1:2], w, 1e-6), full[1:2])
+
+
+def test_delta_rule_step_matches_twin_and_is_row_invariant():
+    b, h, dk, dv = 5, 3, 16, 40
+    q = reference.l2_normalize(rnd(b, h, dk, seed=10))
+    k = reference.l2_normalize(rnd(b, h, dk, seed=11))
+    v, s = rnd(b, h, dv, seed=12), rnd(b, h, dk, dv, seed=13)
+    beta, g = torch.sigmoid(rnd(b, h, seed=14)), -torch.rand(b, h, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    o, s_new = tk.delta_rule_step(q, k, v, beta, g, s)
+    o_ref, s_ref = reference.delta_rule_step(q, k, v, beta, g, s)
+    close(o, o_ref, torch.float32)
+    close(s_new, s_ref, torch.float32)
+    o1, s1 = tk.delta_rule_step(q[2], k[2], v[2], beta[2], g[2], s[2])  # one sequence alone: [H, ...]
+    same_bits(o1, o[2])
+    same_bits(s1, s_new[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_matches_twin(dtype):
+    n_blocks, block, hkv, hq, d = 6, 16, 2, 6, 32
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=16), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=17)
+    table = torch.tensor([4, 1, 5], device=DEVICE)  # pages out of order, as a pool hands them out
+    for s in (1, 16, 17, 40):
+        pos = torch.arange(s, device=DEVICE)
+        rows = table[pos // block] * block + pos % block
+        q = rnd(hq, d, dtype=dtype, seed=18 + s)
+        got = tk.paged_decode_attention(q, k_pool, v_pool, rows, d ** -0.5)
+        close(got, reference.paged_decode_attention(q, k_pool, v_pool, rows, d ** -0.5), dtype)
