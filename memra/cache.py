@@ -28,11 +28,12 @@ class KvPool:
     """Fixed-size KV blocks for a set of attention layers, with a free list."""
 
     def __init__(self, layers: tuple[int, ...], n_blocks: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, layer_devices: dict[int, torch.device] | None = None):
         shape = (n_blocks, BLOCK_SIZE, n_kv_heads, head_dim)
         self.layers = layers
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        dev = lambda i: (layer_devices or {}).get(i, device)  # a pipeline stage owns its layers' KV
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
         self.n_blocks = n_blocks
         self.free: list[int] = list(range(n_blocks))
 
@@ -66,12 +67,14 @@ class KvPool:
 class RecurrentPool:
     """Per-sequence recurrent state slots for the GDN layers."""
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 layer_devices: dict[int, torch.device] | None = None):
         g = cfg.gdn
         assert g is not None
         self.layers = cfg.gdn_layers
-        self.conv = {i: torch.zeros(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=device) for i in self.layers}
-        self.ssm = {i: torch.zeros(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=device)
+        dev = lambda i: (layer_devices or {}).get(i, device)
+        self.conv = {i: torch.zeros(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
+        self.ssm = {i: torch.zeros(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
                     for i in self.layers}
         self.free: list[int] = list(range(n_slots))
 
@@ -177,11 +180,13 @@ class Cache:
             self.slot = None
 
 
-def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str) -> Cache:
-    """A cache with private pools sized for one sequence of up to max_ctx tokens."""
+def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str,
+              layer_devices: dict[int, torch.device] | None = None) -> Cache:
+    """A cache with private pools sized for one sequence of up to max_ctx tokens. `layer_devices`
+    places chosen layers' state elsewhere (a pipeline stage's own device; memra.pp)."""
     if max_ctx <= 0:
         raise MemraError(f"max_ctx must be positive, got {max_ctx}")
     attn_layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
-    kv = KvPool(attn_layers, -(-max_ctx // BLOCK_SIZE), cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device)
-    rec = RecurrentPool(cfg, 1, dtype, device) if cfg.gdn_layers else None
+    kv = KvPool(attn_layers, -(-max_ctx // BLOCK_SIZE), cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices)
+    rec = RecurrentPool(cfg, 1, dtype, device, layer_devices) if cfg.gdn_layers else None
     return Cache(kv=kv, rec=rec, max_ctx=max_ctx, slot=rec.allocate() if rec else None)

@@ -64,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     _add_model_args(gate)
-    gate.add_argument("--steps", type=int, default=32)
-    gate.add_argument("--batch", type=int, default=4)
-    gate.add_argument("--mode", default="config", choices=["config", "strict"])
+    gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8)")
+    gate.add_argument("--batch", default=None, help="batch width (default 4); pp mode: a list, e.g. 1,4,8 (default)")
+    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp"])
+    gate.add_argument("--stages", type=int, default=2, help="pp mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
+    gate.add_argument("--reps", type=int, default=2, help="pp mode: repetitions of the split arm")
     gate.add_argument("--plen", type=int, default=20, help="base prompt length (rows get +5 tokens each)")
     return parser
 
@@ -75,11 +77,25 @@ def cmd_gate(args: argparse.Namespace) -> int:
     import memra
     from memra.gate import run_battery
 
-    if args.steps <= 0 or args.batch <= 0 or args.plen <= 0:
-        raise MemraError("--steps, --batch and --plen must be positive")
+    pp = args.mode == "pp"
+    steps = args.steps if args.steps is not None else (8 if pp else 32)
+    try:
+        batches = tuple(int(b) for b in (args.batch or ("1,4,8" if pp else "4")).split(","))
+    except ValueError:
+        raise MemraError(f"--batch {args.batch!r} is not a number or a comma-separated list of numbers") from None
+    if steps <= 0 or args.plen <= 0 or args.reps <= 0 or min(batches) <= 0:
+        raise MemraError("--steps, --batch, --plen and --reps must be positive")
+    if not pp and len(batches) != 1:
+        raise MemraError("--batch takes one width outside --mode pp")
     model = memra.load(args.model, device=args.device, dtype=args.dtype, tokenizer=False)
-    ok = run_battery(model, steps=args.steps, batch=args.batch, mode=args.mode, plen=args.plen,
-                     out=lambda line: print(line, flush=True))
+    out = lambda line: print(line, flush=True)
+    if pp:
+        from memra.gate.pp_battery import run_pp_battery
+
+        ok = run_pp_battery(model, stages=args.stages, batches=batches, steps=steps, reps=args.reps,
+                            plen=args.plen, out=out)
+    else:
+        ok = run_battery(model, steps=steps, batch=batches[0], mode=args.mode, plen=args.plen, out=out)
     return 0 if ok else 1
 
 

@@ -15,6 +15,22 @@ _counts = {
     "device_sampled_rows": 0,  # rows whose next token was chosen on the device
     "lean_parked_rows": 0,  # sampled rows whose logits were parked in cache.last_logits_dev
     "prime_pieces": 0,  # prefill forwards run by prime (exact path: 64-aligned pieces)
+    # pipeline parallelism (memra.pp)
+    "pp_split_walks": 0,  # forwards that walked the stage split (any body)
+    "pp_boundary_copies": 0,  # boundary payloads handed from one stage to the next
+    "pp_peer_boundary_copies": 0,  # ... of which over a native cross-device peer copy
+    "pp_peer_probe_bypassed": 0,  # bring-ups that skipped the peer probe (MEMRA_PEER_PROBE=0 + host bounce)
+    "pp_peer_probes": 0,  # boundary probes run at bring-up (pattern + ladder)
+    "pp_peer_runtime_probes": 0,  # runtime re-probes run
+    "pp_peer_runtime_probe_failures": 0,
+    "pp_peer_runtime_probe_deferred": 0,
+    "dual_pp_overlaps": 0,  # a dual-wave stage section began while another stage section was running
+    "dual_pp_slot_pairs": 0,  # wave pairs issued on two different boundary slots
+    "dual_pp_slot_uses_0": 0,
+    "dual_pp_slot_uses_1": 0,
+    "dual_pp_slot_collisions": 0,  # wave pairs that would have shared a slot (refused)
+    "prime_split_chunks": 0,  # prime pieces walked through the stage split
+    "prime_pipe_overlaps": 0,  # pipelined-prime stage sections that began while another ran
 }
 
 

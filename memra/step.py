@@ -53,7 +53,21 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     if exact:
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, ids)
+    rt = _pp_runtime(model)
+    if rt is not None and not rt.doors.prime_pp:
+        from memra.pp.walk import refuse_unsplit
+
+        refuse_unsplit(rt, "prime", "MEMRA_PRIME_PP=1 (the split prime)")
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
+    if rt is not None and rt.doors.prime_pp:
+        from memra.pp.walk import prime_split
+
+        pieces, pos = [], cache.pos
+        for start in range(0, tokens.numel(), chunk):
+            for piece in _forward_pieces(tokens[start : start + chunk], pos, exact):
+                pieces.append(piece)
+                pos += piece.numel()
+        return prime_split(model, rt, pieces, cache, all_logits)
     outputs = []
     h_last = None
     for start in range(0, tokens.numel(), chunk):
@@ -85,13 +99,28 @@ def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:
     return model.logits(model.norm_out(h))[0]
 
 
-def _decode_rows(model, ids: torch.Tensor, caches, exact: bool) -> torch.Tensor:
-    """The decode body shared by decode_step and decode_step_batch, grouped by the decode plan."""
+def _pp_runtime(model):
+    """The pipeline runtime when the MEMRA_PP_* doors open it, else None (memra.pp.walk)."""
+    from memra.pp.walk import active_runtime
+
+    return active_runtime(model)
+
+
+def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None) -> torch.Tensor:
+    """The decode body shared by decode_step and decode_step_batch, grouped by the decode plan;
+    through the stage split when a pipeline runtime is given."""
     from memra.decode_plan import decode_bucketed, decode_plan
 
+    plan = decode_plan(model) if exact else "stacked"
+    if rt is not None:
+        from memra.pp.walk import decode_waves, plan_for_pp, walk_rows
+
+        plan = plan_for_pp(plan)
+        if len(caches) >= 2 and rt.dual:
+            return decode_waves(model, rt, ids, caches, plan)
+        return walk_rows(model, rt, ids, caches, plan)
     if not exact:
         return _decode_stacked(model, ids, caches)
-    plan = decode_plan(model)
     if plan == "stacked":
         return _decode_stacked(model, ids, caches)
     if plan == "bucket":
@@ -106,8 +135,11 @@ def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     if exact:
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, [int(token)])
+    rt = _pp_runtime(model)
+    if rt is not None:
+        rt.dual = False
     cache.reserve(1)
-    return _decode_rows(model, tokens, [cache], exact)[0]
+    return _decode_rows(model, tokens, [cache], exact, rt)[0]
 
 
 def _check_batch(model, tokens, caches) -> torch.Tensor:
@@ -138,8 +170,17 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     exact = doors.exact_mode()
     if exact:
         require_exact(model.dtype, model.device)
+    rt = _pp_runtime(model)
+    if rt is not None:
+        from memra.pp.walk import check_dual, refuse_unsplit
+
+        if not rt.doors.batch_pp:  # the unsplit batched body over the pipeline's placement
+            refuse_unsplit(rt, "decode_step_batch", "MEMRA_BATCH_PP=1 (the split batched body)")
+            rt = None
+        else:
+            rt.dual = check_dual(rt, len(caches))  # refuses before any cache moves
     ids = _check_batch(model, tokens, caches)
-    rows = _decode_rows(model, ids, caches, exact)
+    rows = _decode_rows(model, ids, caches, exact, rt)
     counters.bump("decode_batch_rows", len(caches))
     return rows
 

@@ -53,14 +53,17 @@ class HybridModel:
 
         self.plan_verified: dict[tuple, bool] = {}  # decode_plan: on-model checks already run, by (plan, device, kernels)
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
+        self.pp_runtimes: dict = {}  # memra.pp: one runtime per placement the doors have asked for
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
 
     # --- pieces of a step ---
-    def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool) -> StepContext:
-        positions = torch.arange(pos0, pos0 + n_tokens, device=self.device)
-        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.dtype)
-        read_rows = cache.kv.slot_index(cache.blocks, 0, pos0 + n_tokens, self.device)  # shared by every attention layer
+    def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool, device: torch.device | None = None) -> StepContext:
+        """The step facts for T tokens at pos0, on `device` (a pipeline stage's; default the model's)."""
+        device = self.device if device is None else device
+        positions = torch.arange(pos0, pos0 + n_tokens, device=device)
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq.to(device), self.dtype)
+        read_rows = cache.kv.slot_index(cache.blocks, 0, pos0 + n_tokens, device)  # shared by every attention layer
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
                            kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows)
 
@@ -74,9 +77,10 @@ class HybridModel:
             h = block.forward(h, ctx)
         return h
 
-    def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
-        """The fast (non-exact) batched decode walk: h [B, E], one token per sequence."""
-        for block in self.blocks:
+    def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
+                               stop: int | None = None) -> torch.Tensor:
+        """The stacked decode walk over layers [start, stop): h [B, E], one token per sequence."""
+        for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
             h = block.forward_stacked(h, ctxs)
         return h
 

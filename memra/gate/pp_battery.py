@@ -1,0 +1,203 @@
+"""The stage-split exactness battery (`memra gate MODEL --mode pp`): split == unsplit, to the bit.
+
+Method (the reference battery's): the reference is the unsplit batched body with the PP door SHUT,
+fed its own greedy stream; its inputs are recorded, so a mismatch can never desync the comparison.
+Then, per batch width B (uneven prompts, so rows sit at different positions):
+
+    arm1  split            door open, stage-owned caches, the split body; repeated `reps` times (a
+                           race between stages is a flake class: one green replay is no evidence)
+    arm2  unsplit@ppcache  door open, stage-owned caches, but MEMRA_BATCH_PP=0 forces the unsplit
+                           walk (MEMRA_PP_ALLOW_UNSPLIT_BATCH=1 passes its guard). Placement held,
+                           walk varied: arm1 FAIL + arm2 PASS localises a bug to the split itself.
+    arm3  epilogue         the last stage's epilogue: greedy device tokens == host argmax of the
+                           returned row; lean-parked logits == the full row (mixed rows)
+    arm4  B=1 path         decode_step (the B=1 body) under the split == the batched body at B=1
+    dual negative cells    (dual routed) MEMRA_DUAL_PP=1 with MEMRA_PP_OVERLAP=0, and with
+                           MEMRA_PP_HOST_BOUNCE=1: the exact refusal, every cache position unmoved
+    liveness               split walks ran; under dual, DUAL_PP_OVERLAPS advanced; prime pieces
+                           crossed the split (PRIME_SPLIT_CHUNKS)
+
+MEMRA_GATE_CANARY=1 feeds arm1 one wrong token; the battery must then FAIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable
+
+import torch
+
+from memra import counters, doors
+from memra.errors import MemraError
+from memra.gate.battery import Ledger, bits_equal, gate_prompts, maxdiff
+from memra.pp import fence as pf
+from memra.sampling import DevSamp
+
+
+@contextlib.contextmanager
+def env(**values: str | None):
+    """Set (or, with None, unset) env doors for the duration; restore them after."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8), steps: int = 8, reps: int = 2,
+                   plen: int = 20, out: Callable[[str], None] = print) -> bool:
+    from memra.pp.walk import active_runtime
+
+    if stages < 2:
+        raise MemraError("--mode pp needs --stages >= 2")
+    seed = doors.integer("MEMRA_GATE_SEED", 0)
+    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    ledger = Ledger(out)
+    vocab = model.cfg.vocab_size
+    ctx = plen + 5 * max(batches) + steps + 16
+    with env(MEMRA_PP_STAGES=str(stages)):
+        rt = active_runtime(model)
+        if rt is None:
+            raise MemraError(f"pp mode: the PP door did not open for {stages} stages over {model.cfg.n_layers} layers "
+                             "(check MEMRA_PP_SPLITS / MEMRA_PP_SPLIT)")
+        knobs = (f"stages={stages} fence={list(rt.fence.bounds)} transports="
+                 f"{','.join(bd.transport.kind.value for bd in rt.boundaries) or '-'} {pf.PpDoors.from_env().summary()}")
+        pp_doors = pf.PpDoors.from_env()
+        dual = pf.dual_pp_on()  # the dual body is asked for (its negative cells apply)
+
+        peer = any(bd.transport.kind is pf.BoundaryTransport.PEER for bd in rt.boundaries)
+
+    def routed(b: int) -> bool:  # ... and it runs at width b (Auto: only over a peer boundary)
+        auto_ok = peer or pp_doors.dual_pp is not pf.DualPpMode.AUTO
+        return auto_ok and pf.dual_pp_route(pp_doors.dual_pp, b, stages, pp_doors.overlap, pp_doors.host_bounce)
+    out(f"pp mode: stage-split exactness battery over {model.cfg.n_layers} layers; {knobs}")
+    out(f"pp mode: batches={list(batches)} steps={steps} reps={reps} seed={seed}{' CANARY (must FAIL)' if canary else ''}")
+
+    def pp_caches(prompts):
+        caches = [rt.new_cache(ctx) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.prime(p, c)
+        return caches
+
+    if dual:
+        _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger)
+
+    for b in batches:
+        prompts = gate_prompts(b, plen, seed, vocab)
+        # ---- reference: door shut, unsplit batched body, ordinary caches ----
+        inputs, ref = [], []
+        with env(MEMRA_PP_STAGES=None):
+            caches = [model.new_cache(ctx) for _ in prompts]
+            for p, c in zip(prompts, caches):
+                model.prime(p, c)
+            toks = [p[-1] for p in prompts]
+            for _ in range(steps):
+                inputs.append(list(toks))
+                rows = model.decode_step_batch(toks, caches)
+                ref.append(rows.cpu())
+                toks = rows.argmax(-1).tolist()
+        out(f"-- B={b}: reference recorded ({steps} steps x {b} rows, door shut)")
+
+        with env(MEMRA_PP_STAGES=str(stages)):
+            # ---- arm1: the split, repeated ----
+            for rep in range(max(reps, 1)):
+                before = counters.snapshot()
+                caches = pp_caches(prompts)
+                primed = counters.delta(before)
+                for s, toks in enumerate(inputs):
+                    feed = list(toks)
+                    if canary and s == 1:
+                        feed[0] = (feed[0] + 1) % vocab
+                    rows = model.decode_step_batch(feed, caches).cpu()
+                    _check(ledger, "arm1", f"split B={b} rep{rep}", s, rows, ref[s])
+                d = counters.delta(before)
+                if d["pp_split_walks"] < steps or primed["prime_split_chunks"] < b:
+                    ledger.fail("liveness", f"B={b} rep{rep}: split walks +{d['pp_split_walks']}, "
+                                            f"prime split chunks +{primed['prime_split_chunks']}")
+                if routed(b):
+                    if d["dual_pp_overlaps"] == 0:
+                        ledger.fail("liveness", f"B={b} rep{rep}: DUAL_PP_OVERLAPS did not advance")
+                    else:
+                        out(f"dual pp liveness PASS [B={b} rep{rep}]: DUAL_PP_OVERLAPS +{d['dual_pp_overlaps']}")
+            # ---- arm2: unsplit walk over the pipeline's cache placement ----
+            caches = pp_caches(prompts)
+            with env(MEMRA_BATCH_PP="0", MEMRA_PP_ALLOW_UNSPLIT_BATCH="1"):
+                for s, toks in enumerate(inputs):
+                    _check(ledger, "arm2", f"unsplit@ppcache B={b}", s, model.decode_step_batch(toks, caches).cpu(), ref[s])
+            # ---- arm3: the last stage's epilogue ----
+            caches = pp_caches(prompts)
+            full_caches = pp_caches(prompts)
+            for s, toks in enumerate(inputs[: min(steps, 3)]):
+                greedy = [DevSamp(temperature=0.0, seed=0, ctr=s) for _ in toks]
+                rows, picked = model.decode_step_batch_sampled(toks, full_caches, greedy, lean=False)
+                mixed = [DevSamp(temperature=0.0, seed=0, ctr=s) if i % 2 == 0 else None for i in range(len(toks))]
+                lean_rows, lean_picked = model.decode_step_batch_sampled(toks, caches, mixed, lean=True)
+                for i in range(len(toks)):
+                    if picked[i] != int(rows[i].argmax()):
+                        ledger.fail("arm3", f"B={b} step {s} row {i}: device greedy {picked[i]} != host argmax")
+                    parked = caches[i].last_logits_dev if mixed[i] is not None else lean_rows[i]
+                    if parked is None or not bits_equal(parked.cpu(), rows[i]):
+                        ledger.fail("arm3", f"B={b} step {s} row {i}: lean row differs from the full row")
+                    if not bits_equal(rows[i], ref[s][i]):
+                        ledger.fail("arm3", f"B={b} step {s} row {i}: epilogue row differs from the reference")
+            # ---- arm4: the B=1 body under the split vs the batched body at B=1 ----
+            c1, c2 = pp_caches(prompts[:1]) + pp_caches(prompts[:1])
+            for s, toks in enumerate(inputs):
+                a = model.decode_step(toks[0], c1).cpu()
+                z = model.decode_step_batch([toks[0]], [c2])[0].cpu()
+                if not (bits_equal(a, z) and bits_equal(a, ref[s][0])):
+                    ledger.fail("arm4", f"B={b} step {s}: B=1 body {maxdiff(a, ref[s][0]):.3g} from the reference")
+
+    ledger.verdict("arm1", f"split == unsplit, batches {list(batches)} x {reps} reps, bit-checked")
+    ledger.verdict("arm2", "unsplit walk over stage-owned caches == reference")
+    ledger.verdict("arm3", "last-stage epilogue: greedy == argmax, lean park == full row")
+    ledger.verdict("arm4", "B=1 body under the split == batched body")
+    if dual:
+        ledger.verdict("dual-negative", "single-slot and host-bounce cells refused, caches unmoved")
+    ledger.verdict("liveness", "split walks, split prime pieces" + (", dual overlaps" if any(map(routed, batches)) else ""))
+    fails = sum(1 for v in ledger.failed.values() if v)
+    out(f"pp mode verdict: {fails} failing arm(s); {knobs}")
+    if fails == 0:
+        out(f"ALL GREEN: batched PP-{stages} stage-split exactness battery")
+    return fails == 0
+
+
+def _check(ledger: Ledger, arm: str, label: str, step: int, rows: torch.Tensor, ref: torch.Tensor) -> None:
+    for i in range(ref.shape[0]):
+        if not bits_equal(rows[i], ref[i]):
+            ledger.fail(arm, f"{label} step {step} row {i}: max |d| {maxdiff(rows[i], ref[i]):.3g}")
+
+
+def _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger: Ledger) -> None:
+    """The dual body asked for where it cannot run must refuse with the exact text, before any
+    token is produced or any cache position moves."""
+    prompts = gate_prompts(2, plen, seed, vocab)
+    toks = [p[-1] for p in prompts]
+    cells = (
+        ({"MEMRA_DUAL_PP": "1", "MEMRA_PP_OVERLAP": "0"}, pf.DUAL_PP_SINGLE_SLOT_REFUSAL if stages == 2 else pf.DUAL_PP_TWO_STAGES_REFUSAL),
+        ({"MEMRA_DUAL_PP": "1", "MEMRA_PP_OVERLAP": "1", "MEMRA_PP_HOST_BOUNCE": "1"},
+         pf.DUAL_PP_HOST_BOUNCE_REFUSAL if stages == 2 else pf.DUAL_PP_TWO_STAGES_REFUSAL),
+    )
+    with env(MEMRA_PP_STAGES=str(stages)):
+        for values, expected in cells:
+            caches = pp_caches(prompts)
+            before = [c.pos for c in caches]
+            with env(**values):
+                try:
+                    model.decode_step_batch(toks, caches)
+                    ledger.fail("dual-negative", f"{values}: produced rows instead of refusing")
+                except pf.PipelineError as err:
+                    if str(err) != expected or [c.pos for c in caches] != before:
+                        ledger.fail("dual-negative", f"{values}: wrong refusal or cache moved: {err}")
+                    else:
+                        ledger.out(f"dual pp negative PASS: {err}")

@@ -1,0 +1,46 @@
+"""Sharded weights: each layer's tensors live on the device of the stage that runs it.
+
+Embedding with stage 0, final norm and lm_head (and the MTP blocks) with the last stage. A tied
+lm_head that must live on another device than the embedding becomes its own copy there. With every
+stage on one device (CPU, or several streams on one GPU) nothing moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memra.pp.runtime import PpRuntime
+
+
+def _move(obj, device: torch.device, seen: set[int]) -> None:
+    """Move every tensor reachable through obj's attributes (and lists of them) to `device`."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, torch.Tensor):
+            if value.device != device:
+                setattr(obj, name, value.to(device))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if hasattr(item, "__dict__"):
+                    _move(item, device, seen)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            _move(value, device, seen)
+
+
+def shard_weights(model, rt: PpRuntime) -> None:
+    devices = {st.device for st in rt.stages}
+    if devices == {model.device}:
+        return
+    for s, st in enumerate(rt.stages):
+        a, b = st.layers
+        for block in model.blocks[a:b]:
+            _move(block, st.device, set())
+    last = rt.stages[-1].device
+    for mtp in model.mtp:
+        _move(mtp, last, set())
+    tied = model.lm_head is model.embed
+    model.embed = model.embed.to(rt.stages[0].device)
+    model.lm_head = (model.embed if tied else model.lm_head).to(last)
+    model.final_norm = model.final_norm.to(last)

@@ -1,0 +1,256 @@
+"""The split walks: every step body run stage by stage across the pipeline runtime.
+
+A walk embeds on stage 0, runs each stage's layer range in that stage's scope (its device and
+stream), hands the residual across each boundary (tx in the sender's scope, rx in the receiver's),
+and applies the head (final norm + lm_head) on the last stage. The arithmetic per row is exactly
+the unsplit walk's — same kernels, same shapes, same order — which is why split == unsplit to the
+bit (E2); the boundary only moves bytes.
+
+Bodies:
+  walk_rows      one decode step for rows of a wave (B=1 decode_step, decode_step_batch, dual waves)
+  walk_tokens    T tokens of one sequence (prime pieces; the verify forward reuses it)
+  prime_split    prime through the split, piece by piece, or as the PP-2 chunk pipeline
+  decode_waves   the dual-active PP-2 body: two waves in flight on alternating boundary slots
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memra import counters
+from memra.errors import MemraError
+from memra.pp import fence as pf
+from memra.pp.runtime import PpRuntime
+
+# --- bring-up ----------------------------------------------------------------------------------------
+
+
+def active_runtime(model) -> PpRuntime | None:
+    """The runtime for the placement the doors describe now (built on first use), or None when the
+    PP door is shut. Bad door values follow memra.pp.fence: warn-and-off, or PipelineError."""
+    doors = pf.PpDoors.from_env()
+    fence = doors.fence(model.cfg.n_layers)
+    if fence is None:
+        return None
+    cuda = model.device.type == "cuda"
+    if doors.devices is not None and not cuda:
+        raise pf.PipelineError(f"MEMRA_PP_DEVICES={doors.devices!r} names CUDA devices but the model is on "
+                               f"{model.device}; unset it to run every stage on {model.device}")
+    primary = (model.device.index or 0) if cuda else 0
+    placement = pf.plan_placement(doors, primary, torch.cuda.device_count() if cuda else 1)
+    if placement.n_stages != fence.n_stages:
+        raise pf.PipelineError(f"MEMRA_PP_DEVICES places {placement.n_stages} stages but the fence has "
+                               f"{fence.n_stages}; make MEMRA_PP_DEVICES, MEMRA_PP_STAGES and MEMRA_PP_SPLITS agree")
+    key = (fence, placement, doors.streams, doors.overlap)
+    rt = model.pp_runtimes.get(key)
+    if rt is None:
+        from memra.pp.probe import bring_up
+        from memra.pp.shard import shard_weights
+
+        rt = PpRuntime(model, fence, placement, doors)
+        if placement.shard:
+            shard_weights(model, rt)
+        bring_up(rt)
+        model.pp_runtimes[key] = rt
+    rt.doors = doors  # switches read per call (batch/prime/dual/overlap) follow the env of this step
+    return rt
+
+
+# --- the per-stage pieces ----------------------------------------------------------------------------
+
+
+def _stage_rows(model, rt: PpRuntime, s: int, h: torch.Tensor, caches, plan: str) -> torch.Tensor:
+    """Stage s's layers for rows h [n, E] (one token per cache), in the decode plan's grouping."""
+    a, b = rt.stages[s].layers
+    dev = rt.stages[s].device
+    ctxs = [model.context(c, c.pos, 1, recurrent=True, device=dev) for c in caches]
+    if plan == "stacked":
+        return model.forward_layers_stacked(h, ctxs, a, b)
+    return torch.cat([model.forward_layers(h[i : i + 1], ctx, a, b) for i, ctx in enumerate(ctxs)])
+
+
+def _head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
+    """Final norm + lm_head, grouped as the unsplit body groups it (per row under the row plan)."""
+    if plan == "stacked":
+        return model.logits(model.norm_out(h))
+    return torch.cat([model.logits(model.norm_out(h[i : i + 1])) for i in range(h.shape[0])])
+
+
+def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipelined: bool = False,
+              section: str | None = None) -> torch.Tensor:
+    """One decode step of rows `ids` [n] through every stage, serially. -> logits [n, V] on the last
+    stage (ordered for the caller's stream). Cache positions advance after the last stage."""
+    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    rt.fence_stages_behind(caller)
+    h, slot = None, 0
+    for s, st in enumerate(rt.stages):
+        with st.scope():
+            h = model.embed_tokens(ids.to(st.device)) if s == 0 else rt.rx(s - 1, slot)
+            h = _stage_rows(model, rt, s, h, caches, plan)
+            if s < rt.n_stages - 1:
+                slot = rt.tx(s, h, pipelined)
+            else:
+                out = _head(model, h, plan)
+    rt.publish_to(rt.n_stages - 1, caller)
+    for c in caches:
+        c.pos += 1
+    counters.bump("pp_split_walks")
+    return out
+
+
+def walk_tokens(model, rt: PpRuntime, piece: torch.Tensor, cache, recurrent: bool) -> torch.Tensor:
+    """T tokens of one sequence through every stage (cache.pos is their first position).
+    -> the last stage's hidden states [T, E] (pre-norm); the cache position is not advanced."""
+    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    rt.fence_stages_behind(caller)
+    h, slot = None, 0
+    for s, st in enumerate(rt.stages):
+        with st.scope():
+            h = model.embed_tokens(piece.to(st.device)) if s == 0 else rt.rx(s - 1, slot)
+            ctx = model.context(cache, cache.pos, piece.numel(), recurrent=recurrent, device=st.device)
+            h = model.forward_layers(h, ctx, *st.layers)
+            if s < rt.n_stages - 1:
+                slot = rt.tx(s, h)
+    rt.publish_to(rt.n_stages - 1, caller)
+    counters.bump("pp_split_walks")
+    return h
+
+
+# --- prime ---------------------------------------------------------------------------------------------
+
+
+def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_logits: bool) -> torch.Tensor:
+    """Prime pieces through the split. With MEMRA_PRIME_PIPE (default on) and 2 stages and more than
+    one piece, stage 1 of piece k runs while stage 0 runs piece k+1 (each stage only touches its own
+    layers' state, and the boundary alternates its two slots)."""
+    if rt.n_stages == 2 and rt.doors.prime_pipe and len(pieces) > 1:
+        return _prime_pipelined(model, rt, pieces, cache, all_logits)
+    outs, last = [], None
+    for piece in pieces:
+        h = walk_tokens(model, rt, piece, cache, recurrent=False)
+        cache.pos += piece.numel()
+        counters.bump("prime_split_chunks")
+        counters.bump("prime_pieces")
+        with rt.stages[-1].scope():
+            if all_logits:
+                outs.append(model.logits(model.norm_out(h)))
+            last = h[-1:]
+    with rt.stages[-1].scope():
+        out = torch.cat(outs) if all_logits else model.logits(model.norm_out(last))[0]
+    rt.publish_to(rt.n_stages - 1, torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None)
+    return out
+
+
+def _prime_pipelined(model, rt: PpRuntime, pieces, cache, all_logits: bool) -> torch.Tensor:
+    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    rt.fence_stages_behind(caller)
+    starts = []
+    pos = cache.pos
+    for p in pieces:
+        starts.append(pos)
+        pos += p.numel()
+    st0, st1 = rt.stages
+
+    base = rt.boundaries[0].step  # pipelined TX k lands in slot (base + k) % 2
+
+    def stage0() -> None:
+        for piece, p0 in zip(pieces, starts):
+            with rt.section("prime_pipe_overlaps"), st0.scope():
+                ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st0.device)
+                h = model.forward_layers(model.embed_tokens(piece.to(st0.device)), ctx, *st0.layers)
+                rt.tx(0, h, pipelined=True)
+
+    def stage1() -> list[torch.Tensor]:
+        outs = []
+        for k, (piece, p0) in enumerate(zip(pieces, starts)):
+            with rt.section("prime_pipe_overlaps"), st1.scope():
+                h = rt.rx(0, (base + k) % 2)
+                ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st1.device)
+                h = model.forward_layers(h, ctx, *st1.layers)
+                outs.append(model.logits(model.norm_out(h)) if all_logits else h[-1:])
+        return outs
+
+    _, outs = rt.run_concurrent([stage0, stage1])
+    cache.pos = starts[-1] + pieces[-1].numel()
+    counters.bump("prime_split_chunks", len(pieces))
+    counters.bump("prime_pieces", len(pieces))
+    with st1.scope():
+        out = torch.cat(outs) if all_logits else model.logits(model.norm_out(outs[-1]))[0]
+    rt.publish_to(1, caller)
+    return out
+
+
+# --- dual-active PP-2 -------------------------------------------------------------------------------
+
+
+def check_dual(rt: PpRuntime, batch: int) -> bool:
+    """Route a batched decode to the dual-wave body? Raises the seed's refusal (before any state
+    moves) when the body is asked for on a placement it cannot run on."""
+    mode = rt.doors.dual_pp
+    host_bounce = any(bd.transport.kind is pf.BoundaryTransport.HOST_BOUNCE for bd in rt.boundaries) \
+        or rt.doors.host_bounce
+    if not pf.dual_pp_route(mode, batch, rt.n_stages, rt.doors.overlap, host_bounce):
+        return False
+    if mode is pf.DualPpMode.AUTO and not any(bd.transport.kind is pf.BoundaryTransport.PEER for bd in rt.boundaries):
+        # Auto runs waves only in their validated regime, a peer boundary between two devices. On
+        # one device the two waves share its bandwidth and each re-reads the stage's weights
+        # (measured on the H200: B=16 PP-2 at -57% vs unsplit), so Auto stays serial there.
+        return False
+    refusal = pf.dual_pp_eligibility(rt.n_stages, rt.doors.overlap, host_bounce)
+    if refusal is not None:
+        raise pf.PipelineError(refusal)
+    return True
+
+
+def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> torch.Tensor:
+    """Two waves (ceil/floor halves) in flight: stage 0 runs wave B while stage 1 runs wave A.
+    Each wave's rows see exactly the per-row arithmetic of the serial body."""
+    mid = pf.dual_pp_wave_mid(len(caches))
+    waves = [(ids[:mid], caches[:mid]), (ids[mid:], caches[mid:])]
+    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    rt.fence_stages_behind(caller)
+    st0, st1 = rt.stages
+    bd = rt.boundaries[0]
+    base = bd.step
+    slots = [(base + w) % 2 for w in range(2)]
+    if not pf.dual_pp_slot_pair_ok(*slots):
+        counters.bump("dual_pp_slot_collisions")
+        raise pf.PipelineError("dual-wave decode refused: both waves would share one boundary slot")
+    counters.bump("dual_pp_slot_pairs")
+    for sl in slots:
+        counters.bump(f"dual_pp_slot_uses_{sl}")
+
+    def stage0():
+        for w_ids, w_caches in waves:
+            with rt.section("dual_pp_overlaps"), st0.scope():
+                h = _stage_rows(model, rt, 0, model.embed_tokens(w_ids.to(st0.device)), w_caches, plan)
+                rt.tx(0, h, pipelined=True)
+
+    def stage1():
+        outs = []
+        for w, (_, w_caches) in enumerate(waves):
+            with rt.section("dual_pp_overlaps"), st1.scope():
+                h = _stage_rows(model, rt, 1, rt.rx(0, slots[w]), w_caches, plan)
+                outs.append(_head(model, h, plan))
+        return outs
+
+    _, outs = rt.run_concurrent([stage0, stage1])
+    rt.publish_to(1, caller)
+    for c in caches:
+        c.pos += 1
+    counters.bump("pp_split_walks", 2)
+    return torch.cat(outs)
+
+
+def refuse_unsplit(rt: PpRuntime, path: str, alt: str) -> None:
+    """The unsplit body over a sharded cross-device placement: refused unless overridden."""
+    view = pf.UnsplitView(rt.placement.sharded_cross_device,
+                          rt.latch.host_bounce or (rt.placement.host_bounce and rt.placement.sharded_cross_device),
+                          rt.doors.allow_unsplit_batch)
+    pf.refuse_unsplit_if_remote(path, alt, view)
+
+
+def plan_for_pp(plan: str) -> str:
+    if plan == "bucket":
+        raise MemraError("MEMRA_DECODE_PLAN=bucket has no stage split; use row or stacked with pipeline parallelism")
+    return plan
