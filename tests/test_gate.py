@@ -37,3 +37,15 @@ def test_gate_seed_varies_prompts_and_cli_exit_codes(tmp_path):
     assert bad.returncode == 1 and "FAILED" in bad.stdout
     door = subprocess.run(base, capture_output=True, text=True, timeout=300, env={**os.environ, "MEMRA_GATE_SEED": "x"})
     assert door.returncode == 2 and "MEMRA_GATE_SEED" in door.stderr and "Traceback" not in door.stderr
+
+
+def test_pp_gate_cli_exit_codes():
+    """`memra gate --mode pp`: ALL GREEN exits 0, the canary exits 1, a bad --batch list is a clear error."""
+    base = [sys.executable, "-m", "memra", "gate", str(hf_dir("qwen3_5")), "--mode", "pp", "--stages", "3",
+            "--batch", "1,2", "--steps", "3", "--reps", "1", "--plen", "6"]
+    ok = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "ALL GREEN: batched PP-3" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run(base, capture_output=True, text=True, timeout=300, env={**os.environ, "MEMRA_GATE_CANARY": "1"})
+    assert bad.returncode == 1 and "arm1 (" in bad.stdout
+    junk = subprocess.run(base[:-6] + ["--batch", "1,x"], capture_output=True, text=True, timeout=300)
+    assert junk.returncode == 2 and "--batch" in junk.stderr and "Traceback" not in junk.stderr
