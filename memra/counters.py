@@ -29,6 +29,8 @@ _counts = {
     "dual_pp_slot_uses_0": 0,
     "dual_pp_slot_uses_1": 0,
     "dual_pp_slot_collisions": 0,  # wave pairs that would have shared a slot (refused)
+    **{f"dual_pp_stage_{what}_{name}": 0 for what in ("ns", "samples")
+       for name in ("wave_a_stage0", "wave_b_stage0", "wave_a_stage1", "wave_b_stage1")},  # MEMRA_DUAL_PP_TIMING=1
     "prime_split_chunks": 0,  # prime pieces walked through the stage split
     "prime_pipe_overlaps": 0,  # pipelined-prime stage sections that began while another ran
 }

@@ -63,6 +63,8 @@ def test_dual_modes(mode, load_model):
     assert ok, "\n".join(lines)
     overlaps = counters.delta(before)["dual_pp_overlaps"]
     assert (overlaps > 0) if mode == "1" else (overlaps == 0)
+    timed = counters.delta(before)["dual_pp_stage_samples_wave_b_stage1"]
+    assert timed == 0  # MEMRA_DUAL_PP_TIMING off: no samples
     assert any("DUAL_PP_OVERLAPS" in line for line in lines) == (mode == "1")
 
 
@@ -191,3 +193,16 @@ def test_deferred_readback_and_stage_owned_caches(load_model):
         model.prime([1, 2, 3, 4], c)
         logits = model.decode_step(5, c)
         assert torch.equal(rt.defer(logits.clone()).wait(), logits.cpu())
+
+
+def test_dual_pp_timing_records_every_wave_stage(load_model):
+    model = load_model(hf_dir("qwen3"))
+    with env(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="1", MEMRA_PP_OVERLAP="1", MEMRA_DUAL_PP_TIMING="1"):
+        caches = [active_runtime(model).new_cache(16) for _ in range(3)]
+        for i, c in enumerate(caches):
+            model.prime([1, 2 + i], c)
+        before = counters.snapshot()
+        model.decode_step_batch([3, 4, 5], caches)
+    d = counters.delta(before)
+    for name in ("wave_a_stage0", "wave_b_stage0", "wave_a_stage1", "wave_b_stage1"):
+        assert d[f"dual_pp_stage_samples_{name}"] == 1 and d[f"dual_pp_stage_ns_{name}"] > 0

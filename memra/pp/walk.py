@@ -15,6 +15,9 @@ Bodies:
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from memra import counters
@@ -220,16 +223,18 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
     for sl in slots:
         counters.bump(f"dual_pp_slot_uses_{sl}")
 
+    timing = rt.doors.dual_pp_timing
+
     def stage0():
-        for w_ids, w_caches in waves:
-            with rt.section("dual_pp_overlaps"), st0.scope():
+        for w, (w_ids, w_caches) in enumerate(waves):
+            with rt.section("dual_pp_overlaps"), st0.scope(), _timed(timing, st0, f"wave_{'ab'[w]}_stage0"):
                 h = _stage_rows(model, rt, 0, model.embed_tokens(w_ids.to(st0.device)), w_caches, plan)
                 rt.tx(0, h, pipelined=True)
 
     def stage1():
         outs = []
         for w, (_, w_caches) in enumerate(waves):
-            with rt.section("dual_pp_overlaps"), st1.scope():
+            with rt.section("dual_pp_overlaps"), st1.scope(), _timed(timing, st1, f"wave_{'ab'[w]}_stage1"):
                 h = _stage_rows(model, rt, 1, rt.rx(0, slots[w]), w_caches, plan)
                 outs.append(_head(model, h, plan))
         return outs
@@ -240,6 +245,22 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
         c.pos += 1
     counters.bump("pp_split_walks", 2)
     return torch.cat(outs)
+
+
+@contextlib.contextmanager
+def _timed(on: bool, stage, name: str):
+    """MEMRA_DUAL_PP_TIMING=1: add this wave-stage section's time (ns) to its counters. On CUDA the
+    section is measured to completion of its work on the stage stream (a sync per section, so
+    timing runs are for diagnosis, not throughput)."""
+    if not on:
+        yield
+        return
+    t0 = time.perf_counter_ns()
+    yield
+    if stage.stream is not None:
+        stage.stream.synchronize()
+    counters.bump(f"dual_pp_stage_ns_{name}", time.perf_counter_ns() - t0)
+    counters.bump(f"dual_pp_stage_samples_{name}")
 
 
 def refuse_unsplit(rt: PpRuntime, path: str, alt: str) -> None:
