@@ -106,9 +106,9 @@ def _pp_runtime(model):
     return active_runtime(model)
 
 
-def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None) -> torch.Tensor:
+def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None, dual: bool = False) -> torch.Tensor:
     """The decode body shared by decode_step and decode_step_batch, grouped by the decode plan;
-    through the stage split when a pipeline runtime is given."""
+    through the stage split when a pipeline runtime is given (as two waves when `dual`)."""
     from memra.decode_plan import decode_bucketed, decode_plan
 
     plan = decode_plan(model) if exact else "stacked"
@@ -116,7 +116,7 @@ def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None) -> torc
         from memra.pp.walk import decode_waves, plan_for_pp, walk_rows
 
         plan = plan_for_pp(plan)
-        if len(caches) >= 2 and rt.dual:
+        if dual:
             return decode_waves(model, rt, ids, caches, plan)
         return walk_rows(model, rt, ids, caches, plan)
     if not exact:
@@ -136,8 +136,6 @@ def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, [int(token)])
     rt = _pp_runtime(model)
-    if rt is not None:
-        rt.dual = False
     cache.reserve(1)
     return _decode_rows(model, tokens, [cache], exact, rt)[0]
 
@@ -170,7 +168,7 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     exact = doors.exact_mode()
     if exact:
         require_exact(model.dtype, model.device)
-    rt = _pp_runtime(model)
+    rt, dual = _pp_runtime(model), False
     if rt is not None:
         from memra.pp.walk import check_dual, refuse_unsplit
 
@@ -178,9 +176,9 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
             refuse_unsplit(rt, "decode_step_batch", "MEMRA_BATCH_PP=1 (the split batched body)")
             rt = None
         else:
-            rt.dual = check_dual(rt, len(caches))  # refuses before any cache moves
+            dual = check_dual(rt, len(caches))  # refuses before any cache moves
     ids = _check_batch(model, tokens, caches)
-    rows = _decode_rows(model, ids, caches, exact, rt)
+    rows = _decode_rows(model, ids, caches, exact, rt, dual)
     counters.bump("decode_batch_rows", len(caches))
     return rows
 

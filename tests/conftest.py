@@ -32,7 +32,9 @@ def _triton_interpreter_numpy2_fix() -> None:
         return
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # another Triton: nothing to shim
+        return
 
     def patched(tensor, scope):
         original(tensor, scope)

@@ -217,7 +217,6 @@ class PpRuntime:
         self.reprobe = probe_policy.ReprobeState()  # runtime re-probe schedule (memra.pp.probe)
         self.latch = probe_policy.TransportLatch()  # one-way: native peer -> validated host bounce
         self.probe_lock = threading.Lock()
-        self.dual = False  # set per batched step: does this step run the dual-wave body?
 
     def set_transport(self, b: int, kind: BoundaryTransport) -> None:
         """Carry boundary b over another transport from the next copy on (the runtime probe's latch
