@@ -16,6 +16,7 @@ Bodies:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -31,6 +32,8 @@ from memra.pp.runtime import PpRuntime
 def active_runtime(model) -> PpRuntime | None:
     """The runtime for the placement the doors describe now (built on first use), or None when the
     PP door is shut. Bad door values follow memra.pp.fence: warn-and-off, or PipelineError."""
+    if os.environ.get("MEMRA_PP_STAGES") in (None, "", "0", "1"):
+        return None  # the door is shut: skip reading the other doors on every step
     doors = pf.PpDoors.from_env()
     fence = doors.fence(model.cfg.n_layers)
     if fence is None:
@@ -79,44 +82,49 @@ def _head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
     return torch.cat([model.logits(model.norm_out(h[i : i + 1])) for i in range(h.shape[0])])
 
 
-def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipelined: bool = False,
-              section: str | None = None) -> torch.Tensor:
-    """One decode step of rows `ids` [n] through every stage, serially. -> logits [n, V] on the last
-    stage (ordered for the caller's stream). Cache positions advance after the last stage."""
-    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+def _caller_stream(model) -> torch.cuda.Stream | None:
+    return torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+
+
+def _walk_stages(model, rt: PpRuntime, ids: torch.Tensor, stage_body, pipelined: bool = False) -> torch.Tensor:
+    """Embed `ids` on stage 0, run `stage_body(s, h)` in each stage's scope with the residual handed
+    across every boundary, and return the last stage's result (ordered for the caller's stream)."""
+    caller = _caller_stream(model)
     rt.fence_stages_behind(caller)
     h, slot = None, 0
     for s, st in enumerate(rt.stages):
         with st.scope():
             h = model.embed_tokens(ids.to(st.device)) if s == 0 else rt.rx(s - 1, slot)
-            h = _stage_rows(model, rt, s, h, caches, plan)
+            h = stage_body(s, h)
             if s < rt.n_stages - 1:
                 slot = rt.tx(s, h, pipelined)
-            else:
-                out = _head(model, h, plan)
     rt.publish_to(rt.n_stages - 1, caller)
+    counters.bump("pp_split_walks")
+    return h
+
+
+def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipelined: bool = False) -> torch.Tensor:
+    """One decode step of rows `ids` [n] through every stage, serially. -> logits [n, V] on the last
+    stage (ordered for the caller's stream). Cache positions advance after the last stage."""
+    def body(s: int, h: torch.Tensor) -> torch.Tensor:
+        h = _stage_rows(model, rt, s, h, caches, plan)
+        return _head(model, h, plan) if s == rt.n_stages - 1 else h
+
+    out = _walk_stages(model, rt, ids, body, pipelined)
     for c in caches:
         c.pos += 1
-    counters.bump("pp_split_walks")
     return out
 
 
 def walk_tokens(model, rt: PpRuntime, piece: torch.Tensor, cache, recurrent: bool) -> torch.Tensor:
     """T tokens of one sequence through every stage (cache.pos is their first position).
     -> the last stage's hidden states [T, E] (pre-norm); the cache position is not advanced."""
-    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
-    rt.fence_stages_behind(caller)
-    h, slot = None, 0
-    for s, st in enumerate(rt.stages):
-        with st.scope():
-            h = model.embed_tokens(piece.to(st.device)) if s == 0 else rt.rx(s - 1, slot)
-            ctx = model.context(cache, cache.pos, piece.numel(), recurrent=recurrent, device=st.device)
-            h = model.forward_layers(h, ctx, *st.layers)
-            if s < rt.n_stages - 1:
-                slot = rt.tx(s, h)
-    rt.publish_to(rt.n_stages - 1, caller)
-    counters.bump("pp_split_walks")
-    return h
+    def body(s: int, h: torch.Tensor) -> torch.Tensor:
+        st = rt.stages[s]
+        ctx = model.context(cache, cache.pos, piece.numel(), recurrent=recurrent, device=st.device)
+        return model.forward_layers(h, ctx, *st.layers)
+
+    return _walk_stages(model, rt, piece, body)
 
 
 # --- prime ---------------------------------------------------------------------------------------------
@@ -140,12 +148,12 @@ def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_log
             last = h[-1:]
     with rt.stages[-1].scope():
         out = torch.cat(outs) if all_logits else model.logits(model.norm_out(last))[0]
-    rt.publish_to(rt.n_stages - 1, torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None)
+    rt.publish_to(rt.n_stages - 1, _caller_stream(model))
     return out
 
 
 def _prime_pipelined(model, rt: PpRuntime, pieces, cache, all_logits: bool) -> torch.Tensor:
-    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    caller = _caller_stream(model)
     rt.fence_stages_behind(caller)
     starts = []
     pos = cache.pos
@@ -210,7 +218,7 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
     Each wave's rows see exactly the per-row arithmetic of the serial body."""
     mid = pf.dual_pp_wave_mid(len(caches))
     waves = [(ids[:mid], caches[:mid]), (ids[mid:], caches[mid:])]
-    caller = torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
+    caller = _caller_stream(model)
     rt.fence_stages_behind(caller)
     st0, st1 = rt.stages
     bd = rt.boundaries[0]
