@@ -94,6 +94,38 @@ class RecurrentPool:
             self.ssm[i][slot].zero_()
 
 
+class StateTrail:
+    """The recurrent state after each token of a T-token verify forward, so a rejected suffix can be
+    dropped by copying column n-1 back (no replay). Grow-only buffers, reused round after round.
+
+        conv[layer]: [T, conv_dim, Kc-1]    ssm[layer]: [T, Hv, Dk, Dv] fp32
+    """
+
+    def __init__(self) -> None:
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _put(table: dict[int, torch.Tensor], layer: int, column: int, state: torch.Tensor) -> None:
+        buf = table.get(layer)
+        if buf is None or buf.shape[0] <= column:
+            grown = state.new_empty((max(column + 1, 8, 2 * (0 if buf is None else buf.shape[0])), *state.shape))
+            if buf is not None:
+                grown[: buf.shape[0]].copy_(buf)
+            table[layer] = buf = grown
+        buf[column].copy_(state)
+
+    def record_conv(self, layer: int, column: int, conv: torch.Tensor) -> None:
+        self._put(self.conv, layer, column, conv)  # [C, Kc-1] after token `column`
+
+    def record_ssm(self, layer: int, column: int, ssm: torch.Tensor) -> None:
+        self._put(self.ssm, layer, column, ssm)  # [Hv, Dk, Dv] fp32 after token `column`
+
+    def record(self, layer: int, column: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.record_conv(layer, column, conv)
+        self.record_ssm(layer, column, ssm)
+
+
 @dataclass
 class CacheSnapshot:
     pos: int
@@ -152,6 +184,19 @@ class Cache:
             self.conv_state(i).copy_(t)
         for i, t in snap.ssm.items():
             self.ssm_state(i).copy_(t)
+        self.last_logits_dev = None
+
+    def rollback(self, pos0: int, keep: int, trail: StateTrail) -> None:
+        """After a verify of T tokens from pos0: keep its first `keep` tokens (1 <= keep <= T), drop the
+        rest. KV past the new position is left to be overwritten; each GDN layer's state returns to
+        what it was right after token keep-1 (recorded in `trail` by that verify)."""
+        if not 1 <= keep <= self.pos - pos0:
+            raise MemraError(f"rollback keeps {keep} of the {self.pos - pos0} tokens verified from position {pos0}")
+        if keep < self.pos - pos0:
+            for i in (self.rec.layers if self.rec else ()):
+                self.conv_state(i).copy_(trail.conv[i][keep - 1])
+                self.ssm_state(i).copy_(trail.ssm[i][keep - 1])
+        self.pos = pos0 + keep
         self.last_logits_dev = None
 
     def reset(self) -> None:

@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
+                     help="draft-and-verify decoding: the checkpoint's MTP head, or n-gram prompt lookup "
+                          "(the output is token-identical to plain decoding; only the speed changes)")
+    gen.add_argument("--draft-k", type=int, default=4, help="draft tokens per verify with --speculative (default 4)")
+    gen.add_argument("--dynamic-k", action="store_true", help="adapt the draft length (1..K) to the acceptance")
 
     chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit")
     chat.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
@@ -64,11 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     _add_model_args(gate)
-    gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8)")
+    gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
     gate.add_argument("--batch", default=None, help="batch width (default 4); pp mode: a list, e.g. 1,4,8 (default)")
-    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp"])
-    gate.add_argument("--stages", type=int, default=2, help="pp mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
-    gate.add_argument("--reps", type=int, default=2, help="pp mode: repetitions of the split arm")
+    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec"])
+    gate.add_argument("--stages", type=int, default=2, help="pp/ppspec mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
+    gate.add_argument("--reps", type=int, default=2, help="pp/ppspec mode: repetitions of the split arm")
+    gate.add_argument("--ts", default="2,5,9", help="ppspec mode: verify widths T = K+1 (default 2,5,9: K = 1, 4, 8)")
     gate.add_argument("--plen", type=int, default=20, help="base prompt length (rows get +5 tokens each)")
     return parser
 
@@ -78,13 +84,17 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from memra.gate import run_battery
 
     pp = args.mode == "pp"
-    steps = args.steps if args.steps is not None else (8 if pp else 32)
+    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6}.get(args.mode, 32)
     try:
         batches = tuple(int(b) for b in (args.batch or ("1,4,8" if pp else "4")).split(","))
     except ValueError:
         raise MemraError(f"--batch {args.batch!r} is not a number or a comma-separated list of numbers") from None
-    if steps <= 0 or args.plen <= 0 or args.reps <= 0 or min(batches) <= 0:
-        raise MemraError("--steps, --batch, --plen and --reps must be positive")
+    try:
+        ts = tuple(int(t) for t in args.ts.split(","))
+    except ValueError:
+        raise MemraError(f"--ts {args.ts!r} is not a comma-separated list of verify widths") from None
+    if steps <= 0 or args.plen <= 0 or args.reps <= 0 or min(batches) <= 0 or min(ts) <= 0:
+        raise MemraError("--steps, --batch, --ts, --plen and --reps must be positive")
     if not pp and len(batches) != 1:
         raise MemraError("--batch takes one width outside --mode pp")
     model = memra.load(args.model, device=args.device, dtype=args.dtype, tokenizer=False)
@@ -94,6 +104,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
         ok = run_pp_battery(model, stages=args.stages, batches=batches, steps=steps, reps=args.reps,
                             plen=args.plen, out=out)
+    elif args.mode == "ppspec":
+        from memra.gate.ppspec_battery import run_ppspec_battery
+
+        ok = run_ppspec_battery(model, stages=args.stages, ts=ts, rounds=steps, reps=args.reps, plen=args.plen, out=out)
     else:
         ok = run_battery(model, steps=steps, batch=batches[0], mode=args.mode, plen=args.plen, out=out)
     return 0 if ok else 1
@@ -111,6 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise MemraError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_path, prompt = (args.args if len(args.args) == 2 else ("demo", args.args[0]))
+    from memra.spec import SpecConfig, check_model
+
+    spec = SpecConfig(args.speculative, k=args.draft_k, dynamic_k=args.dynamic_k) if args.speculative else None
     model = memra.load(model_path, device=args.device, dtype=args.dtype)
     tok = model.tokenizer
     if args.chat:
@@ -119,13 +136,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special=False)
     else:
         ids = tok.encode(prompt, add_special=True)
+    if spec is not None:
+        check_model(model, spec)
     stats = GenerationStats()
     detok = IncrementalDetokenizer(tok, skip_special=True)
     out = sys.stdout
     if not args.chat:
         out.write(prompt)
     stream = StopStringFilter(params.stop)
-    for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids):
+    for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids, speculative=spec):
         out.write(stream.push(detok.push(token)))
         out.flush()
         if stream.stopped:
@@ -140,6 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f" at {stats.decode_tokens_per_second:.1f} tok/s, finish: {stats.finish_reason}]",
         file=sys.stderr,
     )
+    if stats.spec is not None:
+        print(f"[{stats.spec.summary()}]", file=sys.stderr)
     return 0
 
 

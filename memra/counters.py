@@ -15,6 +15,13 @@ _counts = {
     "device_sampled_rows": 0,  # rows whose next token was chosen on the device
     "lean_parked_rows": 0,  # sampled rows whose logits were parked in cache.last_logits_dev
     "prime_pieces": 0,  # prefill forwards run by prime (exact path: 64-aligned pieces)
+    # speculative decoding (memra.spec)
+    "spec_verify_forwards": 0,  # decode_step_t calls (T-token verify forwards)
+    "spec_verify_columns": 0,  # tokens they fed (sum of T)
+    "spec_verify_split_walks": 0,  # verify forwards that walked the stage split (MEMRA_SPEC_PP)
+    "spec_drafted_tokens": 0,  # draft tokens proposed to a verify
+    "spec_accepted_tokens": 0,  # ... of which the accept walk kept
+    "spec_rollbacks": 0,  # verifies whose rejected suffix was dropped (trail or replay)
     # pipeline parallelism (memra.pp)
     "pp_split_walks": 0,  # forwards that walked the stage split (any body)
     "pp_boundary_copies": 0,  # boundary payloads handed from one stage to the next

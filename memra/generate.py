@@ -10,8 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from memra import counters
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams, apply_penalties, sample
+from memra.spec import SpecConfig, SpecStats
 
 
 @dataclass
@@ -22,6 +24,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     finish_reason: str = ""  # "stop" (end-of-sequence token) | "length" (max_tokens)
     token_ids: list[int] = field(default_factory=list)
+    spec: SpecStats | None = None  # set when speculative decoding ran
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -30,8 +33,12 @@ class GenerationStats:
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, stats: GenerationStats | None = None,
-                    eos_ids: Sequence[int] = ()) -> Iterator[int]:
-    """Yield generated token ids until an end-of-sequence id or params.max_tokens."""
+                    eos_ids: Sequence[int] = (), speculative: SpecConfig | None = None) -> Iterator[int]:
+    """Yield generated token ids until an end-of-sequence id or params.max_tokens.
+
+    With `speculative`, tokens come from draft-and-verify rounds (memra.spec) — the very tokens this
+    loop yields without it (E4), only more of them per forward.
+    """
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:
@@ -41,6 +48,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
     if len(prompt_ids) >= limit:
         raise ContextOverflowError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
     cache = model.new_cache(min(need, limit))
+    if speculative is not None:
+        yield from _speculative_tokens(model, list(prompt_ids), params, stats, set(eos_ids), speculative, cache)
+        return
     t0 = time.perf_counter()
     logits = model.prime(prompt_ids, cache)
     stats.prefill_seconds = time.perf_counter() - t0
@@ -62,3 +72,69 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
             logits = model.decode_step(token, cache)
     finally:  # also when the consumer stops early (a stop string, a closed pipe)
         stats.decode_seconds = time.perf_counter() - t0
+
+
+def _speculative_tokens(model, prompt: list[int], params: SamplingParams, stats: GenerationStats, stop: set[int],
+                        spec: SpecConfig, cache) -> Iterator[int]:
+    """The plain loop's tokens, a verify at a time. Each emitted token is chosen by the plain loop's
+    rule (penalties over prompt + output so far, step counter = its index); a draft survives only
+    if it equals that choice, so the stream cannot differ from the plain one."""
+    from memra.cache import StateTrail
+    from memra.spec import drop_rejected, make_drafter, next_k, verify_round
+
+    spec_stats = stats.spec = SpecStats()
+    out = stats.token_ids
+    drafter = make_drafter(spec, model, cache, params)
+    t0 = time.perf_counter()
+    logits, hidden = model.prime(prompt, cache, hidden=True) if spec.method == "mtp" else (model.prime(prompt, cache), None)
+    stats.prefill_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trail, ema = StateTrail(), None
+
+    def emit(logits_row, virtual_pos: int) -> tuple[int, bool]:
+        """Choose the next token as the plain loop would; -> (token, finished)."""
+        token = sample(apply_penalties(logits_row, params, prompt, out), params, ctr=len(out))
+        out.append(token)
+        stats.generated_tokens += 1
+        if token in stop:
+            stats.finish_reason = "stop"
+            return token, True
+        if len(out) == params.max_tokens or virtual_pos >= cache.max_ctx:
+            stats.finish_reason = "length"
+            return token, True
+        return token, False
+
+    try:
+        last, done = emit(logits, cache.pos)
+        yield last
+        drafter.start(prompt, hidden, last)
+        while not done:
+            # a verify feeds `last` + k drafts and emits at most k+1 tokens: stay inside both budgets
+            k = max(0, min(next_k(spec, ema), params.max_tokens - len(out) - 1, cache.max_ctx - cache.pos - 1))
+            cache.reserve(k + 1)  # the chained MTP drafts write their KV entries up to here
+            drafts = drafter.propose(k, ctr=len(out)) if k else []
+            chunk = [last, *drafts]
+            logits_t, h_seed, pos0, snap = verify_round(model, cache, last, drafts, spec, trail)
+            keep = 0
+            while not done:
+                token, done = emit(logits_t[keep], pos0 + keep + 1)
+                yield token
+                keep += 1
+                if keep > len(drafts) or drafts[keep - 1] != token:
+                    break
+            spec_stats.verifies += 1
+            spec_stats.drafted += len(drafts)
+            spec_stats.accepted += keep - 1 if keep > len(drafts) or drafts[keep - 1] != token else keep
+            spec_stats.emitted += keep
+            if done:
+                break
+            drop_rejected(model, cache, chunk, keep, pos0, trail, snap)
+            spec_stats.rollbacks += keep < len(chunk)
+            drafter.advance(chunk[:keep], h_seed[:keep], token)
+            last = token
+            accepted = keep - 1
+            ema = accepted if ema is None else 0.7 * ema + 0.3 * accepted
+    finally:
+        stats.decode_seconds = time.perf_counter() - t0
+        counters.bump("spec_drafted_tokens", spec_stats.drafted)
+        counters.bump("spec_accepted_tokens", spec_stats.accepted)

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from memra import counters, doors
-from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache
+from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
 from memra.errors import MemraError
 from memra.kernels.exact import TILE, aligned_cuts, require_exact
 
@@ -40,10 +40,11 @@ def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None) -> torch.Tensor:
+def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
     """Run prompt tokens through the model in chunks, advancing the cache.
 
-    Returns the last position's logits [V] (fp32), or every position's [T, V] when all_logits.
+    Returns the last position's logits [V] (fp32), or every position's [T, V] when all_logits; with
+    hidden=True, (that, final-normed hidden states [T, E]) — what an MTP drafter is seeded from.
     chunk_size defaults to PRIME_CHUNK_MAX_TOKENS and may not exceed it.
     """
     chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
@@ -67,8 +68,8 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
             for piece in _forward_pieces(tokens[start : start + chunk], pos, exact):
                 pieces.append(piece)
                 pos += piece.numel()
-        return prime_split(model, rt, pieces, cache, all_logits)
-    outputs = []
+        return prime_split(model, rt, pieces, cache, all_logits, hidden)
+    outputs, normed = [], []
     h_last = None
     for start in range(0, tokens.numel(), chunk):
         for piece in _forward_pieces(tokens[start : start + chunk], cache.pos, exact):
@@ -76,12 +77,13 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
             h = model.forward_layers(model.embed_tokens(piece), ctx)
             cache.pos += piece.numel()
             counters.bump("prime_pieces")
-            if all_logits:
-                outputs.append(model.logits(model.norm_out(h)))
+            if all_logits or hidden:
+                normed.append(model.norm_out(h))
+                if all_logits:
+                    outputs.append(model.logits(normed[-1]))
             h_last = h[-1:]
-    if all_logits:
-        return torch.cat(outputs)
-    return model.logits(model.norm_out(h_last))[0]
+    out = torch.cat(outputs) if all_logits else model.logits(model.norm_out(h_last))[0]
+    return (out, torch.cat(normed)) if hidden else out
 
 
 def _forward_pieces(tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.Tensor]:
@@ -138,6 +140,83 @@ def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     rt = _pp_runtime(model)
     cache.reserve(1)
     return _decode_rows(model, tokens, [cache], exact, rt)[0]
+
+
+# --- the verify forward (speculative decoding) ---------------------------------------------------------
+
+
+def verify_plan(model, exact: bool) -> str:
+    """The grouping of a verify's T columns: the decode plan's, so each column is computed exactly as
+    decode computes that token (row: alone, B=1 shapes; stacked: one forward on invariant kernels)."""
+    from memra.decode_plan import decode_plan
+
+    plan = decode_plan(model) if exact else "stacked"
+    if plan == "bucket":
+        raise MemraError("MEMRA_DECODE_PLAN=bucket has no verify body (its rows are padded sequences, not one "
+                         "sequence's tokens); use MEMRA_DECODE_PLAN=row or stacked with speculative decoding")
+    return plan
+
+
+def verify_layers(model, h: torch.Tensor, cache: Cache, pos0: int, plan: str, start: int = 0, stop: int | None = None,
+                  trail: StateTrail | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """The one range-scoped verify body, called by the unsplit verify and by each pipeline stage:
+    h [T, E], tokens at pos0..pos0+T-1, through layers [start, stop). Every GDN layer records its state
+    after each column into `trail` (for rollback). Columns are decode steps: attention reads the KV
+    prefix in position order, GDN takes the recurrent form one token at a time."""
+    ctxs = [model.context(cache, pos0 + j, 1, recurrent=True, device=device, trail=trail, column=j)
+            for j in range(h.shape[0])]
+    if plan == "stacked":
+        return model.forward_layers_tokens(h, ctxs, start, stop)
+    return torch.cat([model.forward_layers(h[j : j + 1], ctx, start, stop) for j, ctx in enumerate(ctxs)])
+
+
+def verify_head(model, h: torch.Tensor, plan: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final norm and lm_head grouped as decode groups them. -> (logits [T, V] fp32, normed hidden [T, E])."""
+    if plan == "stacked":
+        normed = model.norm_out(h)
+        return model.logits(normed), normed
+    normed = torch.cat([model.norm_out(h[j : j + 1]) for j in range(h.shape[0])])
+    return torch.cat([model.logits(normed[j : j + 1]) for j in range(h.shape[0])]), normed
+
+
+@torch.inference_mode()
+def decode_step_t(model, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
+    """The verify forward: T = K+1 tokens fed at pos0 (= cache.pos) in one call.
+
+    -> (logits [T, V] fp32, h_seed [T, E]). Column j's logits are bit-identical to what decode_step
+    would return after feeding chunk[0..j] one by one (promise E4); h_seed[j] is the final-normed
+    hidden of column j, the one a drafter (MTP) is re-seeded from after keeping tokens 0..j.
+    The cache advances by T; `Cache.rollback(pos0, keep, trail)` drops a rejected suffix.
+    Under an open PP door the forward takes the stage split (MEMRA_SPEC_PP, default on).
+    """
+    exact = doors.exact_mode()
+    if exact:
+        require_exact(model.dtype, model.device)
+    ids = _as_ids(model, chunk)
+    if pos0 != cache.pos:
+        raise MemraError(f"decode_step_t: pos0={pos0} but the cache stands at {cache.pos}; a verify continues the "
+                         f"sequence where it stands (roll back or restore first)")
+    plan = verify_plan(model, exact)
+    rt = _pp_runtime(model)
+    if rt is not None:
+        from memra.pp.walk import plan_for_pp, refuse_unsplit
+
+        plan = plan_for_pp(plan)
+        if not rt.doors.spec_pp:
+            refuse_unsplit(rt, "decode_step_t", "MEMRA_SPEC_PP=1 (the split verify)")
+            rt = None
+    cache.reserve(ids.numel())  # refuses (context overflow) before any state changes
+    if rt is not None:
+        from memra.pp.walk import walk_verify
+
+        logits, h_seed = walk_verify(model, rt, ids, cache, plan, trail)
+    else:
+        h = verify_layers(model, model.embed_tokens(ids), cache, pos0, plan, trail=trail)
+        logits, h_seed = verify_head(model, h, plan)
+    cache.pos += ids.numel()
+    counters.bump("spec_verify_forwards")
+    counters.bump("spec_verify_columns", ids.numel())
+    return logits, h_seed
 
 
 def _check_batch(model, tokens, caches) -> torch.Tensor:

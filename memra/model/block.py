@@ -29,3 +29,12 @@ class Block:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
         h = h + self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctxs)
         return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
+
+    def forward_tokens(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """h [T, E] -> [T, E]: T consecutive generated tokens of one sequence (the stacked verify body).
+        Attention's stacked form already attends row by row in order, each row after writing its own
+        K/V, so row j sees rows < j exactly as decode would; GDN advances its state token by token."""
+        x = ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
+        mixed = self.mixer.forward_stacked(x, ctxs) if isinstance(self.mixer, Attention) else self.mixer.forward_tokens(x, ctxs)
+        h = h + mixed
+        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))

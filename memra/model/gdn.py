@@ -46,6 +46,8 @@ class GatedDeltaNet:
         else:
             o, new_state = self._chunked(q, k, v, beta, decay, state, ctx.pos0)
         state.copy_(new_state)
+        if ctx.trail is not None:  # a verify column run alone (the row plan)
+            ctx.trail.record(self.layer, ctx.column, conv_state, state)
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
@@ -69,6 +71,39 @@ class GatedDeltaNet:
             c.cache.ssm_state(self.layer).copy_(new_states[i])
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(b_n, g.value_dim), self.wo)
+
+    def forward_tokens(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+        """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
+        pos0 + j). Projections, norms and gates run stacked (batch-invariant kernels give each row
+        the bits of its B=1 call); the conv and the delta rule advance token by token with the very
+        calls decode makes at B=1, so column j's state and output are decode's at that position."""
+        g, t = self.g, x.shape[0]
+        cache, trail = ctxs[0].cache, ctxs[0].trail
+        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
+        conv_out = []
+        for j in range(t):
+            m, new_conv = ops.causal_conv_step(mixed[j : j + 1], conv_state[None], self.conv)
+            conv_state.copy_(new_conv[0])
+            conv_out.append(m)
+            if trail is not None:
+                trail.record_conv(self.layer, j, conv_state)
+        q, k, v = torch.cat(conv_out).split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        q = ops.l2_normalize(q.reshape(t, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
+        k = ops.l2_normalize(k.reshape(t, g.n_k_heads, g.k_head_dim).float())
+        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(t, g.n_v_heads, g.v_head_dim).float()
+        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        outs = []
+        for j in range(t):
+            o, new_state = ops.delta_rule_step(q[j : j + 1], k[j : j + 1], v[j : j + 1], beta[j : j + 1],
+                                               decay[j : j + 1], state[None])
+            state.copy_(new_state[0])
+            outs.append(o)
+            if trail is not None:
+                trail.record_ssm(self.layer, j, state)
+        y = ops.gated_rms_norm(torch.cat(outs).to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
     @staticmethod
     def _chunked(q, k, v, beta, decay, state, pos0):

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from memra.cache import Cache, CacheSnapshot, new_cache
+from memra.cache import Cache, CacheSnapshot, StateTrail, new_cache
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels import ops
@@ -58,14 +58,16 @@ class HybridModel:
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
 
     # --- pieces of a step ---
-    def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool, device: torch.device | None = None) -> StepContext:
-        """The step facts for T tokens at pos0, on `device` (a pipeline stage's; default the model's)."""
+    def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool, device: torch.device | None = None,
+                trail: StateTrail | None = None, column: int = 0) -> StepContext:
+        """The step facts for T tokens at pos0, on `device` (a pipeline stage's; default the model's).
+        A verify column passes the trail its GDN layers record their state into, and its index."""
         device = self.device if device is None else device
         positions = torch.arange(pos0, pos0 + n_tokens, device=device)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq.to(device), self.dtype)
         read_rows = cache.kv.slot_index(cache.blocks, 0, pos0 + n_tokens, device)  # shared by every attention layer
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
-                           kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows)
+                           kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows, trail=trail, column=column)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] (no scaling)."""
@@ -84,6 +86,13 @@ class HybridModel:
             h = block.forward_stacked(h, ctxs)
         return h
 
+    def forward_layers_tokens(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
+                              stop: int | None = None) -> torch.Tensor:
+        """The stacked verify walk over layers [start, stop): h [T, E], T consecutive tokens of one sequence."""
+        for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
+            h = block.forward_tokens(h, ctxs)
+        return h
+
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
 
@@ -97,10 +106,10 @@ class HybridModel:
             raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.cfg.max_position} positions")
         return new_cache(self.cfg, max_ctx, self.dtype, self.device)
 
-    def prime(self, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None) -> torch.Tensor:
+    def prime(self, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
         from memra.step import prime
 
-        return prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size)
+        return prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size, hidden=hidden)
 
     def decode_step(self, token: int, cache: Cache) -> torch.Tensor:
         from memra.step import decode_step
@@ -116,6 +125,11 @@ class HybridModel:
         from memra.step import decode_step_batch_sampled
 
         return decode_step_batch_sampled(self, tokens, caches, samp, lean=lean)
+
+    def decode_step_t(self, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
+        from memra.step import decode_step_t
+
+        return decode_step_t(self, chunk, pos0, cache, trail=trail)
 
     def restore(self, cache: Cache, snap: CacheSnapshot) -> None:
         cache.restore(snap)

@@ -8,7 +8,8 @@ bit (E2); the boundary only moves bytes.
 
 Bodies:
   walk_rows      one decode step for rows of a wave (B=1 decode_step, decode_step_batch, dual waves)
-  walk_tokens    T tokens of one sequence (prime pieces; the verify forward reuses it)
+  walk_tokens    T tokens of one sequence (prime pieces)
+  walk_verify    the T = K+1 verify forward of speculative decoding (step.verify_layers per stage)
   prime_split    prime through the split, piece by piece, or as the PP-2 chunk pipeline
   decode_waves   the dual-active PP-2 body: two waves in flight on alternating boundary slots
 """
@@ -127,32 +128,54 @@ def walk_tokens(model, rt: PpRuntime, piece: torch.Tensor, cache, recurrent: boo
     return _walk_stages(model, rt, piece, body)
 
 
+def walk_verify(model, rt: PpRuntime, ids: torch.Tensor, cache, plan: str, trail=None):
+    """The verify forward (T = K+1 tokens of one sequence) through the stage split: each stage runs
+    step.verify_layers over its range — the body the unsplit verify runs over [0, L) — and the [T, E]
+    residual crosses each boundary by byte copy. -> (logits [T, V], h_seed [T, E]) on the last stage;
+    the cache position is not advanced (decode_step_t does that once)."""
+    from memra.step import verify_head, verify_layers
+
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def body(s: int, h: torch.Tensor) -> torch.Tensor:
+        st = rt.stages[s]
+        h = verify_layers(model, h, cache, cache.pos, plan, *st.layers, trail=trail, device=st.device)
+        if s == rt.n_stages - 1:
+            out.append(verify_head(model, h, plan))
+        return h
+
+    _walk_stages(model, rt, ids, body)
+    counters.bump("spec_verify_split_walks")
+    return out[0]
+
+
 # --- prime ---------------------------------------------------------------------------------------------
 
 
-def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_logits: bool) -> torch.Tensor:
+def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_logits: bool, hidden: bool = False):
     """Prime pieces through the split. With MEMRA_PRIME_PIPE (default on) and 2 stages and more than
     one piece, stage 1 of piece k runs while stage 0 runs piece k+1 (each stage only touches its own
-    layers' state, and the boundary alternates its two slots)."""
+    layers' state, and the boundary alternates its two slots). Returns what step.prime returns."""
     if rt.n_stages == 2 and rt.doors.prime_pipe and len(pieces) > 1:
-        return _prime_pipelined(model, rt, pieces, cache, all_logits)
-    outs, last = [], None
-    for piece in pieces:
-        h = walk_tokens(model, rt, piece, cache, recurrent=False)
-        cache.pos += piece.numel()
-        counters.bump("prime_split_chunks")
-        counters.bump("prime_pieces")
-        with rt.stages[-1].scope():
-            if all_logits:
-                outs.append(model.logits(model.norm_out(h)))
-            last = h[-1:]
+        outs = _prime_pipelined(model, rt, pieces, cache)
+    else:
+        outs = []
+        for piece in pieces:
+            h = walk_tokens(model, rt, piece, cache, recurrent=False)
+            cache.pos += piece.numel()
+            counters.bump("prime_split_chunks")
+            counters.bump("prime_pieces")
+            outs.append(h)
     with rt.stages[-1].scope():
-        out = torch.cat(outs) if all_logits else model.logits(model.norm_out(last))[0]
+        normed = [model.norm_out(h) for h in outs] if all_logits or hidden else []
+        out = torch.cat([model.logits(n) for n in normed]) if all_logits else model.logits(model.norm_out(outs[-1][-1:]))[0]
+        result = (out, torch.cat(normed)) if hidden else out
     rt.publish_to(rt.n_stages - 1, _caller_stream(model))
-    return out
+    return result
 
 
-def _prime_pipelined(model, rt: PpRuntime, pieces, cache, all_logits: bool) -> torch.Tensor:
+def _prime_pipelined(model, rt: PpRuntime, pieces, cache) -> list[torch.Tensor]:
+    """-> each piece's last-stage hidden [n, E] (pre-norm), in order."""
     caller = _caller_stream(model)
     rt.fence_stages_behind(caller)
     starts = []
@@ -177,18 +200,14 @@ def _prime_pipelined(model, rt: PpRuntime, pieces, cache, all_logits: bool) -> t
             with rt.section("prime_pipe_overlaps"), st1.scope():
                 h = rt.rx(0, (base + k) % 2)
                 ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st1.device)
-                h = model.forward_layers(h, ctx, *st1.layers)
-                outs.append(model.logits(model.norm_out(h)) if all_logits else h[-1:])
+                outs.append(model.forward_layers(h, ctx, *st1.layers))
         return outs
 
     _, outs = rt.run_concurrent([stage0, stage1])
     cache.pos = starts[-1] + pieces[-1].numel()
     counters.bump("prime_split_chunks", len(pieces))
     counters.bump("prime_pieces", len(pieces))
-    with st1.scope():
-        out = torch.cat(outs) if all_logits else model.logits(model.norm_out(outs[-1]))[0]
-    rt.publish_to(1, caller)
-    return out
+    return outs
 
 
 # --- dual-active PP-2 -------------------------------------------------------------------------------
