@@ -67,6 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("file", help="a UTF-8 text file")
     ppl.add_argument("--ctx", type=int, default=512, help="tokens per scored window (default 512)")
     ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming, /metrics)")
+    srv.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
+    srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    srv.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=32, help="sequences running at once (default 32)")
+    srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
+    srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
+    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /tokenize")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
+    from memra.server.bench import add_bench_parser
+
+    add_bench_parser(sub)
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     _add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
@@ -117,7 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
-    from memra.tokenizer import IncrementalDetokenizer
+    from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
@@ -170,7 +185,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
-    from memra.tokenizer import IncrementalDetokenizer
+    from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
 
     model = memra.load(args.model, device=args.device, dtype=args.dtype)
     tok = model.tokenizer
@@ -208,29 +223,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
-class StopStringFilter:
-    """Streams text but holds back any tail that could still grow into a stop string; on a match,
-    emits the text before it and stops (the stop string itself is not printed, as in OpenAI's API)."""
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
 
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.pending, self.stopped = stops, "", False
+    import memra
+    from memra.server.api import build_app
+    from memra.server.engine import Engine, EngineConfig
+    from memra.server.metrics import Metrics
 
-    def push(self, text: str) -> str:
-        if not self.stops or self.stopped:
-            return "" if self.stopped else text
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
-        return out
+    cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
+                       max_waiting=args.max_waiting)
+    if not 0 < args.port < 65536:
+        raise MemraError(f"--port must be in 1..65535, got {args.port}")
+    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
+    name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
+    metrics = Metrics(name)
+    app = build_app(Engine(model, cfg, metrics), name, api_key=args.api_key, metrics=metrics)
+    import uvicorn
 
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -275,10 +291,16 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from memra.server.bench import cmd_bench
+
+    return cmd_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
-                "gate": cmd_gate, "chat": cmd_chat}
+                "gate": cmd_gate, "chat": cmd_chat, "serve": cmd_serve, "bench": _cmd_bench}
     try:
         return commands[args.command](args)
     except MemraError as e:

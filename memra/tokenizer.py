@@ -423,6 +423,31 @@ class IncrementalDetokenizer:
         return self._utf8.decode(b"", final=True)
 
 
+class StopStringFilter:
+    """Streams text but holds back any tail that could still grow into a stop string; on a match,
+    emits the text before it and stops (the stop string itself is not printed, as in OpenAI's API)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.pending, self.stopped = stops, "", False
+
+    def push(self, text: str) -> str:
+        if not self.stops or self.stopped:
+            return "" if self.stopped else text
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loading a HF directory
 # ---------------------------------------------------------------------------------------------------

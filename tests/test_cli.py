@@ -67,7 +67,7 @@ def test_generation_stops_at_eos(load_model):
 
 
 def test_stop_strings_end_generation_without_printing_the_stop():
-    from memra.cli import StopStringFilter
+    from memra.tokenizer import StopStringFilter
 
     f = StopStringFilter(("SCENE I.",))
     pieces = ["ACT I.\n\nSC", "ENE", " I", ". A Room"]

@@ -1,0 +1,1 @@
+"""The serving layer: request scheduling and the HTTP front end."""

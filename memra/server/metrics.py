@@ -1,0 +1,52 @@
+"""Prometheus metrics of the server, `memra:`-prefixed (vLLM's names with our prefix where they exist).
+
+Each server owns its registry (no process-global one), so tests can run several servers. The
+process-wide liveness counters of memra.counters (pipeline walks, peer probes, speculation, ...) are
+exported as they are at scrape time, as `memra:<name>_total`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from memra import counters
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class _LivenessCounters:
+    """memra.counters as Prometheus counters, read at scrape time."""
+
+    def collect(self):
+        for name, value in sorted(counters.snapshot().items()):
+            fam = CounterMetricFamily(f"memra:{name}", f"memra liveness counter {name} (memra.counters)")
+            fam.add_metric([], value)
+            yield fam
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry()
+        label = {"model_name": model_name}
+        self.running = Gauge("memra:num_requests_running", "Sequences being prefilled or decoded", registry=r)
+        self.waiting = Gauge("memra:num_requests_waiting", "Sequences queued or preempted", registry=r)
+        self.kv_usage = Gauge("memra:kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)", registry=r)
+        self.prompt_tokens = Counter("memra:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("memra:generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter("memra:request_success", "Sequences finished normally",
+                                       ["finish_reason"], registry=r)
+        self.preemptions = Counter("memra:num_preemptions", "Sequences swapped out to make room", registry=r)
+        self.ttft = Histogram("memra:time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.inter_token = Histogram("memra:inter_token_latency_seconds", "Between consecutive tokens of a sequence",
+                                     registry=r, buckets=_LATENCY_BUCKETS)
+        self.batch_size = Histogram("memra:decode_batch_size", "Rows per batched decode step", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.info = Gauge("memra:model_info", "The served model", list(label), registry=r)
+        self.info.labels(**label).set(1)
+        r.register(_LivenessCounters())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,387 @@
+"""The continuous-batching scheduler: per engine step, who prefills how much, who decodes, who is
+swapped out and who resumes.
+
+Pure Python and deterministic (no torch, no clock, no randomness), so it is unit-tested without a
+model. The engine calls `schedule()`, executes the `StepPlan` (swap_out, then swap_in, then the
+prefill chunks and one decode token per decode rid), and reports with `step_done()`.
+
+Policy
+------
+Accounting. The scheduler counts KV blocks and recurrent slots; the engine's pools must hold at
+least `total_blocks` blocks and `total_slots` slots, and the counts here never exceed them. A RUNNING
+sequence holds ceil(in_cache / block_size) blocks, where in_cache = prefilled + max(generated - 1, 0)
+(the newest sampled token is not fed yet). `schedule()` reserves the blocks the step will write (a
+prefill chunk, or 1 token for a decode); `step_done()` trims back to what was really written. Every
+RUNNING sequence holds one recurrent slot; WAITING and SWAPPED sequences hold neither blocks nor a
+slot (a swapped one's state is on the host, which the engine owns). So the running set is capped by
+min(max_running, total_slots).
+
+One step, in this order:
+1. Decode. Every RUNNING sequence that is fully prefilled and has sampled >= 1 token decodes one
+   token, oldest first, 1 budget token each (if the budget runs out the youngest wait a step). When a
+   decode needs a block and none is free, the RUNNING sequence with the latest arrival is swapped out
+   (possibly the one asking, if it is the latest), repeatedly, until the block fits. Latest-first
+   means the oldest sequence always makes progress; a preempted sequence does not run this step.
+2. Prefill of RUNNING sequences still in their prompt, oldest first, each one chunk (below). If a
+   chunk that the budget allows gets no block at all, that sequence swaps out younger RUNNING
+   sequences that are not scheduled this step (latest first) until some chunk fits — otherwise
+   prefillers that hold every block between them would wait for each other for ever.
+3. Resume SWAPPED sequences, oldest first, then admit WAITING ones, first come first served. Each
+   needs room in the running set (which is also a free slot), the budget for its step, and the blocks
+   for its whole cache plus what the step writes. Resumed sequences run in this very step: the engine
+   swaps them in before running it, so a resumed decoder is in `decode` and a resumed prefiller in
+   `prefill` (swap_in is always a subset of the rids that run). This phase is strictly ordered: at the
+   first candidate that cannot start, it stops, so a waiting request is never admitted while an older
+   swapped one cannot resume, and nobody jumps the queue. It is skipped entirely when this step
+   preempted anything (memory is short: resuming would only thrash) or when a RUNNING prefiller could
+   not be scheduled (new work would keep taking the budget and blocks it waits for).
+   A consequence: running + swapped never exceeds the running-set cap (admission happens only when
+   no swapped sequence is left), so host memory for swapped state is bounded too.
+
+Prefill chunks. A sequence at `start` with budget b and room for r more tokens in its blocks plus the
+free ones: n = min(prompt_len - start, b, r); if start + n < prompt_len, start + n is rounded down to a
+multiple of prefill_align; if that leaves n <= 0 it is not scheduled this step. Every cut therefore
+lands on an absolute multiple of prefill_align or on the prompt end, which the engine's exactness
+relies on (E5). The chunk that reaches the prompt end samples the sequence's first token.
+
+Liveness. Whenever anything is RUNNING, the oldest RUNNING sequence (or, when it is a prefiller
+blocked by the budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING
+the oldest swapped or waiting sequence starts with the whole pool (add() refuses a request whose
+prompt_len + max_tokens cannot fit it). Swapping loses no work, so every request finishes.
+
+Finished and cancelled sequences are forgotten at once (memory stays bounded for a long-running
+server): `get()` raises KeyError for them and the rid may be reused. Reports about a rid cancelled
+while its step was in flight are ignored. A sequence that reaches max_tokens is finished by the
+scheduler even if the engine did not list it, so a missed report cannot overrun the block bound.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+
+class QueueFull(Exception):
+    """add() when the waiting queue is at its bound: the server answers 429 instead of queueing without limit."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 32  # sequences in the running set (prefilling or decoding) at once
+    token_budget: int = 2048  # max tokens per step: decode tokens (1 per decoding seq) + prefill tokens
+    prefill_align: int = 64  # chunk cuts land on absolute multiples of this (or the prompt end)
+    max_waiting: int = 256  # bound on the waiting queue (never unbounded)
+    block_size: int = 16  # KV tokens per block
+    total_blocks: int = 1024  # KV blocks in the shared pool
+    total_slots: int | None = None  # recurrent-state slots (hybrid models); None = unlimited (no GDN layers)
+
+    def __post_init__(self) -> None:
+        names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
+        if self.total_slots is not None:
+            names.append("total_slots")
+        for name in names:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
+        if self.token_budget < self.prefill_align:
+            raise ValueError(
+                f"SchedulerConfig.token_budget ({self.token_budget}) must be >= prefill_align ({self.prefill_align}): "
+                f"otherwise a prompt longer than the budget could never be cut on an aligned position")
+
+    @property
+    def max_admitted(self) -> int:
+        """The running-set cap: each running sequence needs a recurrent slot as well as a place."""
+        return self.max_running if self.total_slots is None else min(self.max_running, self.total_slots)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, never admitted; holds nothing
+    RUNNING = "running"  # admitted: holds its blocks and a recurrent slot
+    SWAPPED = "swapped"  # preempted: its state is on the host; holds nothing here
+    FINISHED = "finished"  # done or cancelled; forgotten by the scheduler
+
+
+@dataclass
+class Sequence:
+    """The scheduler's view of one request (the engine owns tokens and tensors)."""
+
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    arrival: int  # monotonically increasing admission order
+    status: Status
+    prefilled: int = 0  # prompt tokens already in the cache
+    generated: int = 0  # tokens sampled so far (the first comes from the last prefill chunk)
+    blocks: int = 0  # KV blocks held (reserved for the step in flight, between schedule and step_done)
+    block_size: int = 16  # copied from the config so blocks_needed needs no arguments beyond the tokens
+
+    @property
+    def in_cache(self) -> int:
+        """Tokens in the KV cache: the newest sampled token is not fed until the next decode."""
+        return self.prefilled + max(self.generated - 1, 0)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= self.prompt_len
+
+    @property
+    def decode_ready(self) -> bool:
+        """Fully prefilled, has a sampled token to feed, and not yet at max_tokens."""
+        return self.prefill_done and 1 <= self.generated < self.max_tokens
+
+    def blocks_needed(self, extra_tokens: int = 0) -> int:
+        """Blocks this sequence must hold for its cache plus `extra_tokens` more (a total, not a delta)."""
+        return -(-(self.in_cache + extra_tokens) // self.block_size)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    prefill: list[tuple[str, int, int]]  # (rid, start position, n tokens), cuts aligned (module docstring)
+    decode: list[str]  # rids that decode one token (fully prefilled, generated >= 1)
+    swap_out: list[str]  # preempt BEFORE the step: the engine copies KV + recurrent state to host and frees it
+    swap_in: list[str]  # resume BEFORE the step: the engine copies the state back (they run in this step)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill or self.decode or self.swap_out or self.swap_in)
+
+
+class Scheduler:
+    """Owns the queue, the running set and the block/slot counts; see the module docstring for the policy."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        # Every live sequence, in arrival order (dicts keep insertion order and add() appends), so
+        # iterating it is iterating oldest first.
+        self._seqs: dict[str, Sequence] = {}
+        self._waiting: deque[str] = deque()  # WAITING rids, first come first served
+        self._free = cfg.total_blocks
+        self._arrivals = 0
+        # The plan in flight, until step_done: what each rid was told to do (checks the engine's report).
+        self._planned_prefill: dict[str, int] = {}
+        self._planned_decode: set[str] = set()
+        self._in_flight = False
+
+    # --- requests ---
+    def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        """Queue a request. ValueError if it is malformed, a live duplicate, or could never fit the pool;
+        QueueFull when max_waiting requests are already waiting (a bad request is refused first)."""
+        if prompt_len < 1 or max_tokens < 1:
+            raise ValueError(f"{rid}: prompt_len and max_tokens must be >= 1, got {prompt_len} and {max_tokens}")
+        if rid in self._seqs:
+            raise ValueError(f"{rid}: a request with this id is already queued or running")
+        need = -(-(prompt_len + max_tokens) // self.cfg.block_size)
+        if need > self.cfg.total_blocks:
+            raise ValueError(
+                f"{rid}: {prompt_len} prompt + {max_tokens} new tokens need {need} KV blocks of {self.cfg.block_size} "
+                f"tokens, but the pool has {self.cfg.total_blocks}; shorten the prompt or lower max_tokens")
+        if len(self._waiting) >= self.cfg.max_waiting:
+            raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
+        self._seqs[rid] = Sequence(rid, prompt_len, max_tokens, self._arrivals, Status.WAITING,
+                                   block_size=self.cfg.block_size)
+        self._arrivals += 1
+        self._waiting.append(rid)
+
+    def cancel(self, rid: str) -> bool:
+        """End a request in any state and free what it holds. -> whether it was known and unfinished."""
+        seq = self._seqs.get(rid)
+        if seq is None:
+            return False
+        self._finish(seq)
+        return True
+
+    # --- the step ---
+    def schedule(self) -> StepPlan:
+        if self._in_flight:
+            raise RuntimeError("schedule() called before step_done() reported the previous plan")
+        budget = self.cfg.token_budget
+        prefill: list[tuple[str, int, int]] = []
+        decode: list[str] = []
+        swap_out: list[str] = []
+        swap_in: list[str] = []
+        scheduled: set[str] = set()
+
+        def preempt(victim: Sequence) -> None:
+            self._free += victim.blocks
+            victim.blocks = 0
+            victim.status = Status.SWAPPED
+            swap_out.append(victim.rid)
+
+        # 1. Decode, oldest first; out of blocks -> swap out the latest arrival until the block fits.
+        for seq in self._with(Status.RUNNING):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or not seq.decode_ready:
+                continue
+            while seq.blocks_needed(1) > seq.blocks + self._free:
+                victim = max((s for s in self._with(Status.RUNNING) if s.blocks and s.rid not in scheduled),
+                             key=lambda s: s.arrival)  # never empty: `seq` itself qualifies
+                preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self._reserve(seq, 1)
+                decode.append(seq.rid)
+                scheduled.add(seq.rid)
+                budget -= 1
+
+        # 2. Running prefillers, oldest first; one with no block at all swaps out younger idle ones.
+        blocked = False
+        for seq in self._with(Status.RUNNING):
+            if seq.status is not Status.RUNNING or seq.prefill_done:
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0 and self._chunk(seq, budget, blocks=False) > 0:
+                for victim in reversed(self._with(Status.RUNNING)):
+                    if victim.arrival <= seq.arrival:
+                        break
+                    if victim.rid in scheduled or not victim.blocks:
+                        continue
+                    preempt(victim)
+                    n = self._chunk(seq, budget)
+                    if n:
+                        break
+            if n == 0:
+                blocked = True
+                continue
+            prefill.append((seq.rid, seq.prefilled, n))
+            self._reserve(seq, n)
+            scheduled.add(seq.rid)
+            budget -= n
+
+        # 3. Resume swapped (oldest first), then admit waiting (FCFS); stop at the first that cannot start.
+        if not blocked and not swap_out:
+            candidates = self._with(Status.SWAPPED) + [self._seqs[rid] for rid in self._waiting]
+            for seq in candidates:
+                if self.num_running() >= self.cfg.max_admitted:
+                    break
+                decoder = seq.decode_ready  # a swapped sequence preempted between tokens
+                if decoder:
+                    if budget < 1 or seq.blocks_needed(1) > self._free:
+                        break
+                    n = 1
+                else:
+                    n = self._chunk(seq, budget)
+                    if n == 0:
+                        break
+                if seq.status is Status.SWAPPED:
+                    swap_in.append(seq.rid)
+                else:
+                    self._waiting.popleft()  # candidates follow the queue's order
+                seq.status = Status.RUNNING
+                self._reserve(seq, n)
+                if decoder:
+                    decode.append(seq.rid)
+                else:
+                    prefill.append((seq.rid, seq.prefilled, n))
+                scheduled.add(seq.rid)
+                budget -= n
+
+        self._planned_prefill = {rid: n for rid, _, n in prefill}
+        self._planned_decode = set(decode)
+        self._in_flight = bool(prefill or decode)
+        return StepPlan(prefill, decode, swap_out, swap_in)
+
+    def step_done(self, prefilled: dict[str, int], sampled: list[str], finished: list[str]) -> None:
+        """The engine's report on the plan in flight.
+
+        prefilled: rid -> prompt tokens written this step (the planned chunk; a planned rid left out
+        made no progress); sampled: rids that got one new token (a completed prefill samples its
+        first); finished: rids that are done (EOS / max_tokens / stop string) and are freed. Reports
+        about rids no longer live (cancelled during the step) are ignored. Everything is checked
+        before anything changes, so a bad report leaves the scheduler as it was."""
+        live = self._seqs
+        grown: dict[str, int] = {}
+        for rid, n in prefilled.items():
+            if rid not in live or n == 0:
+                continue
+            planned = self._planned_prefill.get(rid, 0)
+            if n != planned:  # a partial chunk could end off the alignment grid
+                raise ValueError(f"{rid}: reported {n} prefilled tokens, the plan said {planned}")
+            grown[rid] = n
+        if len(set(sampled)) != len(sampled):
+            raise ValueError(f"a rid is reported sampled twice in one step: {sampled}")
+        completes = {rid for rid, n in grown.items() if live[rid].prefilled + n == live[rid].prompt_len}
+        for rid in sampled:
+            if rid in live and rid not in self._planned_decode and rid not in completes:
+                raise ValueError(f"{rid}: reported sampled, but it neither decoded nor completed its prefill this step")
+        unsampled = sorted(completes - set(sampled) - set(finished))
+        if unsampled:  # it would sit prefilled with no token to feed, neither prefilling nor decoding
+            raise ValueError(f"{unsampled[0]}: its prefill completed but no first token was reported sampled")
+
+        for rid, n in grown.items():
+            live[rid].prefilled += n
+        for rid in sampled:
+            if rid in live:
+                live[rid].generated += 1
+        for rid in finished:
+            if rid in live:
+                self._finish(live[rid])
+        for rid in list(self._planned_prefill) + list(self._planned_decode):
+            seq = live.get(rid)
+            if seq is None:
+                continue
+            if seq.generated >= seq.max_tokens:
+                self._finish(seq)
+                continue
+            keep = seq.blocks_needed(0)  # give back what was reserved but not written
+            self._free += seq.blocks - keep
+            seq.blocks = keep
+        self._planned_prefill, self._planned_decode, self._in_flight = {}, set(), False
+
+    # --- views ---
+    def free_blocks(self) -> int:
+        return self._free
+
+    def free_slots(self) -> int | None:
+        return None if self.cfg.total_slots is None else self.cfg.total_slots - self.num_running()
+
+    def num_running(self) -> int:
+        return sum(s.status is Status.RUNNING for s in self._seqs.values())
+
+    def num_waiting(self) -> int:
+        """Waiting includes SWAPPED: both are requests not running now."""
+        return len(self._seqs) - self.num_running()
+
+    def get(self, rid: str) -> Sequence:
+        """A live sequence; KeyError for an unknown, finished or cancelled rid."""
+        return self._seqs[rid]
+
+    @property
+    def kv_usage(self) -> float:
+        """Used blocks / total (reservations for the step in flight count as used)."""
+        return (self.cfg.total_blocks - self._free) / self.cfg.total_blocks
+
+    # --- internals ---
+    def _with(self, status: Status) -> list[Sequence]:
+        """A snapshot, oldest first: callers change statuses while iterating."""
+        return [s for s in self._seqs.values() if s.status is status]
+
+    def _chunk(self, seq: Sequence, budget: int, *, blocks: bool = True) -> int:
+        """Prompt tokens `seq` may prefill now: the rule in the module docstring (0 = not this step)."""
+        room = budget
+        if blocks:  # its own blocks' slack plus every free block (a swapped/waiting one holds none)
+            room = min(room, (seq.blocks + self._free) * self.cfg.block_size - seq.in_cache)
+        end = seq.prefilled + max(0, min(seq.prompt_len - seq.prefilled, room))
+        if end < seq.prompt_len:
+            end -= end % self.cfg.prefill_align
+        return max(0, end - seq.prefilled)
+
+    def _reserve(self, seq: Sequence, tokens: int) -> None:
+        need = seq.blocks_needed(tokens)
+        extra = need - seq.blocks
+        assert extra <= self._free, f"{seq.rid}: reserving {extra} blocks with {self._free} free"
+        if extra > 0:
+            self._free -= extra
+            seq.blocks = need
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING:
+            self._waiting.remove(seq.rid)
+        self._free += seq.blocks
+        seq.blocks = 0
+        seq.status = Status.FINISHED
+        del self._seqs[seq.rid]
+        self._planned_prefill.pop(seq.rid, None)
+        self._planned_decode.discard(seq.rid)
