@@ -240,11 +240,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
     name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
     metrics = Metrics(name)
-    app = build_app(Engine(model, cfg, metrics), name, api_key=args.api_key, metrics=metrics)
+    engine = Engine(model, cfg, metrics)
+    done = lambda: print(f"memra serve: drained and stopped after {engine.steps} engine steps", file=sys.stderr)
+    app = build_app(engine, name, api_key=args.api_key, metrics=metrics, on_shutdown=done)
     import uvicorn
 
     print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
           file=sys.stderr)
+    # On SIGINT/SIGTERM uvicorn stops accepting, lets in-flight requests finish, runs the app's shutdown
+    # (the engine drains), then re-raises the signal so the exit status says how the server ended.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
     return 0
 

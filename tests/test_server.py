@@ -291,3 +291,43 @@ def test_graceful_shutdown_drains_in_flight_requests(demo):
     assert r.json()["choices"][0]["text"] == offline(demo, PROMPTS[1], max_tokens=80)
     with pytest.raises(httpx.HTTPError):
         httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+
+
+def test_memra_serve_command_answers_and_exits_cleanly_on_sigterm():
+    """The CLI entry point end to end: `memra serve` on a free port, one request, SIGTERM -> exit 0."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "memra", "serve", "demo", "--port", str(port), "--max-batch", "2",
+                             "--max-ctx", "256", "--api-key", KEY], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no start"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "drained and stopped" in err, err
+    bad = subprocess.run([sys.executable, "-m", "memra", "serve", "demo", "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--port must be" in bad.stderr

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,7 +62,7 @@ class _Job:
 
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, metrics=None,
-              drain_timeout: float = 30.0) -> FastAPI:
+              drain_timeout: float = 30.0, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     tok = engine.model.tokenizer
     max_len = min(engine.cfg.max_ctx, engine.model.cfg.max_position)
 
@@ -72,6 +72,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
             engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, drain_timeout)
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="memra", lifespan=lifespan)
 
