@@ -170,7 +170,19 @@ class Engine:
         self._commands.put(("cancel", list(rids)))
         self._wake.set()
 
-    def start(self) -> "Engine":
+    def warm_up(self) -> None:
+        """Pay the first-use costs before the first request does: the decode plan's on-model check,
+        kernel compilation, allocator growth (a scratch sequence, outside the shared pools)."""
+        c = self.model.new_cache(2 * EXACT_PIECE)
+        try:
+            logits = self.model.prime(list(range(1, EXACT_PIECE + 3)), c)
+            self.model.decode_step_batch([int(logits.argmax())], [c])
+        finally:
+            c.free()
+
+    def start(self, warm_up: bool = True) -> "Engine":
+        if warm_up:
+            self.warm_up()
         self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
         self._thread.start()
         return self
