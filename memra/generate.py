@@ -115,16 +115,18 @@ def _speculative_tokens(model, prompt: list[int], params: SamplingParams, stats:
             drafts = drafter.propose(k, ctr=len(out)) if k else []
             chunk = [last, *drafts]
             logits_t, h_seed, pos0, snap = verify_round(model, cache, last, drafts, spec, trail)
-            keep = 0
+            keep = accepted = 0
             while not done:
                 token, done = emit(logits_t[keep], pos0 + keep + 1)
                 yield token
                 keep += 1
-                if keep > len(drafts) or drafts[keep - 1] != token:
-                    break
+                if keep <= len(drafts) and drafts[keep - 1] == token:
+                    accepted += 1  # the draft was the token plain decoding chose: its column stands
+                    continue
+                break
             spec_stats.verifies += 1
             spec_stats.drafted += len(drafts)
-            spec_stats.accepted += keep - 1 if keep > len(drafts) or drafts[keep - 1] != token else keep
+            spec_stats.accepted += accepted
             spec_stats.emitted += keep
             if done:
                 break
@@ -132,7 +134,6 @@ def _speculative_tokens(model, prompt: list[int], params: SamplingParams, stats:
             spec_stats.rollbacks += keep < len(chunk)
             drafter.advance(chunk[:keep], h_seed[:keep], token)
             last = token
-            accepted = keep - 1
             ema = accepted if ema is None else 0.7 * ema + 0.3 * accepted
     finally:
         stats.decode_seconds = time.perf_counter() - t0
