@@ -156,8 +156,9 @@ def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_log
     """Prime pieces through the split. With MEMRA_PRIME_PIPE (default on) and 2 stages and more than
     one piece, stage 1 of piece k runs while stage 0 runs piece k+1 (each stage only touches its own
     layers' state, and the boundary alternates its two slots). Returns what step.prime returns."""
+    keep_all = all_logits or hidden  # else only each piece's last row is kept (long prompts)
     if rt.n_stages == 2 and rt.doors.prime_pipe and len(pieces) > 1:
-        outs = _prime_pipelined(model, rt, pieces, cache)
+        outs = _prime_pipelined(model, rt, pieces, cache, keep_all)
     else:
         outs = []
         for piece in pieces:
@@ -165,17 +166,17 @@ def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_log
             cache.pos += piece.numel()
             counters.bump("prime_split_chunks")
             counters.bump("prime_pieces")
-            outs.append(h)
+            outs.append(h if keep_all else h[-1:])
     with rt.stages[-1].scope():
-        normed = [model.norm_out(h) for h in outs] if all_logits or hidden else []
+        normed = [model.norm_out(h) for h in outs] if keep_all else []
         out = torch.cat([model.logits(n) for n in normed]) if all_logits else model.logits(model.norm_out(outs[-1][-1:]))[0]
         result = (out, torch.cat(normed)) if hidden else out
     rt.publish_to(rt.n_stages - 1, _caller_stream(model))
     return result
 
 
-def _prime_pipelined(model, rt: PpRuntime, pieces, cache) -> list[torch.Tensor]:
-    """-> each piece's last-stage hidden [n, E] (pre-norm), in order."""
+def _prime_pipelined(model, rt: PpRuntime, pieces, cache, keep_all: bool) -> list[torch.Tensor]:
+    """-> each piece's last-stage hidden [n, E] (pre-norm; only its last row unless keep_all), in order."""
     caller = _caller_stream(model)
     rt.fence_stages_behind(caller)
     starts = []
@@ -200,7 +201,8 @@ def _prime_pipelined(model, rt: PpRuntime, pieces, cache) -> list[torch.Tensor]:
             with rt.section("prime_pipe_overlaps"), st1.scope():
                 h = rt.rx(0, (base + k) % 2)
                 ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st1.device)
-                outs.append(model.forward_layers(h, ctx, *st1.layers))
+                h = model.forward_layers(h, ctx, *st1.layers)
+                outs.append(h if keep_all else h[-1:])
         return outs
 
     _, outs = rt.run_concurrent([stage0, stage1])
