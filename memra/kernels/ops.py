@@ -10,6 +10,9 @@ because exactness depends on it:
 
 `invariant_kernels(device)` says whether the second table is live; the decode plan uses it to
 decide whether B rows may run as one stacked forward (memra.decode_plan).
+
+`linear` also takes a GGUF-packed weight (memra.kernels.quant.QuantWeight): the same choice, between
+the fused dequantizing kernels (quant_triton) and their pure-torch twin (quant.reference_linear).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import functools
 import torch
 
 from memra import doors
-from memra.kernels import reference
+from memra.kernels import quant, reference
 from memra.kernels.reference import (  # ops with no fast twin: elementwise, or never batch-shaped
     apply_rope,
     causal_attention,
@@ -59,7 +62,16 @@ def _impl(x: torch.Tensor):
     return _triton() if x.is_cuda and invariant_kernels(x.device) else reference
 
 
+@functools.cache
+def _quant_triton():
+    from memra.kernels import quant_triton  # importable wherever triton_ops is (both need only Triton)
+
+    return quant_triton
+
+
 def linear(x, w, b=None):
+    if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
+        return (quant if _impl(x) is reference else _quant_triton()).linear(x, w, b)
     return _impl(x).linear(x, w, b)
 
 

@@ -1,0 +1,214 @@
+"""GGUF-packed weights (memra.kernels.quant) and the fused dequantizing matmuls (memra.kernels.quant_triton).
+
+- the torch quantizers against gguf's: Q8_0 byte for byte; Q4_K (gguf has no quantizer) by its round-trip
+  error, and by decoding our bytes with gguf and with memra to the same bits;
+- the kernels' weight values: an identity x turns the matmul into a read-out of the weight tile, which
+  must equal qw.dequantize(dtype) to the bit -- so the kernels and the twin differ only in summation order;
+- the kernels against the twin (fp32: 2e-5 relative; bf16: two output roundings, 2^-6, as
+  tests/test_triton_kernels.py) and against themselves across row counts, bit for bit;
+- refusals, and which implementation ops.linear picks.
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from memra.errors import MemraError
+from memra.kernels import ops, quant
+from memra.kernels.quant import QType, QuantWeight
+
+DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2 ** -6}
+QTYPES = [QType.Q8_0, QType.Q4_K]
+SHAPES = {QType.Q8_0: [(40, 96), (64, 320)], QType.Q4_K: [(40, 256), (64, 512)]}  # (N, K): N not a tile multiple, K in 1-2 blocks' worth
+
+
+def rnd(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale
+
+
+def close(a, b, dtype):
+    a, b = a.float(), b.float()
+    assert a.shape == b.shape
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    assert err <= TOL[dtype], f"relative error {err:.3g} over {TOL[dtype]:.3g}"
+
+
+def same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def weight(n, k, seed=1):
+    """A weight with the awkward cases in it: rows of very different scale, and an all-zero block."""
+    w = rnd(n, k, seed=seed) * torch.linspace(0.01, 3.0, n)[:, None]
+    w[1, :32] = 0
+    return w
+
+
+# --- quantizers --------------------------------------------------------------------------------------
+
+
+def test_q8_0_quantize_is_byte_identical_to_gguf():
+    w = weight(12, 160)
+    w[2, 40:72] = torch.arange(32) - 15.5  # exact .5 products: gguf rounds half away from zero
+    qw = quant.quantize_q8_0(w)
+    ref = gguf.quants.quantize(w.numpy(), QType.Q8_0)
+    assert qw.data.shape == ref.shape and np.array_equal(qw.data.numpy(), ref)
+    same_bits(qw.dequantize(torch.float32), torch.from_numpy(gguf.quants.dequantize(ref, QType.Q8_0)))
+
+
+def test_q4_k_round_trip_and_bytes_decode_like_gguf():
+    w = weight(10, 512)
+    w[3, 256:288] = 0.7  # a constant sub-block (positive: min 0) and a constant negative one
+    w[4, :32] = -0.2
+    qw = quant.quantize_q4_k(w)
+    assert qw.data.shape == (10, 2 * 144) and qw.nbytes == 10 * 2 * 144
+    deq = qw.dequantize(torch.float32)
+    same_bits(deq, torch.from_numpy(gguf.quants.dequantize(qw.data.numpy(), QType.Q4_K)))
+    # 4-bit levels over each 32-value sub-block's range: RMS error ~ step / sqrt(12), about 7% of a
+    # Gaussian's RMS (llama.cpp's quantizer lands there too). No value strays past a couple of steps,
+    # plus the 6-bit code of the sub-block's min, which is only as fine as the super-block's dmin.
+    rms = lambda t: t.square().mean(1).sqrt()
+    rel = rms(deq - w) / rms(w).clamp_min(1e-30)
+    assert rel.max().item() < 0.1, rel
+    sub, err = w.view(-1, 32), (deq - w).view(-1, 32).abs()
+    step = (sub.amax(1) - sub.amin(1).clamp(max=0)) / 15
+    dmin = qw.data.view(-1, 144)[:, 2:4].contiguous().view(torch.float16).float().repeat_interleave(8)  # [sub-blocks]
+    assert (err.amax(1) <= 2 * step + dmin).all()
+
+
+def test_quant_weight_api():
+    w = weight(8, 64)
+    qw = quant.quantize_q8_0(w, torch.bfloat16)
+    assert qw.shape == (8, 64) and qw.dtype == torch.bfloat16 and qw.device == torch.device("cpu")
+    assert qw.nbytes == 8 * 2 * 34
+    same_bits(qw.dequantize(), qw.dequantize(torch.float32).to(torch.bfloat16))
+    moved = qw.to("cpu")
+    assert moved.qtype == qw.qtype and moved.shape == qw.shape and torch.equal(moved.data, qw.data)
+    wrapped = QuantWeight.from_gguf(qw.data.reshape(-1), QType.Q8_0, (8, 64), torch.bfloat16)  # flat file bytes
+    same_bits(wrapped.dequantize(), qw.dequantize())
+
+
+def test_bad_shapes_and_types_are_refused_clearly():
+    with pytest.raises(MemraError, match="multiple of 32"):
+        quant.quantize_q8_0(rnd(4, 48))
+    with pytest.raises(MemraError, match="multiple of 256"):
+        quant.quantize_q4_k(rnd(4, 128))
+    with pytest.raises(MemraError, match="multiple of 256"):
+        QuantWeight(QType.Q4_K, torch.zeros(4, 72, dtype=torch.uint8), (4, 128), torch.float32)
+    with pytest.raises(MemraError, match="bytes of shape"):
+        QuantWeight(QType.Q8_0, torch.zeros(4, 33, dtype=torch.uint8), (4, 32), torch.float32)
+    with pytest.raises(MemraError, match="dequantized at load"):
+        QuantWeight(QType.Q6_K, torch.zeros(4, 210, dtype=torch.uint8), (4, 256), torch.float32)
+    qw = quant.quantize_q8_0(rnd(4, 64))
+    with pytest.raises(MemraError, match="expects 64"):
+        quant.reference_linear(rnd(2, 32), qw)
+    with pytest.raises(MemraError, match="returns torch.float32"):
+        quant.reference_linear(rnd(2, 64).bfloat16(), qw)
+    with pytest.raises(MemraError, match="bias torch.bfloat16"):
+        quant.reference_linear(rnd(2, 64), qw, rnd(4).bfloat16())
+    with pytest.raises(MemraError, match="bytes of shape"):
+        QuantWeight.from_gguf(qw.data.reshape(-1)[:-1], QType.Q8_0, (4, 64), torch.float32)
+
+
+# --- the fused kernels -------------------------------------------------------------------------------
+
+
+def test_weight_products_are_exact_in_fp32():
+    """Why the kernels may let the compiler fuse multiply-adds: Q4_K's (d * scale) * q and dmin * min, and
+    Q8_0's d * q, are exact in fp32 for every fp16 d, so only the final subtraction ever rounds. The
+    significand width is what matters (exponents stay far inside fp32's range): all 1024 fp16
+    significands, the smallest subnormal and the largest value, against every scale and q."""
+    h = torch.arange(0x3C00, 0x4000, dtype=torch.int32).to(torch.int16).view(torch.float16)  # [1, 2)
+    d = torch.cat((h.float(), torch.tensor([2.0 ** -24, 65504.0])))[:, None, None]  # [D, 1, 1]
+    scale = torch.arange(64, dtype=torch.float32)[None, :, None]  # 6-bit scale or min
+    q4 = torch.arange(16, dtype=torch.float32)[None, None, :]
+    dl = d * scale
+    assert torch.equal(dl.double(), d.double() * scale.double())
+    assert torch.equal((dl * q4).double(), dl.double() * q4.double())
+    q8 = torch.arange(-128, 128, dtype=torch.float32)[None, :]
+    assert torch.equal((d[:, :, 0] * q8).double(), d[:, :, 0].double() * q8.double())
+
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_weight_values_equal_the_dequantizer(qtype, dtype):
+    from memra.kernels import quant_triton
+
+    n, k = SHAPES[qtype][0]
+    qw = quant.quantize(weight(n, k, seed=2), qtype, dtype).to(DEVICE)
+    eye = torch.eye(k, dtype=dtype, device=DEVICE)  # y[i, n] = sum_k [k == i] w[n, k] = w[n, i], exactly
+    same_bits(quant_triton.linear(eye, qw).t().contiguous(), qw.dequantize(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
+    from memra.kernels import quant_triton
+
+    fused = {QType.Q8_0: quant_triton.q8_0_linear, QType.Q4_K: quant_triton.q4_k_linear}[qtype]
+    for i, (n, k) in enumerate(SHAPES[qtype]):
+        qw = quant.quantize(weight(n, k, seed=3 + i), qtype, dtype).to(DEVICE)
+        bias = rnd(n, seed=5).to(DEVICE, dtype) if i == 0 else None
+        x = rnd(64, k, seed=4).to(DEVICE, dtype)
+        full = fused(x, qw, bias)
+        for m in (1, 2, 7, 33, 64):
+            part = fused(x[:m], qw, bias)
+            close(part, quant.reference_linear(x[:m], qw, bias), dtype)
+            same_bits(part, full[:m])  # the same rows inside a smaller call
+        same_bits(fused(x[5:6], qw, bias)[0], full[5])  # row 5 moved to the front
+
+
+@needs_triton
+def test_fused_linear_takes_leading_dims_and_refuses_other_formats():
+    from memra.kernels import quant_triton
+
+    qw = quant.quantize_q8_0(weight(40, 96)).to(DEVICE)
+    x = rnd(2, 3, 96, seed=6).to(DEVICE)
+    y = quant_triton.q8_0_linear(x, qw)
+    assert y.shape == (2, 3, 40)
+    same_bits(y.reshape(6, 40), quant_triton.q8_0_linear(x.reshape(6, 96), qw))
+    assert quant_triton.q8_0_linear(x[:0, 0], qw).shape == (0, 40)
+    with pytest.raises(MemraError, match="got a Q8_0 weight"):
+        quant_triton.q4_k_linear(x, qw)
+    with pytest.raises(MemraError, match="expects 96"):
+        quant_triton.q8_0_linear(x[..., :64], qw)
+
+
+# --- dispatch ----------------------------------------------------------------------------------------
+
+
+def test_ops_linear_runs_the_twin_on_cpu():
+    qw = quant.quantize_q4_k(weight(24, 256))
+    x, b = rnd(5, 256, seed=7), rnd(24, seed=8)
+    same_bits(ops.linear(x, qw, b), quant.reference_linear(x, qw, b))
+    w = qw.dequantize()
+    same_bits(ops.linear(x, w, b), ops.reference.linear(x, w, b))  # dense weights: unchanged
+
+
+@needs_triton
+def test_ops_linear_runs_the_fused_kernel_where_invariant_kernels_live(monkeypatch):
+    from memra.kernels import quant_triton
+
+    monkeypatch.setattr(ops, "_impl", lambda x: ops._triton())  # as on CUDA in exact mode
+    qw = quant.quantize_q8_0(weight(40, 96))
+    x = rnd(3, 96, seed=9)
+    calls = []
+    monkeypatch.setattr(quant_triton, "linear", lambda *a: calls.append(a) or quant_triton.q8_0_linear(*a))
+    same_bits(ops.linear(x, qw), quant_triton.q8_0_linear(x, qw))
+    assert len(calls) == 1
