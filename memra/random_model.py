@@ -82,15 +82,32 @@ def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+QUANTIZED_LEAVES = ("wqkv", "wo", "w_in", "w_gate_up", "w_down", "lm_head", "fc", "shared_gate_up", "shared_down")
+QUANT_FORMATS = ("q8_0", "q4_k")
+
+
+def _qtype(name: str):
+    import gguf
+
+    return {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_k": gguf.GGMLQuantizationType.Q4_K}[name]
+
+
 @torch.inference_mode()
 def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 n_layers: int | None = None, seed: int = 0):
-    """A HybridModel of a named real shape with seeded random weights, built on `device`."""
+                 n_layers: int | None = None, seed: int = 0, quant: str | None = None):
+    """A HybridModel of a named real shape with seeded random weights, built on `device`.
+
+    quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
+    (memra.kernels.quant.QuantWeight), as a quantized checkpoint would be served; embeddings, norms,
+    the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
     from memra.loading.checkpoint import FP32_WEIGHTS
     from memra.model.hybrid import HybridModel
 
     if name not in SHAPES:
         raise MemraError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    if quant is not None and quant not in QUANT_FORMATS:
+        raise MemraError(f"unknown weight format {quant!r}; known: {', '.join(QUANT_FORMATS)} (or None for {dtype})")
+    from memra.kernels.quant import quantize
     cfg = SHAPES[name](n_layers)
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -109,4 +126,6 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
             if leaf in ("wo", "w_down", "shared_down"):
                 t.mul_(0.5)
         weights[k] = t.to(torch.float32 if leaf in FP32_WEIGHTS else dtype)
+        if quant is not None and leaf in QUANTIZED_LEAVES and t.dim() == 2:
+            weights[k] = quantize(weights[k], _qtype(quant), dtype)
     return HybridModel(cfg, weights, dev, dtype, source=f"random:{name}")

@@ -212,3 +212,20 @@ def test_ops_linear_runs_the_fused_kernel_where_invariant_kernels_live(monkeypat
     monkeypatch.setattr(quant_triton, "linear", lambda *a: calls.append(a) or quant_triton.q8_0_linear(*a))
     same_bits(ops.linear(x, qw), quant_triton.q8_0_linear(x, qw))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("fmt,tol", [("q8_0", 0.05), ("q4_k", 0.6)])
+def test_random_model_serves_packed_weights(monkeypatch, fmt, tol):
+    """random_model(quant=...) keeps the projections packed; the model runs and stays near the dense one
+    (Q8_0: a few % of the logit scale; Q4_K: coarser, ~7% weight error compounding over two layers)."""
+    import memra.random_model as rm
+
+    monkeypatch.setitem(rm.SHAPES, "tiny-test", lambda n: rm._llama(n or 2, 256, 4, 2, 512, 512))
+    dense = rm.random_model("tiny-test", "cpu", torch.float32)
+    packed = rm.random_model("tiny-test", "cpu", torch.float32, quant=fmt)
+    assert isinstance(packed.blocks[0].mixer.wqkv, QuantWeight) and isinstance(packed.lm_head, QuantWeight)
+    a, b = dense.new_cache(32), packed.new_cache(32)
+    la, lb = dense.prime([1, 2, 3, 4, 5], a), packed.prime([1, 2, 3, 4, 5], b)
+    assert (la - lb).abs().max() / la.abs().max() < tol
+    with pytest.raises(MemraError, match="unknown weight format"):
+        rm.random_model("tiny-test", "cpu", torch.float32, quant="q2_k")
