@@ -115,6 +115,19 @@ class StateTrail:
             table[layer] = buf = grown
         buf[column].copy_(state)
 
+    @staticmethod
+    def _put_all(table: dict[int, torch.Tensor], layer: int, states: torch.Tensor) -> None:
+        buf = table.get(layer)
+        if buf is None or buf.shape[0] < states.shape[0] or buf.shape[1:] != states.shape[1:]:
+            table[layer] = buf = states.new_empty((max(states.shape[0], 8), *states.shape[1:]))
+        buf[: states.shape[0]].copy_(states)
+
+    def record_conv_all(self, layer: int, states: torch.Tensor) -> None:
+        self._put_all(self.conv, layer, states)  # [T, C, Kc-1]: after each of T tokens
+
+    def record_ssm_all(self, layer: int, states: torch.Tensor) -> None:
+        self._put_all(self.ssm, layer, states)  # [T, Hv, Dk, Dv]
+
     def record_conv(self, layer: int, column: int, conv: torch.Tensor) -> None:
         self._put(self.conv, layer, column, conv)  # [C, Kc-1] after token `column`
 

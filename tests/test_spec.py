@@ -219,6 +219,8 @@ def test_stacked_verify_body_follows_decode_order(load_model):
         assert (logits[j] - row).abs().max().item() < 1e-4 * row.abs().max().item()
     for i in model.cfg.gdn_layers:
         assert (trail.ssm[i][len(CHUNK) - 1] - a.ssm_state(i)).abs().max().item() < 1e-5
+        assert (trail.conv[i][len(CHUNK) - 1] - a.conv_state(i)).abs().max().item() < 1e-5
+        assert torch.equal(trail.conv[i][len(CHUNK) - 1], b.conv_state(i))  # the trail's last column is the state
 
 
 @pytest.mark.parametrize("stages", [2, 3])

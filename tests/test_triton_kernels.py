@@ -89,6 +89,26 @@ def test_delta_rule_step_matches_twin_and_is_row_invariant():
     same_bits(s1, s_new[2])
 
 
+def test_delta_rule_scan_is_decode_steps_in_order():
+    """The verify's one-call scan over T tokens == T decode steps (the same kernel at T=1), bit for
+    bit, state after every token included; and == its pure-torch twin within fp32 rounding."""
+    t, h, dk, dv = 5, 3, 16, 40
+    q = reference.l2_normalize(rnd(1, t, h, dk, seed=20))
+    k = reference.l2_normalize(rnd(1, t, h, dk, seed=21))
+    v, s0 = rnd(1, t, h, dv, seed=22), rnd(1, h, dk, dv, seed=23)
+    beta = torch.sigmoid(rnd(1, t, h, seed=24))
+    g = -torch.rand(1, t, h, generator=torch.Generator().manual_seed(25)).to(DEVICE)
+    o, states = tk.delta_rule_scan(q, k, v, beta, g, s0)
+    s = s0[0]
+    for j in range(t):  # decode: one token at a time, state through memory
+        oj, s = tk.delta_rule_step(q[0, j], k[0, j], v[0, j], beta[0, j], g[0, j], s)
+        same_bits(oj, o[0, j])
+        same_bits(s, states[0, j])
+    o_ref, states_ref = reference.delta_rule_scan(q, k, v, beta, g, s0)
+    close(o, o_ref, torch.float32)
+    close(states, states_ref, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_attention_matches_twin(dtype):
     n_blocks, block, hkv, hq, d = 6, 16, 2, 6, 32

@@ -36,7 +36,7 @@ from memra.kernels.reference import (  # ops with no fast twin: elementwise, or 
 )
 
 __all__ = [
-    "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_step", "gated_rms_norm",
+    "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
     "gdn_chunk", "gdn_gates", "gdn_recurrent", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
     "moe_route", "paged_decode_attention", "rms_norm", "rope_cos_sin", "silu_mul",
 ]
@@ -89,6 +89,10 @@ def gated_rms_norm(o, z, w, eps):
 
 def delta_rule_step(q, k, v, beta, g, s):
     return _impl(q).delta_rule_step(q, k, v, beta, g, s)
+
+
+def delta_rule_scan(q, k, v, beta, g, s):
+    return _impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
 
 def gdn_recurrent(q, k, v, beta, g, state):

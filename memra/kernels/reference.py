@@ -173,6 +173,19 @@ def delta_rule_step(q, k, v, beta, g, s):
     return (s * q[..., :, None]).sum(-2), s
 
 
+def delta_rule_scan(q, k, v, beta, g, s, step=None):
+    """n sequences x T tokens of the delta rule, one token at a time. q, k [n, T, H, Dk], v [n, T, H, Dv],
+    beta, g [n, T, H], s [n, H, Dk, Dv] fp32 -> (o [n, T, H, Dv], the state after each token
+    [n, T, H, Dk, Dv]). The verify's GDN (T tokens, n = 1) in one call."""
+    step = step or delta_rule_step
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        o, s = step(q[:, t], k[:, t], v[:, t], beta[:, t], g[:, t], s)
+        outs.append(o)
+        states.append(s)
+    return torch.stack(outs, dim=1), torch.stack(states, dim=1)
+
+
 def gdn_chunk(q, k, v, beta, g, state):
     """The delta rule over one chunk of n tokens in closed (WY) form; algebraically equal to gdn_recurrent.
 

@@ -150,41 +150,60 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 # --- Gated DeltaNet recurrent step ---------------------------------------------------------------
 
 
-@triton.jit
-def _delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, DK, DV,
+@triton.jit(do_not_specialize=["T"])
+def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
                             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
-    # One program per (row x head, block of value columns): those columns of the state evolve
-    # independently of every other column and every other row.
-    r = tl.program_id(0)
+    # One program per (sequence x head, block of value columns): those columns of the state evolve
+    # independently of every other column, head and sequence. The program walks its T tokens in order
+    # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
+    # Decode calls it with T=1 per row, the verify with T tokens of one sequence: T is a runtime value
+    # (not specialised, not even for 1), so both run the same machine code and a token's step has the
+    # same bits either way (between calls the fp32 state round-trips through memory exactly).
+    r = tl.program_id(0)  # sequence * H + head
+    n, h = r // H, r % H
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     ck = tl.arange(0, BLOCK_DK)
     mk, mv = ck < DK, cv < DV
     m2 = mk[:, None] & mv[None, :]
     s = tl.load(s_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
-    k = tl.load(k_ptr + r * DK + ck, mask=mk, other=0.0)
-    q = tl.load(q_ptr + r * DK + ck, mask=mk, other=0.0)
-    v = tl.load(v_ptr + r * DV + cv, mask=mv, other=0.0)
-    s = s * tl.exp(tl.load(g_ptr + r))
-    predicted = tl.sum(s * k[:, None], axis=0)  # S^T k  [BDV]
-    delta = (v - predicted) * tl.load(beta_ptr + r)
-    s = s + k[:, None] * delta[None, :]
-    tl.store(o_ptr + r * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
-    tl.store(s_out_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+    for t in range(T):
+        row = (n * T + t) * H + h  # token t of sequence n, head h
+        k = tl.load(k_ptr + row * DK + ck, mask=mk, other=0.0)
+        q = tl.load(q_ptr + row * DK + ck, mask=mk, other=0.0)
+        v = tl.load(v_ptr + row * DV + cv, mask=mv, other=0.0)
+        s = s * tl.exp(tl.load(g_ptr + row))
+        predicted = tl.sum(s * k[:, None], axis=0)  # S^T k  [BDV]
+        delta = (v - predicted) * tl.load(beta_ptr + row)
+        s = s + k[:, None] * delta[None, :]
+        tl.store(o_ptr + row * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
+        tl.store(s_out_ptr + row * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+
+
+def delta_rule_scan(q, k, v, beta, g, s):
+    """n sequences x T tokens of the delta rule, in order. q, k [n, T, H, DK], v [n, T, H, DV],
+    beta, g [n, T, H], s [n, H, DK, DV] (fp32) -> (o [n, T, H, DV], state after each token
+    [n, T, H, DK, DV]). Same contract as reference.delta_rule_scan."""
+    n, t, h, dk = q.shape
+    dv = v.shape[-1]
+    args = [x.contiguous().float() for x in (q, k, v, beta, g)]
+    s_in = s.reshape(n * h, dk, dv).contiguous()
+    o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(n, t, h, dk, dv, dtype=torch.float32, device=q.device)
+    if n * t * h:
+        grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
+        _delta_rule_scan_kernel[grid](*args, s_in, o, s_out, t, h, dk, dv,
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+    return o, s_out
 
 
 def delta_rule_step(q, k, v, beta, g, s):
-    """Same contract as reference.delta_rule_step (fp32 throughout); leading dims flattened to rows."""
+    """Same contract as reference.delta_rule_step (fp32 throughout): one token for each row of the
+    leading dims — the scan kernel with T = 1, so decode and the verify share its code."""
     dk, dv = q.shape[-1], v.shape[-1]
     lead = q.shape[:-1]
     rows = q.numel() // dk
-    args = [t.reshape(-1).contiguous().float() for t in (q, k, v, beta, g)]
-    s_in = s.reshape(rows, dk, dv).contiguous()
-    o = torch.empty(rows, dv, dtype=torch.float32, device=q.device)
-    s_out = torch.empty_like(s_in)
-    if rows:
-        grid = (rows, triton.cdiv(dv, GDN_BLOCK_DV))
-        _delta_rule_step_kernel[grid](*args, s_in, o, s_out, dk, dv,
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+    o, s_out = delta_rule_scan(q.reshape(rows, 1, 1, dk), k.reshape(rows, 1, 1, dk), v.reshape(rows, 1, 1, dv),
+                               beta.reshape(rows, 1, 1), g.reshape(rows, 1, 1), s.reshape(rows, 1, dk, dv))
     return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)
 
 

@@ -74,35 +74,33 @@ class GatedDeltaNet:
 
     def forward_tokens(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
         """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
-        pos0 + j). Projections, norms and gates run stacked (batch-invariant kernels give each row
-        the bits of its B=1 call); the conv and the delta rule advance token by token with the very
-        calls decode makes at B=1, so column j's state and output are decode's at that position."""
+        pos0 + j), each computed as decode computes it, in three calls instead of T:
+        - projections, norms and gates stacked (batch-invariant kernels: a row's bits are its B=1 call's);
+        - the conv over the T tokens at once: per element the very multiply-adds of decode's
+          causal_conv_step, in the same order (elementwise ops are position-invariant on the GPU);
+        - the delta rule as one scan over the T tokens in order: decode's own kernel (T=1 per row
+          there), so every token's step has decode's bits. The state after each token is kept for
+          rollback (the trail)."""
         g, t = self.g, x.shape[0]
         cache, trail = ctxs[0].cache, ctxs[0].trail
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
-        conv_out = []
-        for j in range(t):
-            m, new_conv = ops.causal_conv_step(mixed[j : j + 1], conv_state[None], self.conv)
-            conv_state.copy_(new_conv[0])
-            conv_out.append(m)
-            if trail is not None:
-                trail.record_conv(self.layer, j, conv_state)
-        q, k, v = torch.cat(conv_out).split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        if trail is not None:  # conv state after token j = the Kc-1 raw inputs ending at j
+            window = torch.cat((conv_state.to(mixed.dtype), mixed.t()), dim=1)  # [C, Kc-1+T]
+            trail.record_conv_all(self.layer, window.unfold(1, conv_state.shape[-1], 1)[:, 1:].permute(1, 0, 2))
+        mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
+        conv_state.copy_(new_conv)
+        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
         q = ops.l2_normalize(q.reshape(t, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
         k = ops.l2_normalize(k.reshape(t, g.n_k_heads, g.k_head_dim).float())
         q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
         v = v.reshape(t, g.n_v_heads, g.v_head_dim).float()
         beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
-        outs = []
-        for j in range(t):
-            o, new_state = ops.delta_rule_step(q[j : j + 1], k[j : j + 1], v[j : j + 1], beta[j : j + 1],
-                                               decay[j : j + 1], state[None])
-            state.copy_(new_state[0])
-            outs.append(o)
-            if trail is not None:
-                trail.record_ssm(self.layer, j, state)
-        y = ops.gated_rms_norm(torch.cat(outs).to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        o, states = ops.delta_rule_scan(q[None], k[None], v[None], beta[None], decay[None], state[None])
+        state.copy_(states[0, -1])
+        if trail is not None:
+            trail.record_ssm_all(self.layer, states[0])
+        y = ops.gated_rms_norm(o[0].to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
     @staticmethod
