@@ -89,6 +89,27 @@ def test_delta_rule_step_matches_twin_and_is_row_invariant():
     same_bits(s1, s_new[2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_rows_is_each_row_alone(dtype):
+    """One launch over R rows (decode's B sequences, or a verify's T positions of one sequence) gives
+    every row the bits of its own single-row call, and the twin's values."""
+    n_blocks, block, hkv, hq, d = 8, 16, 2, 4, 32
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=30), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=31)
+    table = torch.tensor([6, 2, 7, 0, 3], device=DEVICE)
+    flat = lambda n: table[torch.arange(n, device=DEVICE) // block] * block + torch.arange(n, device=DEVICE) % block
+    rows = flat(70)
+    lens = torch.tensor([1, 17, 33, 70, 16], device=DEVICE)  # the verify's shape: prefixes of one table
+    starts = torch.zeros_like(lens)
+    q = rnd(5, hq, d, dtype=dtype, seed=32)
+    out = tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17)
+    close(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17), dtype)
+    for r, n in enumerate(lens.tolist()):
+        same_bits(tk.paged_decode_attention(q[r], k_pool, v_pool, rows[:n], 0.17), out[r])
+    packed = torch.cat([rows[:n] for n in lens.tolist()])  # decode's shape: one table per row, concatenated
+    offs = torch.cumsum(lens, 0) - lens
+    same_bits(tk.paged_attention_rows(q, k_pool, v_pool, packed, offs, lens, 0.17), out)
+
+
 def test_delta_rule_scan_is_decode_steps_in_order():
     """The verify's one-call scan over T tokens == T decode steps (the same kernel at T=1), bit for
     bit, state after every token included; and == its pure-torch twin within fp32 rounding."""

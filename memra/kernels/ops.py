@@ -38,7 +38,7 @@ from memra.kernels.reference import (  # ops with no fast twin: elementwise, or 
 __all__ = [
     "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
     "gdn_chunk", "gdn_gates", "gdn_recurrent", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
-    "moe_route", "paged_decode_attention", "rms_norm", "rope_cos_sin", "silu_mul",
+    "moe_route", "paged_attention_rows", "paged_decode_attention", "rms_norm", "rope_cos_sin", "silu_mul",
 ]
 
 
@@ -97,6 +97,10 @@ def delta_rule_scan(q, k, v, beta, g, s):
 
 def gdn_recurrent(q, k, v, beta, g, state):
     return reference.gdn_recurrent(q, k, v, beta, g, state, step=delta_rule_step)
+
+
+def paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale):
+    return _impl(q).paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
 
 
 def paged_decode_attention(q, k_pool, v_pool, rows, scale):

@@ -97,6 +97,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return causal_attention(q[None], k, v, rows.numel() - 1, scale)[0]
 
 
+def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                         starts: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """R query rows, each over its own paged prefix rows[starts[r] : starts[r] + lens[r]]. q [R, Hq, D]
+    -> [R, Hq, D]. Row by row through paged_decode_attention (the definition)."""
+    out = [paged_decode_attention(q[r], k_pool, v_pool, rows[int(a) : int(a) + int(n)], scale)
+           for r, (a, n) in enumerate(zip(starts.tolist(), lens.tolist()))]
+    return torch.stack(out) if out else q.new_empty(q.shape)
+
+
 # --- Gated DeltaNet ----------------------------------------------------------------------------
 
 

@@ -211,22 +211,29 @@ def delta_rule_step(q, k, v, beta, g, s):
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, S, scale, GROUP: tl.constexpr,
-                             HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    # One program per query head; the prefix is visited in position order, BLOCK_S positions a step,
-    # with an online softmax in fp32. `rows` maps position -> flat KV-pool row (the page table, resolved).
-    h = tl.program_id(0)
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, Hq, scale,
+                             GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_S: tl.constexpr):
+    # One program per (query row, head). Query row r attends over its own prefix: positions 0..S-1 whose
+    # flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one launch serves
+    # B sequences of decode or the T columns of a verify, and no length is a compile-time value). The
+    # prefix is visited in position order, BLOCK_S positions a step, with an online softmax in fp32 —
+    # the same order whatever the batch, so a row's bits are its own.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
     kvh = h // GROUP
+    start = tl.load(starts_ptr + r)
+    S = tl.load(lens_ptr + r)
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
-    q = tl.load(q_ptr + h * D + cd, mask=md, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + (r * Hq + h) * D + cd, mask=md, other=0.0).to(tl.float32)
     m_run = tl.full((), float("-inf"), tl.float32)
     l_run = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for s0 in range(0, S, BLOCK_S):
         ps = s0 + tl.arange(0, BLOCK_S)
         ms = ps < S
-        rows = tl.load(rows_ptr + ps, mask=ms, other=0)
+        rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
         base = (rows * HKV + kvh) * D
         kt = tl.load(k_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
         scores = tl.sum(kt * q[None, :], axis=1) * scale
@@ -238,17 +245,29 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, S, scale, GRO
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         l_run = l_run * alpha + tl.sum(p, axis=0)
         m_run = m_new
-    tl.store(o_ptr + h * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+    tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+
+
+def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                         starts: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """R query rows, each over its own paged prefix, in one launch. q [R, Hq, D]; k/v_pool
+    [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] : starts[r] +
+    lens[r]] in position order (its own K/V already written, last). -> [R, Hq, D]."""
+    n, hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    o = torch.empty_like(q)
+    if n:
+        _decode_attention_kernel[(n, hq)](q.contiguous(), k_pool, v_pool, rows.contiguous(), starts.contiguous(),
+                                          lens.contiguous(), o, hq, scale, GROUP=hq // hkv, HKV=hkv, D=d,
+                                          BLOCK_D=triton.next_power_of_2(d), BLOCK_S=ATTN_BLOCK_S)
+    return o
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One new query per head over a paged prefix. q [Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
-    rows [S] flat pool rows of positions 0..S-1 (the new token's K/V already written). -> [Hq, D]."""
-    hq, d = q.shape
-    hkv = k_pool.shape[-2]
-    o = torch.empty_like(q)
-    _decode_attention_kernel[(hq,)](q.contiguous(), k_pool, v_pool, rows.contiguous(), o, rows.numel(), scale,
-                                    GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
-                                    BLOCK_S=ATTN_BLOCK_S)
-    return o
+    rows [S] flat pool rows of positions 0..S-1 (the new token's K/V already written). -> [Hq, D].
+    The multi-row kernel with one row, so B=1 decode, batched decode and the verify share its code."""
+    zero = torch.zeros(1, dtype=torch.long, device=q.device)
+    lens = torch.full((1,), rows.numel(), dtype=torch.long, device=q.device)
+    return paged_attention_rows(q[None], k_pool, v_pool, rows, zero, lens, scale)[0]
