@@ -551,10 +551,12 @@ def memra_offline(model_path, device: str | None = None, dtype: str | None = Non
 # ---------------------------------------------------------------------------------------------------
 
 def add_bench_parser(sub) -> None:
-    """`memra bench serve ...` on the CLI's subparsers (memra.cli wires it; `python -m memra.server.bench`
-    runs it alone)."""
-    bench = sub.add_parser("bench", help="benchmarks")
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    """`memra bench serve ...` and `memra bench model ...` on the CLI's subparsers (memra.cli wires it;
+    `python -m memra.server.bench` runs it alone). The model benchmark lives in memra.benchmark."""
+    from memra.benchmark import add_model_parser
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load-test a server), model (tokens/s vs roofline and HF)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,model}")
     p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server; checks that no request is lost")
     d = ServeBenchConfig()
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
@@ -583,10 +585,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", default=None, help="device for --offline-check")
     p.add_argument("--dtype", default=None, help="dtype for --offline-check")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report (per request too) as JSON")
+    add_model_parser(kinds)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Exit 0 when nothing was lost, duplicated or failed and every check passed; 1 otherwise."""
+    """serve: exit 0 when nothing was lost, duplicated or failed and every check passed; 1 otherwise.
+    model: memra.benchmark.cmd_model (exit 1 when a cell failed)."""
+    if args.bench_command == "model":
+        from memra.benchmark import cmd_model
+
+        return cmd_model(args)
     cfg = ServeBenchConfig(requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
                            min_prompt_words=args.min_prompt_words, max_prompt_words=args.max_prompt_words,
                            min_tokens=args.min_tokens, max_tokens=args.max_tokens,
