@@ -19,8 +19,9 @@ Every number gets two yardsticks measured in the same run:
 Cells that do not fit the time budget are recorded as skipped, cells that fail as failed (with the
 error) — the report always has every requested cell. Importable: `run_bench(BenchConfig(...))`.
 
-Weights: only "bf16" runs today. "q8_0" and "q4_k" (GGUF-style block quantization) are the planned
-formats; `BenchConfig` refuses them by name until their kernels land (WEIGHT_FORMATS is the hook).
+Weights: "bf16", or "q8_0" / "q4_k": every 2-D projection kept packed in that GGUF format and run by
+the fused dequantizing kernels (memra.kernels.quant); its roofline counts the packed bytes. The HF
+peer runs only for bf16 (it has no kernels for these packed formats).
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ from memra.random_model import SHAPES, canonical_shapes
 
 # --- configuration -------------------------------------------------------------------------------
 
-WEIGHT_FORMATS = {"bf16": torch.bfloat16}  # the formats a run can build today: name -> weight dtype
-# Formats that are planned but whose kernels are not in memra yet: refused by name, never run as bf16.
-PLANNED_WEIGHT_FORMATS = ("q8_0", "q4_k")
+# name -> (activation dtype, packed format for random_model(quant=...) or None)
+WEIGHT_FORMATS = {"bf16": (torch.bfloat16, None), "q8_0": (torch.bfloat16, "q8_0"), "q4_k": (torch.bfloat16, "q4_k")}
 MODES = ("exact", "fast")  # memra's exact path, and the non-exact stacked path (MEMRA_EXACT=0)
 GIB = 2**30
 
@@ -57,12 +57,19 @@ GIB = 2**30
 def check_weights(weights: str) -> torch.dtype:
     """The dtype a weights format builds, or a MemraError that says what is possible."""
     if weights in WEIGHT_FORMATS:
-        return WEIGHT_FORMATS[weights]
-    if weights in PLANNED_WEIGHT_FORMATS:
-        raise MemraError(f"weights={weights!r} is not implemented yet: the GGUF-style quantized kernels "
-                         f"({', '.join(PLANNED_WEIGHT_FORMATS)}) are still being written; use weights='bf16'")
-    raise MemraError(f"unknown weights format {weights!r}; available: {', '.join(WEIGHT_FORMATS)} "
-                     f"(planned: {', '.join(PLANNED_WEIGHT_FORMATS)})")
+        return WEIGHT_FORMATS[weights][0]
+    raise MemraError(f"unknown weights format {weights!r}; available: {', '.join(WEIGHT_FORMATS)}")
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a weight occupies (and a step reads): packed bytes for a QuantWeight."""
+    from memra.kernels.quant import QuantWeight
+
+    return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+
+
+def tensor_numel(t) -> int:
+    return math.prod(tuple(t.shape))
 
 
 def default_device() -> str:
@@ -275,7 +282,7 @@ def weight_bytes(model, tokens: int) -> float:
     the embedding (only the `tokens` rows gathered) and the routed experts (their expected share)."""
     cfg, total = model.cfg, 0.0
     for name, t in trunk_weights(model).items():
-        b = t.numel() * t.element_size()
+        b = tensor_bytes(t)
         if name == "embed":
             b = min(tokens, cfg.vocab_size) * cfg.hidden_size * t.element_size()
         elif name.endswith(ROUTED):
@@ -953,7 +960,10 @@ def _build(run: _Run, name: str, device: torch.device):
         requested, note = fit_layers(name, requested, cfg, torch.cuda.mem_get_info(device)[0])
     factory = cfg.model_factory
     if factory is None:
-        from memra.random_model import random_model as factory
+        from memra.random_model import random_model
+
+        quant = WEIGHT_FORMATS[cfg.weights][1]
+        factory = lambda *a: random_model(*a, quant=quant)  # noqa: E731
     t0 = time.perf_counter()
     model = factory(name, device, cfg.dtype, requested, cfg.seed)
     _sync(device)
@@ -1000,10 +1010,12 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
     if any(r.model == name and r.mode == "exact" and r.phase == "decode" and r.status == "ok" for r in run.rows):
         notes.append(f"exact decode plan: {_exact_plan(model)}")  # already resolved (and cached) by those cells
     hf_how = "off (--no-hf)"
-    if cfg.peer_hf:
+    if cfg.peer_hf and WEIGHT_FORMATS[cfg.weights][1] is not None:
+        hf_how = f"off (the HF peer runs bf16 weights; these are {cfg.weights})"
+    elif cfg.peer_hf:
         hf_how = _bench_peer(run, name, model, roofs)
-    run.models.append(ModelInfo(name, mcfg.arch, mcfg.n_layers, full, sum(t.numel() for t in trunk.values()),
-                                sum(t.numel() * t.element_size() for t in trunk.values()), build_s, hf_how,
+    run.models.append(ModelInfo(name, mcfg.arch, mcfg.n_layers, full, sum(tensor_numel(t) for t in trunk.values()),
+                                sum(tensor_bytes(t) for t in trunk.values()), build_s, hf_how,
                                 tuple(notes)))
 
 
@@ -1081,7 +1093,7 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--batches", default=",".join(map(str, d.batches)), help="decode batch widths (default %(default)s)")
     p.add_argument("--layers", default=None, help="build with fewer layers: N for every model, or name=N,...")
     p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
-    p.add_argument("--weights", default=d.weights, help="weight format (only bf16 today; q8_0, q4_k planned)")
+    p.add_argument("--weights", default=d.weights, help="weight format: bf16 | q8_0 | q4_k (projections packed, fused dequant kernels)")
     p.add_argument("--modes", default=",".join(d.exact_modes), help="exact and/or fast (MEMRA_EXACT=0)")
     p.add_argument("--steps", type=int, default=d.decode_steps, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed decode steps first")

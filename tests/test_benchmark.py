@@ -157,10 +157,10 @@ def test_progress_bar_is_quiet_in_ci(monkeypatch):
 def test_refusals_are_clear():
     with pytest.raises(MemraError, match="unknown model shape 'gpt-5'.*qwen3.5-9b"):
         BenchConfig(models=("gpt-5",))
-    with pytest.raises(MemraError, match="weights='q4_k' is not implemented yet.*bf16"):
-        BenchConfig(weights="q4_k")
-    with pytest.raises(MemraError, match="weights='q8_0' is not implemented yet"):
-        BenchConfig(weights="q8_0")
+    BenchConfig(weights="q4_k")
+    BenchConfig(weights="q8_0")
+    with pytest.raises(MemraError, match="unknown weights format 'q2_k'"):
+        BenchConfig(weights="q2_k")
     with pytest.raises(MemraError, match="unknown weights format 'int3'"):
         BenchConfig(weights="int3")
     with pytest.raises(MemraError, match="not among the models"):
@@ -174,8 +174,8 @@ def test_refusals_are_clear():
 def test_cli(capsys):
     from memra.cli import main
 
-    assert main(["bench", "model", "--weights", "q4_k", "--device", "cpu"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert main(["bench", "model", "--weights", "q2_k", "--device", "cpu"]) == 2
+    assert "unknown weights format" in capsys.readouterr().err
     assert main(["bench", "model", "--models", "nope", "--device", "cpu"]) == 2
     assert "unknown model shape 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -267,3 +267,19 @@ def test_probes_run_on_cpu():
     assert B.measure_read_bandwidth("cpu", nbytes=2**20, repeats=1) > 0
     assert B.measure_matmul_peak("cpu", torch.float32, size=32, repeats=1) > 0
     assert math.isfinite(B.Probes.measure("cpu", torch.bfloat16, 1).read_bytes_per_s)
+
+
+def test_packed_weights_count_their_packed_bytes(monkeypatch):
+    """weights=q8_0: the roofline reads the packed bytes (34 per 32 values), not a dense copy."""
+    import memra.random_model as rm
+    from memra.benchmark import weight_bytes
+    from memra.kernels.quant import QuantWeight
+
+    monkeypatch.setitem(rm.SHAPES, "tiny-packed", lambda n: rm._llama(n or 1, 256, 4, 2, 512, 512))
+    dense = rm.random_model("tiny-packed", "cpu", torch.float32)
+    packed = rm.random_model("tiny-packed", "cpu", torch.float32, quant="q8_0")
+    projections = [t for t in (packed.blocks[0].mixer.wqkv, packed.blocks[0].mixer.wo, packed.blocks[0].ffn.w_gate_up,
+                               packed.blocks[0].ffn.w_down, packed.lm_head)]
+    assert all(isinstance(t, QuantWeight) for t in projections)
+    saved = sum(t.shape[0] * t.shape[1] * 4 - t.nbytes for t in projections)  # fp32 dense minus packed
+    assert weight_bytes(dense, 1) - weight_bytes(packed, 1) == saved
