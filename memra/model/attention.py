@@ -6,7 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels import ops
-from memra.model.context import StepContext
+from memra.model.context import StackedStep, StepContext
 
 
 class Attention:
@@ -30,39 +30,24 @@ class Attention:
         o = self._attend(q, k, v, ctx)
         return self._output(o, gate)
 
-    def forward_stacked(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
-        """x [B, E]: row i is one new token of ctxs[i]'s sequence — B sequences of a batched decode, or
-        the T consecutive tokens of one sequence in a verify. Projections batched; attention row by row
-        over each row's own paged prefix (memra.kernels: one launch per KV pool)."""
-        cos = torch.cat([c.cos for c in ctxs])
-        sin = torch.cat([c.sin for c in ctxs])
-        q, k, v, gate = self._project(x, cos, sin)
-        return self._output(self._attend_rows(q, k, v, ctxs), gate)
+    def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
+        """x [B, E]: row i is one new token of step.ctxs[i]'s sequence — B sequences of a batched decode,
+        or the T consecutive tokens of one sequence in a verify. Projections batched; attention row by
+        row over each row's own paged prefix, one launch per KV pool (memra.kernels)."""
+        q, k, v, gate = self._project(x, step.cos, step.sin)
+        return self._output(self._attend_rows(q, k, v, step), gate)
 
-    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """q [B, Hq, D], k/v [B, Hkv, D], one token per row -> [B, Hq*D]. Every row's K/V is written
         first, then each row reads positions 0..its own in order. Writing early changes nothing a row
         reads: other rows write other sequences' blocks, or (verify) positions after this row's."""
         d = self.head_dim
         o = q.new_empty(q.shape)
-        pools: dict[int, list[int]] = {}
-        for i, c in enumerate(ctxs):
-            pools.setdefault(id(c.cache.kv), []).append(i)  # private pools (offline) or one shared (server)
-        for idx in pools.values():
-            kv = ctxs[idx[0]].cache.kv
-            sel = torch.tensor(idx, device=q.device) if len(idx) < len(ctxs) else slice(None)
-            write = torch.cat([ctxs[i].kv_write_rows for i in idx])
-            kv.k[self.layer].view(-1, self.n_kv, d)[write] = k[sel]
-            kv.v[self.layer].view(-1, self.n_kv, d)[write] = v[sel]
-            lens = [ctxs[i].kv_read_rows.numel() for i in idx]
-            if all(ctxs[i].cache is ctxs[idx[0]].cache for i in idx):  # one sequence: prefixes of one table
-                rows, starts = max((ctxs[i].kv_read_rows for i in idx), key=len), [0] * len(idx)
-            else:
-                rows = torch.cat([ctxs[i].kv_read_rows for i in idx])
-                starts = [sum(lens[:j]) for j in range(len(idx))]
-            as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=q.device)
-            o[sel] = ops.paged_attention_rows(q[sel], kv.k[self.layer], kv.v[self.layer], rows, as_dev(starts),
-                                              as_dev(lens), self.scale)
+        for g in step.groups:
+            g.kv.k[self.layer].view(-1, self.n_kv, d)[g.write_rows] = k[g.sel]
+            g.kv.v[self.layer].view(-1, self.n_kv, d)[g.write_rows] = v[g.sel]
+            o[g.sel] = ops.paged_attention_rows(q[g.sel], g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
+                                                g.starts, g.lens, self.scale)
         return o.reshape(q.shape[0], self.n_heads * d)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -7,7 +7,7 @@ import torch
 from memra.config import ModelConfig
 from memra.kernels import ops
 from memra.model.attention import Attention
-from memra.model.context import StepContext
+from memra.model.context import StackedStep, StepContext
 from memra.model.ffn import Mlp, Moe
 from memra.model.gdn import GatedDeltaNet
 
@@ -25,16 +25,16 @@ class Block:
         h = h + self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx)
         return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
 
-    def forward_stacked(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+    def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
-        h = h + self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctxs)
+        h = h + self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step)
         return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
 
-    def forward_tokens(self, h: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+    def forward_tokens(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [T, E] -> [T, E]: T consecutive generated tokens of one sequence (the stacked verify body).
         Attention's stacked form already attends row by row in order, each row after writing its own
         K/V, so row j sees rows < j exactly as decode would; GDN advances its state token by token."""
         x = ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
-        mixed = self.mixer.forward_stacked(x, ctxs) if isinstance(self.mixer, Attention) else self.mixer.forward_tokens(x, ctxs)
+        mixed = self.mixer.forward_stacked(x, step) if isinstance(self.mixer, Attention) else self.mixer.forward_tokens(x, step)
         h = h + mixed
         return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memra.cache import Cache, StateTrail
+from memra.cache import Cache, KvPool, StateTrail
 
 
 @dataclass(frozen=True)
@@ -21,3 +21,46 @@ class StepContext:
     kv_read_rows: torch.Tensor  # [pos0 + T] flat rows of the whole prefix, in position order
     trail: StateTrail | None = None  # verify: record each token's recurrent state here (rollback)
     column: int = 0  # verify: which of the T columns this (T=1) context's token is
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """The rows of a stacked step whose KV lives in one pool (one attention launch per group)."""
+
+    kv: KvPool
+    sel: torch.Tensor | slice  # which of the step's rows
+    write_rows: torch.Tensor  # [n] flat pool rows the rows' new K/V go to
+    read_rows: torch.Tensor  # the rows' prefixes, concatenated (one table when they share a sequence)
+    starts: torch.Tensor  # [n] where each row's prefix begins in read_rows
+    lens: torch.Tensor  # [n] its length (positions 0..its own)
+
+
+@dataclass(frozen=True)
+class StackedStep:
+    """One new token for each of B rows — B sequences of a batched decode, or the T consecutive
+    positions of one sequence in a verify — with what every layer shares computed once per step
+    (rotary tables, the attention's write rows, prefixes and lengths), not once per layer."""
+
+    ctxs: list[StepContext]
+    cos: torch.Tensor  # [B, R]
+    sin: torch.Tensor
+    groups: tuple[RowGroup, ...]
+
+    @classmethod
+    def of(cls, ctxs: list[StepContext]) -> "StackedStep":
+        device = ctxs[0].cos.device
+        pools: dict[int, list[int]] = {}
+        for i, c in enumerate(ctxs):
+            pools.setdefault(id(c.cache.kv), []).append(i)  # private pools (offline) or one shared (server)
+        groups = []
+        for idx in pools.values():
+            lens = [ctxs[i].kv_read_rows.numel() for i in idx]
+            if all(ctxs[i].cache is ctxs[idx[0]].cache for i in idx):  # one sequence: prefixes of one table
+                read, starts = max((ctxs[i].kv_read_rows for i in idx), key=len), [0] * len(idx)
+            else:
+                read = torch.cat([ctxs[i].kv_read_rows for i in idx])
+                starts = [sum(lens[:j]) for j in range(len(idx))]
+            as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+            groups.append(RowGroup(ctxs[idx[0]].cache.kv, as_dev(idx) if len(idx) < len(ctxs) else slice(None),
+                                   torch.cat([ctxs[i].kv_write_rows for i in idx]), read, as_dev(starts), as_dev(lens)))
+        return cls(ctxs, torch.cat([c.cos for c in ctxs]), torch.cat([c.sin for c in ctxs]), tuple(groups))

@@ -7,7 +7,7 @@ import torch
 from memra.config import ModelConfig
 from memra.kernels import ops
 from memra.kernels.exact import aligned_cuts
-from memra.model.context import StepContext
+from memra.model.context import StackedStep, StepContext
 
 GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts align to absolute multiples of it
 
@@ -51,10 +51,10 @@ class GatedDeltaNet:
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
-    def forward_stacked(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+    def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The fast (non-exact) batched decode: x [B, E], one generated token per sequence, each with
         its own cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
-        g, b_n = self.g, x.shape[0]
+        g, b_n, ctxs = self.g, x.shape[0], step.ctxs
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
         mixed, new_conv = ops.causal_conv_step(mixed, conv_states, self.conv)
@@ -72,7 +72,7 @@ class GatedDeltaNet:
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(b_n, g.value_dim), self.wo)
 
-    def forward_tokens(self, x: torch.Tensor, ctxs: list[StepContext]) -> torch.Tensor:
+    def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
         pos0 + j), each computed as decode computes it, in three calls instead of T:
         - projections, norms and gates stacked (batch-invariant kernels: a row's bits are its B=1 call's);
@@ -82,7 +82,7 @@ class GatedDeltaNet:
           there), so every token's step has decode's bits. The state after each token is kept for
           rollback (the trail)."""
         g, t = self.g, x.shape[0]
-        cache, trail = ctxs[0].cache, ctxs[0].trail
+        cache, trail = step.ctxs[0].cache, step.ctxs[0].trail
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
         if trail is not None:  # conv state after token j = the Kc-1 raw inputs ending at j

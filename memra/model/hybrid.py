@@ -15,7 +15,7 @@ from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels import ops
 from memra.model.block import Block
-from memra.model.context import StepContext
+from memra.model.context import StackedStep, StepContext
 from memra.model.mtp import MtpBlock
 
 
@@ -82,15 +82,17 @@ class HybridModel:
     def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
                                stop: int | None = None) -> torch.Tensor:
         """The stacked decode walk over layers [start, stop): h [B, E], one token per sequence."""
+        step = StackedStep.of(ctxs)
         for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
-            h = block.forward_stacked(h, ctxs)
+            h = block.forward_stacked(h, step)
         return h
 
     def forward_layers_tokens(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
                               stop: int | None = None) -> torch.Tensor:
         """The stacked verify walk over layers [start, stop): h [T, E], T consecutive tokens of one sequence."""
+        step = StackedStep.of(ctxs)
         for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
-            h = block.forward_tokens(h, ctxs)
+            h = block.forward_tokens(h, step)
         return h
 
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:
