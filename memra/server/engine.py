@@ -173,9 +173,9 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does: the decode plan's on-model check,
         kernel compilation, allocator growth (a scratch sequence, outside the shared pools)."""
-        c = self.model.new_cache(2 * EXACT_PIECE)
+        c = (self.rt.new_cache if self.rt is not None else self.model.new_cache)(2 * EXACT_PIECE)
         try:
-            logits = self.model.prime(list(range(1, EXACT_PIECE + 3)), c)
+            logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(EXACT_PIECE + 2)], c)
             self.model.decode_step_batch([int(logits.argmax())], [c])
         finally:
             c.free()
