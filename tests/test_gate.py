@@ -16,7 +16,7 @@ def test_gate_all_green(arch, mode, load_model):
     lines = []
     assert run_battery(load_model(hf_dir(arch)), steps=6, batch=3, mode=mode, plen=12, out=lines.append), "\n".join(lines)
     assert lines[-1].startswith("ALL GREEN")
-    assert sum(line.endswith(": PASS") for line in lines) == 4  # gate1, gate2, gate3, liveness
+    assert sum(line.endswith(": PASS") for line in lines) == 5  # gate1, gate2, gate3, gate4, liveness
 
 
 @pytest.mark.parametrize("mode", ["config", "strict"])
@@ -26,6 +26,7 @@ def test_canary_must_fail(mode, load_model, monkeypatch):
     assert not run_battery(load_model(hf_dir("qwen3_5_moe")), steps=6, batch=3, mode=mode, plen=12, out=lines.append)
     assert "gate1 (" in "\n".join(lines) and any(l.startswith("gate1 (") and l.endswith("FAIL") for l in lines)
     assert any(l.startswith("gate2 (") and l.endswith("FAIL") for l in lines)
+    assert any(l.startswith("gate4 (") and l.endswith("FAIL") for l in lines)  # the verify arm sees it too
     assert lines[-1].startswith("FAILED")
 
 

@@ -68,6 +68,36 @@ def _primed(model, prompt: list[int], ctx: int):
     return c
 
 
+def _gate4_verify(model, prompt: list[int], steps: int, ctx: int, canary: bool, led: Ledger) -> None:
+    """decode_step_t over T = 2 and 5 consecutive tokens of decode's own greedy stream: every column
+    must carry decode_step's bits at that position. Each round keeps T-1 tokens and rolls the last one
+    back (GDN state from the trail), so the next round also proves the rollback left decode's state."""
+    from memra.cache import StateTrail
+
+    c = _primed(model, prompt, ctx)
+    toks, ref = [prompt[-1]], []
+    for _ in range(steps):
+        ref.append(model.decode_step(toks[-1], c))
+        toks.append(int(ref[-1].argmax()))
+    for t in (2, 5):
+        c, trail, s, rounds = _primed(model, prompt, ctx), StateTrail(), 0, 0
+        while s + t <= steps:
+            chunk = list(toks[s : s + t])
+            if canary and rounds == 1:
+                chunk[-1] = chunk[-1] - 1 if chunk[-1] else 1
+            pos0 = c.pos
+            logits, _ = model.decode_step_t(chunk, pos0, c, trail)
+            for j in range(t):
+                if not bits_equal(logits[j], ref[s + j]):
+                    led.fail("gate4", f"T={t} round {rounds} column {j}: BIT-DIFF vs decode_step "
+                                      f"(maxdiff {maxdiff(logits[j], ref[s + j]):.3e})")
+            keep = max(t - 1, 1)
+            if keep < t:
+                c.rollback(pos0, keep, trail)
+            s, rounds = s + keep, rounds + 1
+    led.verdict("gate4", f"verify T=2,5 columns == decode_step over {steps} steps, with rollback, bit-checked")
+
+
 def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", plen: int = 20,
                 out: Callable[[str], None] = print) -> bool:
     if mode not in ("config", "strict"):
@@ -211,12 +241,16 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
             toks[i] = next_f[i]
     led.verdict("gate3", "device sampling: greedy == host argmax, sampled B=N == alone, lean park == full row")
 
+    # ---- gate4: the speculative verify's columns == decode_step, across rollbacks (E4) ----
+    _gate4_verify(model, prompts[0], steps, ctx, canary, led)
+
     # ---- liveness: the paths under test ran ----
     live = counters.delta(live_before)
-    for name in ("decode_batch_rows", "device_sampled_rows", "lean_parked_rows"):
+    names = ("decode_batch_rows", "device_sampled_rows", "lean_parked_rows", "spec_verify_columns")
+    for name in names:
         if live[name] <= 0:
             led.fail("liveness", f"{name} did not advance")
-    led.verdict("liveness", ", ".join(f"{k} +{live[k]}" for k in ("decode_batch_rows", "device_sampled_rows", "lean_parked_rows")))
+    led.verdict("liveness", ", ".join(f"{k} +{live[k]}" for k in names))
 
     ok = not led.failed
     out("ALL GREEN: decode_step_batch exactness battery" if ok else f"FAILED: {', '.join(sorted(led.failed))}")
