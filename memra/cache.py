@@ -57,12 +57,6 @@ class KvPool:
         self.free.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
 
-    def slot_index(self, blocks: list[int], start: int, stop: int, device: torch.device) -> torch.Tensor:
-        """Flat row indices (block * BLOCK_SIZE + offset) of positions start..stop-1, in position order."""
-        table = torch.tensor(blocks, dtype=torch.long, device=device)
-        pos = torch.arange(start, stop, device=device)
-        return table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-
 
 class RecurrentPool:
     """Per-sequence recurrent state slots for the GDN layers."""
@@ -158,6 +152,19 @@ class Cache:
     blocks: list[int] = field(default_factory=list)
     slot: int | None = None
     last_logits_dev: torch.Tensor | None = None  # parked device logits (lean sampling; later issues)
+    _tables: dict = field(default_factory=dict, repr=False)  # device -> (blocks it was made from, block table)
+
+    def read_rows(self, stop: int, device: torch.device) -> torch.Tensor:
+        """Flat KV-pool rows of positions 0..stop-1 in order, on `device`. The block table is uploaded
+        once per change of the block list, not once per step (a decode step otherwise pays one small
+        host-to-device copy per sequence)."""
+        key = str(device)
+        cached = self._tables.get(key)
+        if cached is None or cached[0] != self.blocks:
+            cached = (list(self.blocks), torch.tensor(self.blocks, dtype=torch.long, device=device))
+            self._tables[key] = cached
+        pos = torch.arange(stop, device=device)
+        return cached[1][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for n_tokens more positions, or refuse before anything is written."""

@@ -93,7 +93,7 @@ def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_mode
 
 def kv_prefix(cache, layer, n):
     """K and V of positions 0..n-1, in position order, gathered from the paged pool."""
-    rows = cache.kv.slot_index(cache.blocks, 0, n, cache.kv.k[layer].device)
+    rows = cache.read_rows(n, cache.kv.k[layer].device)
     k, v = cache.kv.k[layer], cache.kv.v[layer]
     return torch.cat((k.view(-1, *k.shape[2:])[rows], v.view(-1, *v.shape[2:])[rows]))
 

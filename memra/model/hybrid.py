@@ -65,7 +65,7 @@ class HybridModel:
         device = self.device if device is None else device
         positions = torch.arange(pos0, pos0 + n_tokens, device=device)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq.to(device), self.dtype)
-        read_rows = cache.kv.slot_index(cache.blocks, 0, pos0 + n_tokens, device)  # shared by every attention layer
+        read_rows = cache.read_rows(pos0 + n_tokens, device)  # shared by every attention layer
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
                            kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows, trail=trail, column=column)
 
