@@ -166,7 +166,7 @@ def verify_layers(model, h: torch.Tensor, cache: Cache, pos0: int, plan: str, st
     ctxs = [model.context(cache, pos0 + j, 1, recurrent=True, device=device, trail=trail, column=j)
             for j in range(h.shape[0])]
     if plan == "stacked":
-        return model.forward_layers_tokens(h, ctxs, start, stop)
+        return model.forward_layers_stacked(h, ctxs, start, stop, tokens=True)
     return torch.cat([model.forward_layers(h[j : j + 1], ctx, start, stop) for j, ctx in enumerate(ctxs)])
 
 

@@ -26,19 +26,26 @@ class GatedDeltaNet:
         self.w_in, self.conv, self.wo = w["w_in"], w["conv"], w["wo"]
         self.a_neg, self.dt_bias, self.norm = w["a_neg"], w["dt_bias"], w["norm"]
 
+    def _heads(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Conv output [N, conv_dim] and gate inputs [N, Hv] -> q, k [N, Hv, Dk] (l2-normed, q scaled,
+        key heads repeated over their value heads), v [N, Hv, Dv] fp32, beta, decay [N, Hv]. The same
+        calls for a prompt chunk, a batch of decode rows or a verify's tokens."""
+        g, n = self.g, mixed.shape[0]
+        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
+        q = ops.l2_normalize(q.reshape(n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
+        k = ops.l2_normalize(k.reshape(n, g.n_k_heads, g.k_head_dim).float())
+        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(n, g.n_v_heads, g.v_head_dim).float()
+        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        return q, k, v, beta, decay
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         g, t = self.g, x.shape[0]
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state = ctx.cache.conv_state(self.layer)
         mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
         conv_state.copy_(new_conv)
-        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        q = ops.l2_normalize(q.reshape(t, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
-        k = ops.l2_normalize(k.reshape(t, g.n_k_heads, g.k_head_dim).float())
-        q = q.repeat_interleave(self.ratio, dim=1)  # [T, Hv, Dk]
-        k = k.repeat_interleave(self.ratio, dim=1)
-        v = v.reshape(t, g.n_v_heads, g.v_head_dim).float()
-        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        q, k, v, beta, decay = self._heads(mixed, b, a)
 
         state = ctx.cache.ssm_state(self.layer)
         if ctx.recurrent:
@@ -58,12 +65,7 @@ class GatedDeltaNet:
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
         mixed, new_conv = ops.causal_conv_step(mixed, conv_states, self.conv)
-        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        q = ops.l2_normalize(q.reshape(b_n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
-        k = ops.l2_normalize(k.reshape(b_n, g.n_k_heads, g.k_head_dim).float())
-        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
-        v = v.reshape(b_n, g.n_v_heads, g.v_head_dim).float()
-        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        q, k, v, beta, decay = self._heads(mixed, b, a)
         states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])  # [B, Hv, Dk, Dv]
         o, new_states = ops.delta_rule_step(q, k, v, beta, decay, states)
         for i, c in enumerate(ctxs):
@@ -90,12 +92,7 @@ class GatedDeltaNet:
             trail.record_conv_all(self.layer, window.unfold(1, conv_state.shape[-1], 1)[:, 1:].permute(1, 0, 2))
         mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
         conv_state.copy_(new_conv)
-        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        q = ops.l2_normalize(q.reshape(t, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
-        k = ops.l2_normalize(k.reshape(t, g.n_k_heads, g.k_head_dim).float())
-        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
-        v = v.reshape(t, g.n_v_heads, g.v_head_dim).float()
-        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        q, k, v, beta, decay = self._heads(mixed, b, a)
         o, states = ops.delta_rule_scan(q[None], k[None], v[None], beta[None], decay[None], state[None])
         state.copy_(states[0, -1])
         if trail is not None:

@@ -80,19 +80,12 @@ class HybridModel:
         return h
 
     def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
-                               stop: int | None = None) -> torch.Tensor:
-        """The stacked decode walk over layers [start, stop): h [B, E], one token per sequence."""
+                               stop: int | None = None, tokens: bool = False) -> torch.Tensor:
+        """The stacked walk over layers [start, stop): h [B, E], one new token per row — B sequences of a
+        batched decode, or (tokens=True) the T consecutive tokens of one sequence in a verify."""
         step = StackedStep.of(ctxs)
         for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
-            h = block.forward_stacked(h, step)
-        return h
-
-    def forward_layers_tokens(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
-                              stop: int | None = None) -> torch.Tensor:
-        """The stacked verify walk over layers [start, stop): h [T, E], T consecutive tokens of one sequence."""
-        step = StackedStep.of(ctxs)
-        for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
-            h = block.forward_tokens(h, step)
+            h = block.forward_tokens(h, step) if tokens else block.forward_stacked(h, step)
         return h
 
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:

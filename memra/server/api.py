@@ -104,6 +104,10 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
             message, param = _validation_message(err)
             raise _HttpError(400, message, param=param)
 
+    @app.exception_handler(_HttpError)
+    async def _http_error(request: Request, err: _HttpError):
+        return err.response()
+
     @app.exception_handler(MemraError)
     async def _memra_error(request: Request, err: MemraError):
         return error_body(400, str(err))
@@ -131,10 +135,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        try:
-            body = await parse(request, TokenizeRequest)
-        except _HttpError as e:
-            return e.response()
+        body = await parse(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             return error_body(400, "give exactly one of prompt or messages")
         if body.messages is not None:
@@ -145,10 +146,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        try:
-            body = await parse(request, DetokenizeRequest)
-        except _HttpError as e:
-            return e.response()
+        body = await parse(request, DetokenizeRequest)
         vocab = engine.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             return error_body(400, f"token ids must be in 0..{vocab - 1}")
@@ -156,21 +154,15 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            body = await parse(request, CompletionRequest)
-            body.check_supported()
-            prompts = [p if isinstance(p, list) else tok.encode(p, add_special=True) for p in body.prompts()]
-        except _HttpError as e:
-            return e.response()
+        body = await parse(request, CompletionRequest)
+        body.check_supported()
+        prompts = [p if isinstance(p, list) else tok.encode(p, add_special=True) for p in body.prompts()]
         return await _serve(request, body, prompts, chat=False, logprobs=body.logprobs, default_max=body.max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = await parse(request, ChatRequest)
-            body.check_supported()
-        except _HttpError as e:
-            return e.response()
+        body = await parse(request, ChatRequest)
+        body.check_supported()
         ids = _chat_ids(tok, body.messages)
         want = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -649,17 +649,10 @@ def _bench(args, cfg: ServeBenchConfig, server) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="memra")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return cmd_bench(args)
-    except MemraError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    """`python -m memra.server.bench bench serve ...`: the same entry point as `memra bench`."""
+    from memra.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
