@@ -245,13 +245,19 @@ class Cache:
             self.slot = None
 
 
+def kv_pool(cfg: ModelConfig, n_blocks: int, dtype: torch.dtype, device: torch.device | str,
+            layer_devices: dict[int, torch.device] | None = None) -> KvPool:
+    """A KV pool for every attention layer of the model, the MTP blocks' included."""
+    layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
+    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices)
+
+
 def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str,
               layer_devices: dict[int, torch.device] | None = None) -> Cache:
     """A cache with private pools sized for one sequence of up to max_ctx tokens. `layer_devices`
     places chosen layers' state elsewhere (a pipeline stage's own device; memra.pp)."""
     if max_ctx <= 0:
         raise MemraError(f"max_ctx must be positive, got {max_ctx}")
-    attn_layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
-    kv = KvPool(attn_layers, -(-max_ctx // BLOCK_SIZE), cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices)
+    kv = kv_pool(cfg, -(-max_ctx // BLOCK_SIZE), dtype, device, layer_devices)
     rec = RecurrentPool(cfg, 1, dtype, device, layer_devices) if cfg.gdn_layers else None
     return Cache(kv=kv, rec=rec, max_ctx=max_ctx, slot=rec.allocate() if rec else None)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
+from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams, apply_penalties, sample
 from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -103,9 +103,7 @@ class Engine:
 
         self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
-        attn_layers = mcfg.attention_layers + tuple(mcfg.n_layers + j for j in range(mcfg.n_mtp))
-        self.kv = KvPool(attn_layers, cfg.blocks, mcfg.attn.n_kv_heads, mcfg.attn.head_dim, model.dtype, model.device,
-                         layer_devices)
+        self.kv = kv_pool(mcfg, cfg.blocks, model.dtype, model.device, layer_devices)
         self.rec = RecurrentPool(mcfg, cfg.max_batch, model.dtype, model.device, layer_devices) if mcfg.gdn_layers else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
