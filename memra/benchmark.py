@@ -393,6 +393,19 @@ class Timing:
     context: int = 0  # decode: mean context length over the timed steps (the roofline's KV read)
 
 
+def shared_caches(model, batch: int, max_ctx: int) -> list:
+    """B sequences in one KV pool and one recurrent pool, as a server keeps them (and as CUDA graphs
+    need them: memra.graphs), with the graphs' scratch block and slot set aside."""
+    from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
+    from memra.graphs import reserve_scratch
+
+    cfg = model.cfg
+    kv = kv_pool(cfg, batch * -(-max_ctx // BLOCK_SIZE) + 1, model.dtype, model.device)
+    rec = RecurrentPool(cfg, batch + 1, model.dtype, model.device) if cfg.gdn_layers else None
+    reserve_scratch(model, kv, rec)
+    return [Cache(kv=kv, rec=rec, max_ctx=max_ctx, slot=rec.allocate() if rec else None) for _ in range(batch)]
+
+
 @torch.inference_mode()
 def time_decode(model, batch: int, steps: int, warmup: int, prompt_tokens: int, seed: int = 0) -> Timing:
     """B sequences primed with their own prompts, then `warmup` untimed and `steps` timed decode steps
@@ -404,7 +417,7 @@ def time_decode(model, batch: int, steps: int, warmup: int, prompt_tokens: int, 
     if doors.exact_mode():
         decode_plan(model)  # resolve (and on-model verify, once per model) the exact plan before any timing
     vocab = model.cfg.vocab_size
-    caches = [model.new_cache(prompt_tokens + warmup + steps + 1) for _ in range(batch)]
+    caches = shared_caches(model, batch, prompt_tokens + warmup + steps + 1)
     toks = [int(model.prime(prompt_ids(vocab, prompt_tokens, i, seed), c).argmax()) for i, c in enumerate(caches)]
     for _ in range(warmup):
         toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()

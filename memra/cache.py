@@ -36,6 +36,7 @@ class KvPool:
         self.v = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
         self.n_blocks = n_blocks
         self.free: list[int] = list(range(n_blocks))
+        self.version = 0  # bumped when the tensors are replaced (enlarge): captured graphs hold their addresses
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
@@ -56,6 +57,7 @@ class KvPool:
                 table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
         self.free.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
+        self.version += 1
 
 
 class RecurrentPool:

@@ -15,6 +15,8 @@ _counts = {
     "device_sampled_rows": 0,  # rows whose next token was chosen on the device
     "lean_parked_rows": 0,  # sampled rows whose logits were parked in cache.last_logits_dev
     "prime_pieces": 0,  # prefill forwards run by prime (exact path: 64-aligned pieces)
+    "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
+    "graph_replays": 0,  # decode steps replayed from them
     # speculative decoding (memra.spec)
     "spec_verify_forwards": 0,  # decode_step_t calls (T-token verify forwards)
     "spec_verify_columns": 0,  # tokens they fed (sum of T)
@@ -40,6 +42,11 @@ _counts = {
        for name in ("wave_a_stage0", "wave_b_stage0", "wave_a_stage1", "wave_b_stage1")},  # MEMRA_DUAL_PP_TIMING=1
     "prime_split_chunks": 0,  # prime pieces walked through the stage split
     "prime_pipe_overlaps": 0,  # pipelined-prime stage sections that began while another ran
+    # pipeline stages in separate processes (memra.pp.dist; counted on rank 0, the driver)
+    "pp_dist_sends": 0,  # messages rank 0 sent down the pipeline (commands and boundary payloads)
+    "pp_dist_replies": 0,  # replies (logits, acknowledgements) rank 0 received from the last stage
+    "pp_dist_prime_pieces": 0,  # prompt pieces rank 0 sent through the stages
+    "pp_dist_failures": 0,  # PipelineErrors raised because a rank died, hung or failed
 }
 
 

@@ -266,6 +266,11 @@ def _decode_stacked(model, ids: torch.Tensor, caches) -> torch.Tensor:
     """All rows in one stacked forward (matmuls over [B, E]). With MEMRA_EXACT=0 (torch kernels) a
     row's bits may depend on B and on its place in the batch; under the exact `stacked` plan every op
     is a batch-invariant kernel, and under `bucket` the shape is fixed (memra.decode_plan)."""
+    from memra.graphs import graphed_decode
+
+    logits = graphed_decode(model, ids, caches)  # the same step replayed from a CUDA graph, where it applies
+    if logits is not None:
+        return logits
     ctxs = [model.context(c, c.pos, 1, recurrent=True) for c in caches]
     h = model.forward_layers_stacked(model.embed_tokens(ids), ctxs)
     for c in caches:

@@ -98,11 +98,12 @@ def _triton_probes(rnd, failures: list[str]) -> None:
     tk = ops._triton()
     if tk is None:
         return
+    wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
-        w, x, nw = rnd(n_out, k), rnd(TILE, k), rnd(k).float().abs() + 0.5
-        full, full_norm = tk.linear(x, w), tk.rms_norm(x, nw, 1e-6, True)
-        for m in (1, 2, 7, 33):
-            _check(f"triton linear[{m}x{k}] vs rows of [{TILE}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
+        w, x, nw = rnd(n_out, k), rnd(wide, k), rnd(k).float().abs() + 0.5
+        full, full_norm = tk.linear(x, w), tk.rms_norm(x[:TILE], nw, 1e-6, True)
+        for m in (1, 2, 7, 20, 33, TILE, 100, 300):  # one or more M in each bucket (triton_ops.LINEAR_BUCKETS)
+            _check(f"triton linear[{m}x{k}] vs rows of [{wide}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
 

@@ -24,7 +24,6 @@ import torch
 from memra import doors
 from memra.kernels import quant, reference
 from memra.kernels.reference import (  # ops with no fast twin: elementwise, or never batch-shaped
-    apply_rope,
     causal_attention,
     causal_conv,
     causal_conv_step,
@@ -69,6 +68,14 @@ def _quant_triton():
     return quant_triton
 
 
+def apply_rope(x, cos, sin):
+    # One fused launch instead of five, with the reference's bits (triton_ops._rope_kernel), wherever
+    # Triton runs on 16-bit activations -- in the exact and the fast path alike, as the bits are the same.
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and doors.flag("MEMRA_TRITON", True) and _triton() is not None:
+        return _triton().apply_rope(x, cos, sin)
+    return reference.apply_rope(x, cos, sin)
+
+
 def linear(x, w, b=None):
     if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
         return (quant if _impl(x) is reference else _quant_triton()).linear(x, w, b)
@@ -100,7 +107,10 @@ def gdn_recurrent(q, k, v, beta, g, state):
 
 
 def paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale):
-    return _impl(q).paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
+    # Attention has no cuBLAS form to compare against, so the fast path (MEMRA_EXACT=0) uses the paged
+    # kernel too where Triton runs; its reference twin walks rows on the host and cannot be graphed.
+    fast_cuda = q.is_cuda and not doors.exact_mode() and doors.flag("MEMRA_TRITON", True) and _triton() is not None
+    return (_triton() if fast_cuda else _impl(q)).paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
 
 
 def paged_decode_attention(q, k_pool, v_pool, rows, scale):

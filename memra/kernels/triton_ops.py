@@ -19,13 +19,27 @@ import torch
 import triton
 import triton.language as tl
 
-# The frozen configuration. Changing any of these changes bits (never across batch sizes, but
+# The frozen configurations. Changing any of these changes bits (never across batch sizes, but
 # across memra versions), so they are constants rather than autotuned.
-LINEAR_BLOCK_M = 64
-LINEAR_BLOCK_N = 32
-LINEAR_BLOCK_K = 64
-LINEAR_WARPS = 4
-LINEAR_STAGES = 4
+#
+# The linear kernel's tiles are chosen per bucket of M, because one tile cannot serve both a B=1
+# decode (a GEMV: it wants narrow M and many programs to stream the weight) and a 4096-token prefill
+# (a GEMM: it wants 128x256 tiles). What fixes a row's bits is not the tile but the order in which its
+# K products are summed: every configuration walks K in the same order with the same fp32 accumulator
+# and the same MMA step (k = 16) -- measured on the H200 (tools/gpu_tune_linear.py: every candidate
+# tile gives the reference tile's bits at every M on every model shape). Because that is a fact of the
+# hardware rather than a promise of the compiler, the self-test (memra.kernels.exact) re-checks rows
+# across the buckets on the running GPU, and a failure refuses the stacked plan.
+LINEAR_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages))
+    (16, (16, 16, 256, 2, 4)),  # decode: a GEMV, as fast as cuBLAS's on the 8B/9B projections at M=1
+    (64, (64, 32, 128, 4, 4)),
+    (128, (64, 128, 128, 4, 4)),
+    (512, (128, 128, 64, 8, 4)),
+    (None, (128, 256, 64, 8, 3)),  # prefill: ~530 TFLOP/s at M=4096
+)
+# Under TRITON_INTERPRET (CI's CPU runs) the dot is numpy's, whose summation order follows the tile
+# shape, so there one tile serves every M.
+LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
 ATTN_BLOCK_S = 16  # KV positions per step of the decode-attention loop (= the KV page size)
 GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
 
@@ -62,6 +76,13 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def linear_config(m: int) -> tuple[int, int, int, int, int]:
+    """The tile configuration for an M-row call: its bucket's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    if _interpreting():
+        return LINEAR_INTERPRET_CONFIG
+    return next(cfg for top, cfg in LINEAR_BUCKETS if top is None or m <= top)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -72,11 +93,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     m, n = x2.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, LINEAR_BLOCK_N))
-        _linear_kernel[grid](x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-                             HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
-                             BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K,
-                             num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
+        bm, bn, bk, warps, stages = linear_config(m)
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.reshape(*lead, n)
 
 
@@ -145,6 +166,49 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     if o2.shape[0]:
         _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, w, y, d, eps, BLOCK=triton.next_power_of_2(d))
     return y.reshape(z.shape)
+
+
+# --- rotary embedding -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, HALF: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    # One program per (token, head). The reference's four elementwise kernels (neg, cat, two muls, add)
+    # in one, rounding where they round: each product of two 16-bit values is exact in fp32 and is
+    # rounded to the model dtype, then the sum of the two rounded products is rounded. So the result
+    # has the reference's bits on the GPU (16-bit dtypes; ops.apply_rope sends fp32 to the reference,
+    # where a fused multiply-add could round differently).
+    t = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    c = tl.arange(0, BLOCK_D)
+    base = x_ptr + t * stride_xt + h * stride_xh
+    x = tl.load(base + c, mask=c < D, other=0.0)
+    in_rot = c < R
+    partner = tl.where(c < HALF, c + HALF, c - HALF)
+    xp = tl.load(base + partner, mask=in_rot, other=0.0).to(tl.float32)
+    rotated = tl.where(c < HALF, -xp, xp)
+    cos = tl.load(cos_ptr + t * R + c, mask=in_rot, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * R + c, mask=in_rot, other=0.0).to(tl.float32)
+    ty = y_ptr.dtype.element_ty
+    a = (x.to(tl.float32) * cos).to(ty)
+    b = (rotated * sin).to(ty)
+    y = tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(ty), x)
+    tl.store(y_ptr + (t * H + h) * D + c, y, mask=c < D)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.apply_rope: x [T, H, D] (any strides over T and H), cos/sin [T, R]
+    -> [T, H, D] contiguous, the first R channels of each head rotated NeoX style."""
+    t, h, d = x.shape
+    r = cos.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t * h:
+        _rope_kernel[(t * h,)](x, cos.contiguous(), sin.contiguous(), y, h, x.stride(0), x.stride(1), d, r,
+                               HALF=r // 2, BLOCK_D=triton.next_power_of_2(d))
+    return y
 
 
 # --- Gated DeltaNet recurrent step ---------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memra.cache import Cache, KvPool, StateTrail
+from memra.cache import Cache, KvPool, RecurrentPool, StateTrail
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,11 @@ class StackedStep:
     cos: torch.Tensor  # [B, R]
     sin: torch.Tensor
     groups: tuple[RowGroup, ...]
+    # A step whose rows all keep their GDN state in one pool may name the rows' slots instead of
+    # their caches (a CUDA graph's static step, memra.graphs): states are then gathered and scattered
+    # by index on the device, with no per-row Python.
+    rec: RecurrentPool | None = None
+    slots: torch.Tensor | None = None  # [B] each row's slot in rec
 
     @classmethod
     def of(cls, ctxs: list[StepContext]) -> "StackedStep":

@@ -59,18 +59,26 @@ class GatedDeltaNet:
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
-        """The fast (non-exact) batched decode: x [B, E], one generated token per sequence, each with
-        its own cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
+        """The stacked batched decode: x [B, E], one generated token per sequence, each with its own
+        cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
         g, b_n, ctxs = self.g, x.shape[0], step.ctxs
         mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
-        conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
+        if step.slots is not None:  # one pool, slots by index (a graph's static step): same values, copied
+            conv_states = step.rec.conv[self.layer][step.slots]  # [B, C, Kc-1]
+            states = step.rec.ssm[self.layer][step.slots]  # [B, Hv, Dk, Dv]
+        else:
+            conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
+            states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
         mixed, new_conv = ops.causal_conv_step(mixed, conv_states, self.conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
-        states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])  # [B, Hv, Dk, Dv]
         o, new_states = ops.delta_rule_step(q, k, v, beta, decay, states)
-        for i, c in enumerate(ctxs):
-            c.cache.conv_state(self.layer).copy_(new_conv[i])
-            c.cache.ssm_state(self.layer).copy_(new_states[i])
+        if step.slots is not None:
+            step.rec.conv[self.layer][step.slots] = new_conv
+            step.rec.ssm[self.layer][step.slots] = new_states
+        else:
+            for i, c in enumerate(ctxs):
+                c.cache.conv_state(self.layer).copy_(new_conv[i])
+                c.cache.ssm_state(self.layer).copy_(new_states[i])
         y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(b_n, g.value_dim), self.wo)
 

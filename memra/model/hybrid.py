@@ -54,6 +54,8 @@ class HybridModel:
         self.plan_verified: dict[tuple, bool] = {}  # decode_plan: on-model checks already run, by (plan, device, kernels)
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
         self.pp_runtimes: dict = {}  # memra.pp: one runtime per placement the doors have asked for
+        self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
+        self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
 

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
+from memra.graphs import reserve_scratch
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams, apply_penalties, sample
 from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -103,8 +104,10 @@ class Engine:
 
         self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
-        self.kv = kv_pool(mcfg, cfg.blocks, model.dtype, model.device, layer_devices)
-        self.rec = RecurrentPool(mcfg, cfg.max_batch, model.dtype, model.device, layer_devices) if mcfg.gdn_layers else None
+        # One block and one slot beyond what the scheduler hands out: the CUDA graphs' inert padding rows.
+        self.kv = kv_pool(mcfg, cfg.blocks + 1, model.dtype, model.device, layer_devices)
+        self.rec = RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices) if mcfg.gdn_layers else None
+        reserve_scratch(model, self.kv, self.rec)
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=cfg.blocks,

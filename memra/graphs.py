@@ -1,0 +1,188 @@
+"""CUDA graphs for the stacked decode step: one captured step per batch bucket, replayed.
+
+A B=1 decode step of an 8B model is ~1600 kernel launches. Issued one by one from Python they took
+20.7 ms on the H200 while the kernels themselves needed 8.4 ms (tools/gpu_profile_decode.py). A graph
+records the whole step once and replays it with a single launch.
+
+A graph replays fixed addresses and fixed shapes, so everything that changes from step to step lives
+in one static int64 buffer that the captured step reads:
+
+    args [Bp, 3 + NB]   column 0: token id   1: position   2: recurrent slot   3..: block table
+
+and everything else is derived on the device inside the graph: rotary tables from the positions, the
+flat KV rows of every row's prefix from its block table ([Bp, NB * BLOCK_SIZE], read up to position +
+1 by the attention kernel, which takes the lengths from memory), the row each new K/V is written to.
+NB, the table width, is a power of two covering the rows' max_ctx, so a graph serves any context up
+to it. The pools' tensors are captured by address: a KV pool that is enlarged (Cache.grow) bumps its
+version, and graphs of the old version are dropped and captured again.
+
+Buckets: a batch of B rows replays the graph of the smallest bucket >= B (BUCKETS). The Bp - B padding
+rows are inert: they point at a scratch KV block and a scratch recurrent slot taken from the pools for
+this purpose, at position 0, and their logits are never read. Every op of the stacked step is a
+batch-invariant kernel (or elementwise), so a live row's bits cannot depend on them. Where the pools
+have no room for scratch (a private one-sequence cache), the bucket is B itself.
+
+Bits: the replay launches the eager stacked step's kernels on the same bytes. Only how the per-row
+inputs arrive differs (a gather from the table instead of a host-built index; states gathered by slot
+instead of stacked per cache), and those are copies. tests/test_graphs.py holds a graphed decode to the
+eager one, bit for bit, on the GPU; on CPU it runs the static step eagerly against decode_step.
+
+Not graphed (eager as before): MoE models (expert routing picks its launches from the data), rows whose
+caches do not share one KV pool and one recurrent pool, pipeline-split walks, the verify forward.
+MEMRA_CUDA_GRAPHS=0 turns graphs off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memra import counters, doors
+from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
+from memra.kernels import ops
+from memra.model.context import RowGroup, StackedStep
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+MIN_TABLE_BLOCKS = 16  # NB never below this (256 positions), so short contexts share one graph
+
+
+def enabled() -> bool:
+    """MEMRA_CUDA_GRAPHS (default 1): replay decode steps from captured graphs where they apply."""
+    return doors.flag("MEMRA_CUDA_GRAPHS", True)
+
+
+def bucket_for(batch: int) -> int | None:
+    return next((b for b in BUCKETS if b >= batch), None)
+
+
+def table_blocks(max_ctx: int) -> int:
+    """NB: the block-table width for rows of up to max_ctx positions (a power of two)."""
+    need = max(MIN_TABLE_BLOCKS, -(-max_ctx // BLOCK_SIZE))
+    return 1 << (need - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    bucket: int
+    table_blocks: int
+    kv: int  # id() of the KV pool
+    kv_version: int
+    rec: int | None  # id() of the recurrent pool
+
+
+class StaticDecode:
+    """One bucket's static step: its input buffer, its captured graph, its output."""
+
+    def __init__(self, model, kv: KvPool, rec: RecurrentPool | None, bucket: int, nb: int,
+                 scratch_block: int | None, scratch_slot: int | None):
+        self.model, self.kv, self.rec, self.bucket, self.nb = model, kv, rec, bucket, nb
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
+        dev = model.device
+        self.args = torch.zeros(bucket, 3 + nb, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
+        self.starts = torch.arange(bucket, device=dev) * (nb * BLOCK_SIZE)  # row r's prefix in the flat rows
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def body(self) -> torch.Tensor:
+        """The decode step of every row, from `args` alone -> logits [Bp, V] fp32 (into self.logits)."""
+        m = self.model
+        ids, pos, slots, table = self.args[:, 0], self.args[:, 1], self.args[:, 2], self.args[:, 3:]
+        flat = (table[:, :, None] * BLOCK_SIZE + self.offsets).reshape(self.bucket, -1)  # [Bp, NB*BLOCK]
+        write_rows = flat.gather(1, pos[:, None])[:, 0]  # [Bp] where each row's new K/V goes
+        cos, sin = ops.rope_cos_sin(pos, m.inv_freq, m.dtype)  # [Bp, R]
+        group = RowGroup(self.kv, slice(None), write_rows, flat.reshape(-1), self.starts, pos + 1)
+        step = StackedStep([], cos, sin, (group,), rec=self.rec, slots=slots if self.rec is not None else None)
+        h = m.embed_tokens(ids)
+        for block in m.blocks:
+            h = block.forward_stacked(h, step)
+        self.logits.copy_(m.logits(m.norm_out(h)))
+        return self.logits
+
+    def fill(self, ids: torch.Tensor, caches: list[Cache]) -> None:
+        """Write the rows' inputs (live rows first, then inert padding) into `args`."""
+        b, host = len(caches), torch.zeros(self.bucket, 2 + self.nb, dtype=torch.long)
+        for i, c in enumerate(caches):
+            host[i, 0] = c.pos
+            host[i, 1] = c.slot if c.slot is not None else 0
+            host[i, 2 : 2 + len(c.blocks)] = torch.tensor(c.blocks, dtype=torch.long)
+        if b < self.bucket:  # inert rows: position 0 of the scratch block, the scratch slot
+            host[b:, 1] = self.scratch_slot if self.scratch_slot is not None else 0
+            host[b:, 2:] = self.scratch_block
+        self.args[:, 1:].copy_(host)  # a pageable copy: the host buffer is free again when it returns
+        self.args[:b, 0].copy_(ids)
+        self.args[b:, 0] = 0
+
+    def first_run(self, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
+        """The first step of a new bucket: run it eagerly (which also compiles every kernel, so none
+        compiles during capture), then record the graph. Recording launches nothing, so the step
+        happens once, and the eager run's logits are the step's result."""
+        self.fill(ids, caches)
+        side = torch.cuda.Stream(self.args.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.body()
+        torch.cuda.current_stream().wait_stream(side)
+        out = self.logits[: len(caches)].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.body()
+        self.graph = graph
+        counters.bump("graph_captures")
+        return out
+
+    def run(self, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
+        if self.graph is None:
+            return self.first_run(ids, caches)
+        self.fill(ids, caches)
+        self.graph.replay()
+        counters.bump("graph_replays")
+        return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next replay
+
+
+def _eligible(model, caches: list[Cache]) -> bool:
+    if model.device.type != "cuda" or not enabled() or any(f == "moe" for f in model.cfg.ffns):
+        return False
+    kv, rec = caches[0].kv, caches[0].rec
+    return all(c.kv is kv and c.rec is rec for c in caches)
+
+
+def reserve_scratch(model, kv: KvPool, rec: RecurrentPool | None) -> None:
+    """Set aside one KV block and one recurrent slot of these pools for inert rows, now. A server
+    sizes its pools one larger and calls this before admitting anything, so its own accounting of
+    blocks and slots never meets the scratch."""
+    _scratch(kv, rec, model.graph_scratch)
+
+
+def _scratch(kv: KvPool, rec: RecurrentPool | None, memo: dict) -> tuple[int | None, int | None] | None:
+    """The pools' scratch block and slot for inert rows, taken once per pool; None if there is no room."""
+    key = (id(kv), id(rec))
+    if key not in memo:
+        if not kv.free or (rec is not None and not rec.free):
+            return None
+        memo[key] = (kv.allocate(1)[0], rec.allocate() if rec is not None else None)
+    return memo[key]
+
+
+def graphed_decode(model, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor | None:
+    """The stacked decode step of `caches` (ids [B] on the device) replayed from a graph, advancing
+    every cache by one position -> logits [B, V] fp32; or None where graphs do not apply (eager then)."""
+    if not _eligible(model, caches):
+        return None
+    kv, rec, b = caches[0].kv, caches[0].rec, len(caches)
+    bucket = bucket_for(b)
+    scratch = _scratch(kv, rec, model.graph_scratch) if bucket is not None and bucket > b else (None, None)
+    if bucket is None or scratch is None:
+        bucket, scratch = b, (None, None)
+    nb = table_blocks(max(c.max_ctx for c in caches))
+    key = GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None)
+    static = model.decode_graphs.get(key)
+    if static is None:
+        for old in [k for k in model.decode_graphs if k.kv == key.kv and k.kv_version != key.kv_version]:
+            del model.decode_graphs[old]  # captured against tensors the pool has replaced
+        static = model.decode_graphs[key] = StaticDecode(model, kv, rec, bucket, nb, *scratch)
+    logits = static.run(ids, caches)
+    for c in caches:
+        c.pos += 1
+    return logits

@@ -1,0 +1,116 @@
+"""CUDA-graphed decode (memra.graphs) is the eager stacked decode, bit for bit.
+
+On CPU (CI) there are no graphs, but the graph's static step is ordinary code: run eagerly it must
+give the eager stacked step's bits and leave the same KV and recurrent state. On the GPU
+(MEMRA_TEST_DEVICE=cuda) the replayed graphs are held to the eager path with graphs off: B=1 on a
+private cache, and a shared-pool batch whose bucket has inert padding rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, hf_dir
+from memra import counters
+from memra.cache import Cache, RecurrentPool, kv_pool
+from memra.graphs import BUCKETS, StaticDecode, bucket_for, table_blocks
+from memra.step import _decode_stacked
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [43, 38, 32]]
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the GPU (run with MEMRA_TEST_DEVICE=cuda)")
+
+
+def _bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _shared_caches(model, n: int, max_ctx: int = 64, spare: int = 0):
+    """n sequences in one KV pool and one recurrent pool (as the server keeps them), primed."""
+    cfg = model.cfg
+    kv = kv_pool(cfg, n * (-(-max_ctx // 16)) + spare, model.dtype, model.device)
+    rec = RecurrentPool(cfg, n + spare, model.dtype, model.device) if cfg.gdn_layers else None
+    caches = [Cache(kv=kv, rec=rec, max_ctx=max_ctx, slot=rec.allocate() if rec else None) for _ in range(n)]
+    first = [int(model.prime(p, c).argmax()) for p, c in zip(PROMPTS * n, caches)]
+    for c in caches:
+        c.reserve(max_ctx - c.pos)  # every block now: the static step reads block tables, not a growing list
+    return caches, first
+
+
+def _state(model, caches) -> list[torch.Tensor]:
+    """Every byte the sequences own: their KV blocks and their recurrent slots."""
+    kv, rec = caches[0].kv, caches[0].rec
+    blocks = torch.tensor([b for c in caches for b in c.blocks], device=model.device)
+    out = [kv.k[i][blocks] for i in kv.layers] + [kv.v[i][blocks] for i in kv.layers]
+    if rec is not None:
+        slots = torch.tensor([c.slot for c in caches], device=model.device)
+        out += [rec.conv[i][slots] for i in rec.layers] + [rec.ssm[i][slots] for i in rec.layers]
+    return out
+
+
+def test_buckets_and_table_widths():
+    assert [bucket_for(b) for b in (1, 2, 3, 5, 9, 33, 129)] == [1, 2, 4, 8, 16, 48, 192]
+    assert bucket_for(BUCKETS[-1] + 1) is None
+    assert table_blocks(1) == 16 and table_blocks(256) == 16 and table_blocks(257) == 32 and table_blocks(4096) == 256
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch, monkeypatch):
+    """The graph's body (block tables, slots by index, flat prefix rows) against _decode_stacked,
+    from identical states, several steps: logits and every KV / recurrent byte equal."""
+    monkeypatch.setenv("MEMRA_CUDA_GRAPHS", "0")  # the eager step, on any device
+    model = load_model(hf_dir(arch))
+    eager, toks = _shared_caches(model, 3)
+    static_caches, toks_s = _shared_caches(model, 3)
+    assert toks == toks_s
+    static = StaticDecode(model, static_caches[0].kv, static_caches[0].rec, 3, table_blocks(64), None, None)
+    for _ in range(4):
+        ids = torch.tensor(toks, device=model.device)
+        want = _decode_stacked(model, ids, eager)
+        static.fill(ids, static_caches)
+        got = static.body()[:3].clone()
+        for c in static_caches:
+            c.pos += 1
+        assert _bits(got, want)
+        toks = want.argmax(-1).tolist()
+    assert all(_bits(a, b) for a, b in zip(_state(model, eager), _state(model, static_caches)))
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_graphed_b1_decode_equals_eager(load_model, arch, monkeypatch):
+    model = load_model(hf_dir(arch))
+    streams = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MEMRA_CUDA_GRAPHS", graphs)
+        before = counters.snapshot()
+        cache = model.new_cache(64)
+        tok = int(model.prime(PROMPTS[0], cache).argmax())
+        rows = []
+        for _ in range(12):
+            row = model.decode_step(tok, cache)
+            rows.append(row)
+            tok = int(row.argmax())
+        streams[graphs] = torch.stack(rows)
+        d = counters.delta(before)
+        assert (d["graph_replays"] > 0) == (graphs == "1")  # liveness: the graph path really ran
+    assert _bits(streams["0"], streams["1"])
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_graphed_batch_with_padding_rows_equals_eager(load_model, arch, monkeypatch):
+    """3 live rows in a bucket of 4 (one inert row on the pools' scratch block and slot)."""
+    model = load_model(hf_dir(arch))
+    out = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MEMRA_CUDA_GRAPHS", graphs)
+        caches, toks = _shared_caches(model, 3, spare=1)
+        rows = []
+        for _ in range(10):
+            logits = model.decode_step_batch(toks, caches)
+            rows.append(logits)
+            toks = logits.argmax(-1).tolist()
+        out[graphs] = (torch.stack(rows), _state(model, caches))
+    assert _bits(out["0"][0], out["1"][0])
+    assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))  # the padding row touched only scratch
