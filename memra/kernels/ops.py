@@ -69,8 +69,8 @@ def _quant_triton():
 
 
 def apply_rope(x, cos, sin):
-    # One fused launch instead of five, with the reference's bits (triton_ops._rope_kernel), wherever
-    # Triton runs on 16-bit activations -- in the exact and the fast path alike, as the bits are the same.
+    # One fused launch instead of five (triton_ops._rope_kernel) wherever Triton runs on 16-bit
+    # activations, in the exact and the fast path alike: elementwise, so its bits never depend on the batch.
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and doors.flag("MEMRA_TRITON", True) and _triton() is not None:
         return _triton().apply_rope(x, cos, sin)
     return reference.apply_rope(x, cos, sin)
