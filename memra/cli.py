@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--reps", type=int, default=2, help="pp/ppspec mode: repetitions of the split arm")
     gate.add_argument("--ts", default="2,5,9", help="ppspec mode: verify widths T = K+1 (default 2,5,9: K = 1, 4, 8)")
     gate.add_argument("--plen", type=int, default=20, help="base prompt length (rows get +5 tokens each)")
+    gate.add_argument("--transport", default="local", choices=["local", "dist"],
+                      help="pp mode: stages as threads of this process (local, default) or one process per stage "
+                           "over torch.distributed (dist: ranks 1..N-1 spawned here; default --batch 1,4)")
     return parser
 
 
@@ -100,8 +103,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     pp = args.mode == "pp"
     steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6}.get(args.mode, 32)
+    dist = args.transport == "dist"
+    if dist and not pp:
+        raise MemraError("--transport dist runs the pp battery across processes; use it with --mode pp")
     try:
-        batches = tuple(int(b) for b in (args.batch or ("1,4,8" if pp else "4")).split(","))
+        batches = tuple(int(b) for b in (args.batch or ("1,4" if dist else "1,4,8" if pp else "4")).split(","))
     except ValueError:
         raise MemraError(f"--batch {args.batch!r} is not a number or a comma-separated list of numbers") from None
     try:
@@ -114,7 +120,12 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise MemraError("--batch takes one width outside --mode pp")
     model = memra.load(args.model, device=args.device, dtype=args.dtype, tokenizer=False)
     out = lambda line: print(line, flush=True)
-    if pp:
+    if pp and dist:
+        from memra.gate.pp_battery import run_pp_dist_battery
+
+        ok = run_pp_dist_battery(model, stages=args.stages, batches=batches, steps=steps, reps=args.reps,
+                                 plen=args.plen, out=out)
+    elif pp:
         from memra.gate.pp_battery import run_pp_battery
 
         ok = run_pp_battery(model, stages=args.stages, batches=batches, steps=steps, reps=args.reps,

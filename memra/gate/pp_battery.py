@@ -18,6 +18,9 @@ Then, per batch width B (uneven prompts, so rows sit at different positions):
                            crossed the split (PRIME_SPLIT_CHUNKS)
 
 MEMRA_GATE_CANARY=1 feeds arm1 one wrong token; the battery must then FAIL.
+
+`run_pp_dist_battery` (the last section; `--transport dist`) checks the same promise with every stage
+in its own process (memra.pp.dist).
 """
 
 from __future__ import annotations
@@ -201,3 +204,158 @@ def _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger: Le
                         ledger.fail("dual-negative", f"{values}: wrong refusal or cache moved: {err}")
                     else:
                         ledger.out(f"dual pp negative PASS: {err}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# --transport dist: the same promise with every stage in its own process (memra.pp.dist)
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_pp_dist_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4), steps: int = 8, reps: int = 2,
+                        plen: int = 20, out: Callable[[str], None] = print, pipeline=None) -> bool:
+    """Split across processes == unsplit single-process, bit for bit (`memra gate --mode pp --transport dist`).
+
+        reference  this process, PP door shut, the unsplit model: each prompt's prime logits, then the
+                   batched decode fed its own greedy stream (inputs recorded), per width B
+        prime      pipeline.prime == the reference's prime logits, every prompt; all_logits for one
+        decode     per width B, `reps` times on fresh sequences: pipeline.decode_step_batch rows == reference
+        b1         pipeline.decode_step (the B=1 call) == the reference's B=1 rows
+        verify     decode_step_t over T=2 and T=3 of the B=1 stream: every column == the decode row at its
+                   position; each round drops its last token on every rank (trail rollback)
+        liveness   rank 0 sent and received through the process group (PP_DIST_SENDS / PP_DIST_REPLIES);
+                   every worker reports the rows and prime pieces it ran; no sequence is left on any rank
+        shutdown   (own pipeline) SHUTDOWN reached every rank and every worker exited 0
+
+    MEMRA_GATE_CANARY=1 makes the stage receiving decode step 1 (B = the first width, rep 0) flip one byte
+    of its boundary payload — a real corruption on the real path; the battery must then FAIL.
+    `pipeline`: a running DistPipeline whose rank 0 holds the full model (keep_full_model=True); by
+    default one is launched here (ranks 1..stages-1 on this machine) and shut down at the end.
+    """
+    from memra.cache import StateTrail
+    from memra.pp.dist import launch_local
+
+    seed = doors.integer("MEMRA_GATE_SEED", 0)
+    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    ledger = Ledger(out)
+    vocab = model.cfg.vocab_size
+    ctx = plen + 5 * max(batches) + steps + 16
+    widths = sorted(set(batches) | {1})  # the B=1 stream also feeds the b1 and verify arms
+
+    # ---- reference: door shut, this process, the unsplit model ----
+    ref: dict[int, tuple[list[list[int]], list[torch.Tensor], list[list[int]], list[torch.Tensor]]] = {}
+    with env(MEMRA_PP_STAGES=None):
+        for b in widths:
+            prompts = gate_prompts(b, plen, seed, vocab)
+            caches = [model.new_cache(ctx) for _ in prompts]
+            primed = [model.prime(p, c).cpu() for p, c in zip(prompts, caches)]
+            toks, inputs, rows = [p[-1] for p in prompts], [], []
+            for _ in range(steps):
+                inputs.append(list(toks))
+                rows.append(model.decode_step_batch(toks, caches).cpu())
+                toks = rows[-1].argmax(-1).tolist()
+            ref[b] = (prompts, primed, inputs, rows)
+        all_ref = model.prime(ref[1][0][0], model.new_cache(ctx), all_logits=True).cpu()
+
+    pipe = pipeline if pipeline is not None else launch_local(model, stages, keep_full_model=True)
+    if pipe.n_stages != stages:
+        raise MemraError(f"the pipeline has {pipe.n_stages} stages, the battery was asked for {stages}")
+    out(f"pp dist mode: {stages} processes over {model.cfg.n_layers} layers, fence={list(pipe.fence.bounds)}, "
+        f"backend={pipe.dist_cfg.backend}, timeout={pipe.dist_cfg.timeout_s:g}s")
+    for line in pipe.description.splitlines():
+        out(f"  {line}")
+    out(f"pp dist mode: batches={list(batches)} steps={steps} reps={reps} seed={seed}"
+        f"{' CANARY (must FAIL)' if canary else ''}")
+    before = counters.snapshot()
+    decode_calls = 0
+    try:
+        worker_before = pipe.stats()[1:]
+        # ---- prime ----
+        for b in batches:
+            prompts, primed = ref[b][0], ref[b][1]
+            for i, p in enumerate(prompts):
+                c = pipe.new_cache(ctx)
+                got = pipe.prime(p, c).cpu()
+                if not bits_equal(got, primed[i]):
+                    ledger.fail("prime", f"B={b} prompt {i}: max |d| {maxdiff(got, primed[i]):.3g}")
+                c.free()
+        c = pipe.new_cache(ctx)
+        got = pipe.prime(ref[1][0][0], c, all_logits=True).cpu()
+        if not bits_equal(got, all_ref):
+            ledger.fail("prime", f"all_logits [T, V]: max |d| {maxdiff(got, all_ref):.3g}")
+        c.free()
+        # ---- decode: the batched call, repeated on fresh sequences ----
+        for b in batches:
+            prompts, _, inputs, rows = ref[b]
+            for rep in range(max(reps, 1)):
+                caches = [pipe.new_cache(ctx) for _ in prompts]
+                for p, c in zip(prompts, caches):
+                    pipe.prime(p, c)
+                for s, toks in enumerate(inputs):
+                    if canary and rep == 0 and s == 1 and b == batches[0]:
+                        pipe.arm_canary()
+                    _check(ledger, "decode", f"B={b} rep{rep}", s, pipe.decode_step_batch(toks, caches).cpu(), rows[s])
+                    decode_calls += 1
+                for c in caches:
+                    c.free()
+        # ---- b1: the B=1 call ----
+        prompts, _, inputs, rows = ref[1]
+        c = pipe.new_cache(ctx)
+        pipe.prime(prompts[0], c)
+        for s, toks in enumerate(inputs):
+            got = pipe.decode_step(toks[0], c).cpu()
+            decode_calls += 1
+            if not bits_equal(got, rows[s][0]):
+                ledger.fail("b1", f"step {s}: max |d| {maxdiff(got, rows[s][0]):.3g}")
+        c.free()
+        # ---- verify + rollback on every rank ----
+        for t in (2, 3):
+            c, trail, s, rounds = pipe.new_cache(ctx), StateTrail(), 0, 0
+            pipe.prime(prompts[0], c)
+            while s + t <= steps:
+                pos0 = c.pos
+                logits, _ = pipe.decode_step_t([inputs[s + j][0] for j in range(t)], pos0, c, trail)
+                for j in range(t):
+                    if not bits_equal(logits[j].cpu(), rows[s + j][0]):
+                        ledger.fail("verify", f"T={t} round {rounds} column {j}: max |d| "
+                                              f"{maxdiff(logits[j], rows[s + j][0]):.3g}")
+                c.rollback(pos0, t - 1, trail)
+                s, rounds = s + t - 1, rounds + 1
+            c.free()
+        # ---- liveness ----
+        stats = pipe.stats()
+        d = counters.delta(before)
+        if d["pp_dist_sends"] <= 0 or d["pp_dist_replies"] < decode_calls:
+            ledger.fail("liveness", f"rank 0 sent {d['pp_dist_sends']} messages and received {d['pp_dist_replies']} "
+                                    f"replies for {decode_calls} decode calls")
+        for w0, w in zip(worker_before, stats[1:]):
+            rows_run, pieces = w["rows"] - w0["rows"], w["pieces"] - w0["pieces"]
+            out(f"pp dist liveness: rank {w['rank']} ran {rows_run} decode rows, {pieces} prime pieces, "
+                f"{w['verifies'] - w0['verifies']} verifies; {w['sequences']} sequences left")
+            if rows_run <= 0 or pieces <= 0 or w["sequences"] != 0:
+                ledger.fail("liveness", f"rank {w['rank']}: rows +{rows_run}, pieces +{pieces}, "
+                                        f"{w['sequences']} sequences left")
+            if canary and w["rank"] == 1 and w["canaries"] - w0["canaries"] != 1:
+                ledger.fail("liveness", f"rank 1 applied {w['canaries'] - w0['canaries']} canaries, expected 1")
+    except pf.PipelineError as err:
+        ledger.fail("pipeline", str(err))
+    finally:
+        if pipeline is None:
+            codes = pipe.shutdown()
+            if any(code != 0 for code in codes.values()):
+                ledger.fail("shutdown", f"worker exit codes {codes}")
+            else:
+                out(f"pp dist shutdown: workers exited {codes}")
+    ledger.verdict("prime", "split prime logits == unsplit, every prompt, and all_logits")
+    ledger.verdict("decode", f"split rows == unsplit, batches {list(batches)} x {reps} reps, bit-checked")
+    ledger.verdict("b1", "decode_step across processes == unsplit B=1 rows")
+    ledger.verdict("verify", "verify columns == decode rows, trail rollback on every rank")
+    ledger.verdict("liveness", "process-group sends/replies, worker rows and pieces, no leaked sequences")
+    if ledger.failed.get("pipeline"):
+        ledger.verdict("pipeline", "the pipeline stayed up")
+    if pipeline is None:
+        ledger.verdict("shutdown", "orderly shutdown, every worker exited 0")
+    fails = sum(1 for v in ledger.failed.values() if v)
+    out(f"pp dist mode verdict: {fails} failing arm(s); fence={list(pipe.fence.bounds)}")
+    if fails == 0:
+        out(f"ALL GREEN: PP-{stages} across processes (dist transport) exactness battery")
+    return fails == 0
