@@ -288,16 +288,28 @@ def decode_step_batch_sampled(model, tokens, caches, samp, lean: bool = False):
     device row's logits stay on the device in caches[i].last_logits_dev and rows[i] is None;
     next_tokens[i] is the device-chosen token, or None for host rows.
     """
-    from memra.sampling import DevSamp, device_sample
+    check_samp(samp, caches)
+    return sample_rows(decode_step_batch(model, tokens, caches), caches, samp, lean)
+
+
+def check_samp(samp, caches) -> None:
+    """Refuse a sampling spec list that does not fit the batch, before any cache moves."""
+    from memra.sampling import DevSamp
 
     if len(samp) != len(caches):
         raise MemraError(f"decode_step_batch_sampled got {len(samp)} sampling specs for {len(caches)} caches")
     for i, s in enumerate(samp):
         if s is not None and not isinstance(s, DevSamp):
             raise MemraError(f"row {i}: sampling spec must be a DevSamp or None, got {type(s).__name__}")
-    logits = decode_step_batch(model, tokens, caches)
+
+
+def sample_rows(logits: torch.Tensor, caches, samp, lean: bool):
+    """The device-side choice after a batched step's logits [B, V] -> (rows, next_tokens), as
+    decode_step_batch_sampled documents (shared by the pipeline driver across processes)."""
+    from memra.sampling import device_sample
+
     rows, next_tokens = [], []
-    for i, (row, s, c) in enumerate(zip(logits, samp, caches)):
+    for row, s, c in zip(logits, samp, caches):
         if s is None:
             rows.append(row.cpu())
             next_tokens.append(None)

@@ -326,29 +326,10 @@ class DistPipeline:
     def decode_step_batch_sampled(self, tokens, caches, samp, lean: bool = False):
         """decode_step_batch, then each device row's next token chosen on rank 0 (memra.step's contract:
         -> (rows, next_tokens); lean parks device rows' logits in cache.last_logits_dev)."""
-        from memra.sampling import DevSamp, device_sample
+        from memra.step import check_samp, sample_rows
 
-        if len(samp) != len(caches):
-            raise MemraError(f"decode_step_batch_sampled got {len(samp)} sampling specs for {len(caches)} caches")
-        for i, s in enumerate(samp):
-            if s is not None and not isinstance(s, DevSamp):
-                raise MemraError(f"row {i}: sampling spec must be a DevSamp or None, got {type(s).__name__}")
-        logits = self.decode_step_batch(tokens, caches)
-        rows, picked = [], []
-        for row, s, c in zip(logits, samp, caches):
-            if s is None:
-                rows.append(row.cpu())
-                picked.append(None)
-                continue
-            picked.append(int(device_sample(row, s)))
-            counters.bump("device_sampled_rows")
-            if lean:
-                c.last_logits_dev = row
-                rows.append(None)
-                counters.bump("lean_parked_rows")
-            else:
-                rows.append(row.cpu())
-        return rows, picked
+        check_samp(samp, caches)
+        return sample_rows(self.decode_step_batch(tokens, caches), caches, samp, lean)
 
     @torch.inference_mode()
     def decode_step_t(self, chunk, pos0: int, cache: DistCache, trail: StateTrail | None = None):

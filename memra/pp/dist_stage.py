@@ -21,6 +21,7 @@ import torch
 
 from memra.cache import Cache, StateTrail, new_cache
 from memra.pp.fence import PipelineError, StageFence
+from memra.pp.walk import head, rows_body
 
 PLANS = {"row": 1, "stacked": 2}  # the decode plans a stage split can run (bucket has none)
 PLAN_NAMES = {v: k for k, v in PLANS.items()}
@@ -85,22 +86,6 @@ def release_foreign_weights(model, fence: StageFence, stage: int) -> None:
 
 
 # --- the stage bodies ---------------------------------------------------------------------------------
-
-
-def rows_body(model, h: torch.Tensor, caches: list[Cache], plan: str, a: int, b: int) -> torch.Tensor:
-    """Layers [a, b) for decode rows h [B, E] (one new token per cache, at cache.pos), grouped as the
-    decode plan groups them (row: each row alone with B=1 shapes). -> [B, E]; positions not advanced."""
-    ctxs = [model.context(c, c.pos, 1, recurrent=True) for c in caches]
-    if plan == "stacked":
-        return model.forward_layers_stacked(h, ctxs, a, b)
-    return torch.cat([model.forward_layers(h[i : i + 1], ctx, a, b) for i, ctx in enumerate(ctxs)])
-
-
-def head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
-    """Final norm + lm_head, grouped as the unsplit decode groups it. [B, E] -> [B, V] fp32."""
-    if plan == "stacked":
-        return model.logits(model.norm_out(h))
-    return torch.cat([model.logits(model.norm_out(h[i : i + 1])) for i in range(h.shape[0])])
 
 
 def piece_body(model, h: torch.Tensor, cache: Cache, a: int, b: int) -> torch.Tensor:

@@ -66,21 +66,27 @@ def active_runtime(model) -> PpRuntime | None:
 # --- the per-stage pieces ----------------------------------------------------------------------------
 
 
-def _stage_rows(model, rt: PpRuntime, s: int, h: torch.Tensor, caches, plan: str) -> torch.Tensor:
-    """Stage s's layers for rows h [n, E] (one token per cache), in the decode plan's grouping."""
-    a, b = rt.stages[s].layers
-    dev = rt.stages[s].device
-    ctxs = [model.context(c, c.pos, 1, recurrent=True, device=dev) for c in caches]
+def rows_body(model, h: torch.Tensor, caches, plan: str, a: int, b: int, device=None) -> torch.Tensor:
+    """Layers [a, b) for rows h [n, E] (one token per cache, at cache.pos), in the decode plan's
+    grouping (row: each row alone with B=1 shapes). -> [n, E]; positions not advanced. The stage body
+    of the in-process walk and of a stage in its own process (memra.pp.dist_stage)."""
+    ctxs = [model.context(c, c.pos, 1, recurrent=True, device=device) for c in caches]
     if plan == "stacked":
         return model.forward_layers_stacked(h, ctxs, a, b)
     return torch.cat([model.forward_layers(h[i : i + 1], ctx, a, b) for i, ctx in enumerate(ctxs)])
 
 
-def _head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
+def _stage_rows(model, rt: PpRuntime, s: int, h: torch.Tensor, caches, plan: str) -> torch.Tensor:
+    """Stage s's layers for rows h [n, E], on its device."""
+    return rows_body(model, h, caches, plan, *rt.stages[s].layers, device=rt.stages[s].device)
+
+
+def head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
     """Final norm + lm_head, grouped as the unsplit body groups it (per row under the row plan)."""
     if plan == "stacked":
         return model.logits(model.norm_out(h))
     return torch.cat([model.logits(model.norm_out(h[i : i + 1])) for i in range(h.shape[0])])
+
 
 
 def _caller_stream(model) -> torch.cuda.Stream | None:
@@ -109,7 +115,7 @@ def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipeli
     stage (ordered for the caller's stream). Cache positions advance after the last stage."""
     def body(s: int, h: torch.Tensor) -> torch.Tensor:
         h = _stage_rows(model, rt, s, h, caches, plan)
-        return _head(model, h, plan) if s == rt.n_stages - 1 else h
+        return head(model, h, plan) if s == rt.n_stages - 1 else h
 
     out = _walk_stages(model, rt, ids, body, pipelined)
     for c in caches:
@@ -265,7 +271,7 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
         for w, (_, w_caches) in enumerate(waves):
             with rt.section("dual_pp_overlaps"), st1.scope(), _timed(timing, st1, f"wave_{'ab'[w]}_stage1"):
                 h = _stage_rows(model, rt, 1, rt.rx(0, slots[w]), w_caches, plan)
-                outs.append(_head(model, h, plan))
+                outs.append(head(model, h, plan))
         return outs
 
     _, outs = rt.run_concurrent([stage0, stage1])
