@@ -337,9 +337,9 @@ def prefill_flops(model, tokens: int, pos0: int = 0) -> float:
     cfg = model.cfg
     per_token = 0.0
     for name, t in trunk_weights(model).items():
-        if name in ("embed", "lm_head") or t.dim() < 2 or name.endswith(".gdn.conv"):
+        if name in ("embed", "lm_head") or len(t.shape) < 2 or name.endswith(".gdn.conv"):
             continue
-        n = t.numel()
+        n = tensor_numel(t)  # a packed QuantWeight counts its logical [N, K]
         if name.endswith(ROUTED):
             n *= cfg.moe.top_k / cfg.moe.n_experts
         per_token += 2 * n

@@ -27,7 +27,10 @@ inputs arrive differs (a gather from the table instead of a host-built index; st
 instead of stacked per cache), and those are copies. tests/test_graphs.py holds a graphed decode to the
 eager one, bit for bit, on the GPU; on CPU it runs the static step eagerly against decode_step.
 
-Not graphed (eager as before): MoE models (expert routing picks its launches from the data), rows whose
+MoE layers are graphed where they run as grouped matmuls (memra.kernels.moe_triton: the routing is
+planned on the device, the launches are fixed); the per-expert loop of the fast path is not capturable.
+
+Not graphed (eager as before): MoE models off the grouped path, rows whose
 caches do not share one KV pool and one recurrent pool, pipeline-split walks, the verify forward.
 MEMRA_CUDA_GRAPHS=0 turns graphs off.
 """
@@ -92,7 +95,7 @@ class StaticDecode:
         flat = (table[:, :, None] * BLOCK_SIZE + self.offsets).reshape(self.bucket, -1)  # [Bp, NB*BLOCK]
         write_rows = flat.gather(1, pos[:, None])[:, 0]  # [Bp] where each row's new K/V goes
         cos, sin = ops.rope_cos_sin(pos, m.inv_freq, m.dtype)  # [Bp, R]
-        group = RowGroup(self.kv, slice(None), write_rows, flat.reshape(-1), self.starts, pos + 1)
+        group = RowGroup(self.kv, slice(None), write_rows, flat.reshape(-1), self.starts, pos + 1, flat.shape[1])
         step = StackedStep([], cos, sin, (group,), rec=self.rec, slots=slots if self.rec is not None else None)
         h = m.embed_tokens(ids)
         for block in m.blocks:
@@ -142,8 +145,10 @@ class StaticDecode:
 
 
 def _eligible(model, caches: list[Cache]) -> bool:
-    if model.device.type != "cuda" or not enabled() or any(f == "moe" for f in model.cfg.ffns):
+    if model.device.type != "cuda" or not enabled():
         return False
+    if any(f == "moe" for f in model.cfg.ffns) and not ops.grouped_moe(model.device):
+        return False  # the per-expert loop asks the host which experts were chosen: not capturable
     kv, rec = caches[0].kv, caches[0].rec
     return all(c.kv is kv and c.rec is rec for c in caches)
 

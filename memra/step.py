@@ -8,7 +8,10 @@ How the exact path keeps its promises (EXACTNESS.md), relying only on "same shap
 give the same bits" (checked by memra.kernels.exact.self_test):
 - E5: prime runs its tokens as forwards of at most EXACT_PIECE tokens cut at absolute multiples of
   EXACT_PIECE, so any prime whose chunk cuts are 64-aligned performs the very same forwards as a
-  one-shot prime.
+  one-shot prime. Where every prefill op is a batch-invariant kernel (CUDA + Triton, self-test
+  passed), a token's bits do not depend on the forward it is in at all — only GDN's chunks must sit
+  at absolute multiples of 64, and GDN cuts its own — so there a forward takes a whole chunk
+  (INVARIANT_PIECE): the weights are read once per 4096 tokens instead of once per 64.
 - E1: decode_step_batch runs each row's step with exactly the shapes of that sequence's B=1 step, so
   a row cannot depend on its batchmates or its position in the batch. (Measured on CPU: matmul rows
   are invariant inside fixed tiles, but elementwise ops like sigmoid/softplus change bits with a
@@ -24,9 +27,11 @@ import torch
 from memra import counters, doors
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
 from memra.errors import MemraError
-from memra.kernels.exact import TILE, aligned_cuts, require_exact
+from memra.kernels import ops
+from memra.kernels.exact import TILE, aligned_cuts, platform_report, require_exact
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
+INVARIANT_PIECE = PRIME_CHUNK_MAX_TOKENS  # ... where every prefill op is batch-invariant (exact_piece)
 
 
 def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -65,14 +70,14 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
 
         pieces, pos = [], cache.pos
         for start in range(0, tokens.numel(), chunk):
-            for piece in _forward_pieces(tokens[start : start + chunk], pos, exact):
+            for piece in _forward_pieces(model, tokens[start : start + chunk], pos, exact):
                 pieces.append(piece)
                 pos += piece.numel()
         return prime_split(model, rt, pieces, cache, all_logits, hidden)
     outputs, normed = [], []
     h_last = None
     for start in range(0, tokens.numel(), chunk):
-        for piece in _forward_pieces(tokens[start : start + chunk], cache.pos, exact):
+        for piece in _forward_pieces(model, tokens[start : start + chunk], cache.pos, exact):
             ctx = model.context(cache, cache.pos, piece.numel(), recurrent=False)
             h = model.forward_layers(model.embed_tokens(piece), ctx)
             cache.pos += piece.numel()
@@ -86,11 +91,23 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     return (out, torch.cat(normed)) if hidden else out
 
 
-def _forward_pieces(tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.Tensor]:
-    """Exact path: cut at absolute positions that are multiples of EXACT_PIECE. Fast path: one piece."""
-    if not exact:
-        return [tokens]
-    return [tokens[a:b] for a, b in aligned_cuts(tokens.numel(), pos0, EXACT_PIECE)]
+def exact_piece(model) -> int:
+    """Prefill forward size on the exact path for this model now: INVARIANT_PIECE where the invariant
+    kernels run and their self-test found no row that changes with the call, else EXACT_PIECE."""
+    if not ops.invariant_kernels(model.device):
+        return EXACT_PIECE
+    broken = [f for f in platform_report(model.dtype, model.device) if f.startswith("triton")]
+    return EXACT_PIECE if broken else INVARIANT_PIECE
+
+
+def forward_cuts(model, n: int, pos0: int, exact: bool) -> list[tuple[int, int]]:
+    """[start, stop) of each forward of n prompt tokens at pos0. Exact path: cut at absolute multiples
+    of exact_piece(model). Fast path: one piece."""
+    return aligned_cuts(n, pos0, exact_piece(model)) if exact else [(0, n)]
+
+
+def _forward_pieces(model, tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.Tensor]:
+    return [tokens[a:b] for a, b in forward_cuts(model, tokens.numel(), pos0, exact)]
 
 
 def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:

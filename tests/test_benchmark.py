@@ -283,3 +283,7 @@ def test_packed_weights_count_their_packed_bytes(monkeypatch):
     assert all(isinstance(t, QuantWeight) for t in projections)
     saved = sum(t.shape[0] * t.shape[1] * 4 - t.nbytes for t in projections)  # fp32 dense minus packed
     assert weight_bytes(dense, 1) - weight_bytes(packed, 1) == saved
+    # FLOPs are the logical matmul's, packed or not (a packed weight has no .dim(): the bug the H200 run hit)
+    from memra.benchmark import prefill_flops
+
+    assert prefill_flops(packed, 64) == prefill_flops(dense, 64)

@@ -54,7 +54,7 @@ def test_buckets_and_table_widths():
     assert table_blocks(1) == 16 and table_blocks(256) == 16 and table_blocks(257) == 32 and table_blocks(4096) == 256
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
 def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch, monkeypatch):
     """The graph's body (block tables, slots by index, flat prefix rows) against _decode_stacked,
     from identical states, several steps: logits and every KV / recurrent byte equal."""
@@ -77,7 +77,7 @@ def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch, monkeypat
 
 
 @cuda_only
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
 def test_graphed_b1_decode_equals_eager(load_model, arch, monkeypatch):
     model = load_model(hf_dir(arch))
     streams = {}
@@ -98,7 +98,7 @@ def test_graphed_b1_decode_equals_eager(load_model, arch, monkeypatch):
 
 
 @cuda_only
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
 def test_graphed_batch_with_padding_rows_equals_eager(load_model, arch, monkeypatch):
     """3 live rows in a bucket of 4 (one inert row on the pools' scratch block and slot)."""
     model = load_model(hf_dir(arch))

@@ -160,3 +160,57 @@ def test_rope_matches_the_reference_within_one_rounding(dtype, d, r):
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * tol
     assert torch.equal(got[..., r:], x[..., r:])  # channels past R pass through untouched
     assert torch.equal(tk.apply_rope(x[2:3], cos[2:3], sin[2:3]), got[2:3])  # a token's bits alone == in the batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, zero_centered):
+    """The fused residual add + pre-norm: the sum has torch's bits, the norm rms_norm's bits on that sum."""
+    h, d, w = rnd(7, 96, dtype=dtype, seed=30), rnd(7, 96, dtype=dtype, seed=31), rnd(96, seed=32) + 1
+    s, y = tk.add_rms_norm(h, d, w, 1e-6, zero_centered)
+    same_bits(s, h + d)
+    same_bits(y, tk.rms_norm(h + d, w, 1e-6, zero_centered))
+    ref_s, ref_y = reference.add_rms_norm(h, d, w, 1e-6, zero_centered)
+    same_bits(s, ref_s)
+    close(y, ref_y, torch.bfloat16 if dtype != torch.float32 else dtype)
+    s1, y1 = tk.add_rms_norm(h[4:5].clone(), d[4:5].clone(), w, 1e-6, zero_centered)  # a row alone
+    same_bits(s1, s[4:5])
+    same_bits(y1, y[4:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 24])
+def test_prefill_attention_matches_twin_and_does_not_depend_on_the_piece(dtype, d):
+    """A prompt's queries attended in one piece, or in pieces of any length and alignment, or alone:
+    the same bits per query (what lets the exact prefill run large pieces); the twin's values."""
+    n_blocks, block, hkv, hq, n = 12, 16, 2, 4, 150
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=40), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=41)
+    table = torch.tensor([9, 2, 7, 0, 3, 11, 5, 1, 10, 4], device=DEVICE)
+    pos = torch.arange(n, device=DEVICE)
+    rows = table[pos // block] * block + pos % block
+    q = rnd(n, hq, d, dtype=dtype, seed=42)
+    whole = tk.prefill_attention(q, k_pool, v_pool, rows, 0, d ** -0.5)
+    close(whole, reference.prefill_attention(q, k_pool, v_pool, rows, 0, d ** -0.5), dtype)
+    for a, b in ((0, 64), (64, 100), (100, 150), (37, 38), (70, 141)):
+        piece = tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5)
+        same_bits(piece, whole[a:b])
+        close(piece, reference.prefill_attention(q[a:b], k_pool, v_pool, rows[:b], a, d ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
+    """Long prefixes are split at fixed positions (ATTN_SPLIT, made small here). A row's bits must not
+    depend on whether its call was split (the longest row decides): a short row in a split call has
+    the bits of its unsplit call alone, a long row the bits of its own split call; all near the twin."""
+    monkeypatch.setattr(tk, "ATTN_SPLIT", 32)
+    n_blocks, block, hkv, hq, d = 8, 16, 2, 4, 32
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=50), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=51)
+    table = torch.tensor([6, 2, 7, 0, 3], device=DEVICE)
+    flat = lambda n: table[torch.arange(n, device=DEVICE) // block] * block + torch.arange(n, device=DEVICE) % block
+    rows, lens = flat(70), torch.tensor([1, 17, 32, 33, 70], device=DEVICE)
+    starts = torch.zeros_like(lens)
+    q = rnd(5, hq, d, dtype=dtype, seed=52)
+    out = tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=70)  # three splits
+    close(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17), dtype)
+    for r, n in enumerate(lens.tolist()):
+        same_bits(tk.paged_decode_attention(q[r], k_pool, v_pool, rows[:n], 0.17), out[r])

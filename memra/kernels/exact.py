@@ -106,6 +106,36 @@ def _triton_probes(rnd, failures: list[str]) -> None:
             _check(f"triton linear[{m}x{k}] vs rows of [{wide}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
+    _moe_probes(rnd, tk, failures)
+    _prefill_probes(rnd, tk, failures)
+
+
+def _prefill_probes(rnd, tk, failures: list[str]) -> None:
+    """Prefill attention's promise: a query's bits in one 300-token piece, in aligned and unaligned
+    pieces, and alone (what lets the exact prefill take whole chunks, memra.step.exact_piece)."""
+    n, hq, hkv, d = 300, 8, 2, 128
+    k_pool, v_pool, q = rnd(n // 16 + 1, 16, hkv, d), rnd(n // 16 + 1, 16, hkv, d), rnd(n, hq, d)
+    rows = torch.randperm(k_pool.shape[0] * 16, generator=torch.Generator().manual_seed(1))[:n].to(q.device)
+    whole = tk.prefill_attention(q, k_pool, v_pool, rows, 0, d ** -0.5)
+    for a, b in ((0, 64), (64, 200), (130, 131), (131, 300)):
+        _check(f"triton prefill attention[{n}] queries {a}:{b} as a piece",
+               tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5), whole[a:b], failures)
+
+
+def _moe_probes(rnd, tk, failures: list[str]) -> None:
+    """The grouped MoE kernels share tiles between the tokens routed to one expert: a token's bits
+    alone, among others, and as the per-expert loop over the invariant linear gives them."""
+    from memra.kernels import moe_triton, reference
+
+    n_experts, e, f, top_k, t = 16, 256, 128, 4, 96
+    w_gate_up, w_down, x = rnd(n_experts, 2 * f, e) * 0.1, rnd(n_experts, e, f) * 0.1, rnd(t, e)
+    weights, ids = reference.moe_route(rnd(t, n_experts).float(), top_k, True, x.dtype)
+    full = moe_triton.moe_experts(x, weights, ids, w_gate_up, w_down)
+    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear)
+    _check(f"triton moe[{t}x{e}] vs the per-expert loop", full, loop, failures)
+    for rows in (slice(5, 6), slice(0, 7), slice(30, 90)):
+        _check(f"triton moe[{t}x{e}] rows {rows.start}:{rows.stop} alone",
+               moe_triton.moe_experts(x[rows].clone(), weights[rows], ids[rows], w_gate_up, w_down), full[rows], failures)
 
 
 # Memo of self_test results per (device type, dtype): a property of the platform, computed once per process.

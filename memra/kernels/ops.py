@@ -11,6 +11,9 @@ because exactness depends on it:
 `invariant_kernels(device)` says whether the second table is live; the decode plan uses it to
 decide whether B rows may run as one stacked forward (memra.decode_plan).
 
+`moe_experts` runs as grouped matmuls (memra.kernels.moe_triton) wherever the invariant kernels run:
+the same bits as the per-expert loop over the invariant linear, without the loop's host round trip.
+
 `linear` also takes a GGUF-packed weight (memra.kernels.quant.QuantWeight): the same choice, between
 the fused dequantizing kernels (quant_triton) and their pure-torch twin (quant.reference_linear).
 """
@@ -35,9 +38,9 @@ from memra.kernels.reference import (  # ops with no fast twin: elementwise, or 
 )
 
 __all__ = [
-    "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
-    "gdn_chunk", "gdn_gates", "gdn_recurrent", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
-    "moe_route", "paged_attention_rows", "paged_decode_attention", "rms_norm", "rope_cos_sin", "silu_mul",
+    "add_rms_norm", "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
+    "gdn_chunk", "gdn_gates", "gdn_recurrent", "grouped_moe", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
+    "moe_route", "paged_attention_rows", "paged_decode_attention", "prefill_attention", "rms_norm", "rope_cos_sin", "silu_mul",
 ]
 
 
@@ -86,6 +89,10 @@ def rms_norm(x, w, eps, zero_centered):
     return _impl(x).rms_norm(x, w, eps, zero_centered)
 
 
+def add_rms_norm(h, delta, w, eps, zero_centered):
+    return _impl(h).add_rms_norm(h, delta, w, eps, zero_centered)
+
+
 def l2_normalize(x, eps=1e-6):
     return _impl(x).l2_normalize(x, eps)
 
@@ -106,16 +113,37 @@ def gdn_recurrent(q, k, v, beta, g, state):
     return reference.gdn_recurrent(q, k, v, beta, g, state, step=delta_rule_step)
 
 
-def paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale):
+def paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len=None):
     # Attention has no cuBLAS form to compare against, so the fast path (MEMRA_EXACT=0) uses the paged
     # kernel too where Triton runs; its reference twin walks rows on the host and cannot be graphed.
     fast_cuda = q.is_cuda and not doors.exact_mode() and doors.flag("MEMRA_TRITON", True) and _triton() is not None
-    return (_triton() if fast_cuda else _impl(q)).paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
+    impl = _triton() if fast_cuda else _impl(q)
+    if impl is reference:  # the definition: row by row, no splits
+        return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
+    return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len)
+
+
+def prefill_attention(q, k_pool, v_pool, rows, pos0, scale):
+    return _impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale)
 
 
 def paged_decode_attention(q, k_pool, v_pool, rows, scale):
     return _impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)
 
 
+@functools.cache
+def _moe_triton():
+    from memra.kernels import moe_triton
+
+    return moe_triton
+
+
+def grouped_moe(device: torch.device | str) -> bool:
+    """Does the MoE FFN run as grouped matmuls here (no host sync, so a MoE step can be graphed)?"""
+    return invariant_kernels(device)
+
+
 def moe_experts(x, weights, ids, w_gate_up, w_down):
+    if x.is_cuda and grouped_moe(x.device) and not isinstance(w_gate_up, quant.QuantWeight):
+        return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down)
     return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=linear)

@@ -15,7 +15,7 @@ Why the weight bits hold on the GPU and in the interpreter alike:
     every product is exact in fp32 (an fp16 scale has an 11-bit significand, a 6-bit Q4_K scale or
     min and a 4-bit q add at most 10 more: 21 <= 24 bits; Q8_0's d * q needs 11 + 7), so in
     `(d * scale) * q - (dmin * min)` only the subtraction rounds, fused or not (tested);
-  * fp32 -> bf16 is rounded to nearest-even in integer arithmetic (`_round_to_bf16`): the GPU's fptrunc
+  * fp32 -> bf16 is rounded to nearest-even in integer arithmetic (`triton_ops.round_to_bf16`): the GPU's fptrunc
     does that too, but Triton's interpreter truncates.
 
 The tiles gather each value's scale(s) per element (the same bytes again and again, from cache): simple
@@ -30,6 +30,7 @@ import triton.language as tl
 
 from memra.errors import MemraError
 from memra.kernels.quant import QType, QuantWeight, _check_linear
+from memra.kernels.triton_ops import _interpreting, round_to_bf16
 
 # The frozen configuration (as triton_ops.LINEAR_*): changing one changes bits across memra versions,
 # never across batch sizes. BLOCK_K = 64 is two Q8_0 blocks, or one 32-byte run of a Q4_K super-block's
@@ -41,10 +42,6 @@ QUANT_WARPS = 4
 QUANT_STAGES = 4
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --- in-register decoding -------------------------------------------------------------------------
@@ -98,14 +95,6 @@ def _q4_k_tile(w_ptr, row, kk, mask):
     return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
 
 
-@triton.jit
-def _round_to_bf16(w):
-    """fp32 -> the nearest bf16 value (ties to even), still held in fp32, for finite values; NaN stays NaN."""
-    bits = w.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(w != w, w, rounded.to(tl.float32, bitcast=True))
-
-
 # --- the matmul --------------------------------------------------------------------------------------
 
 
@@ -128,7 +117,7 @@ def _quant_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         else:
             w = _q8_0_tile(w_ptr, row, kk, mask_w)
         if ROUND_BF16:
-            w = _round_to_bf16(w)  # == qw.dequantize(bf16), held in fp32
+            w = round_to_bf16(w)  # == qw.dequantize(bf16), held in fp32
         if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
             acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
         else:

@@ -34,6 +34,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) 
     return w.to(x.dtype) * xf.to(x.dtype)
 
 
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the pre-norm that reads it: (h + delta, rms_norm(h + delta))."""
+    s = h + delta
+    return s, rms_norm(s, w, eps, zero_centered)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: [..., 2F] (gate | up) -> [..., F]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -85,6 +92,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: in
     scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, vh).transpose(0, 1)  # [T, Hq, D]
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, pos0: int,
+                      scale: float) -> torch.Tensor:
+    """causal_attention over a paged prefix: rows [pos0 + T] flat pool rows of positions 0.. in order."""
+    hkv, d = k_pool.shape[-2:]
+    return causal_attention(q, k_pool.view(-1, hkv, d)[rows], v_pool.view(-1, hkv, d)[rows], pos0, scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,

@@ -50,6 +50,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def round_to_bf16(w):
+    """fp32 -> the nearest bf16 value (ties to even), still held in fp32, for finite values; NaN stays NaN.
+    Bit arithmetic rather than a cast, because a cast does not round to nearest everywhere these kernels
+    run (Triton's interpreter truncates), and the kernels that use this promise torch's bits."""
+    bits = w.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(w != w, w, rounded.to(tl.float32, bitcast=True))
+
+
 # --- linear ------------------------------------------------------------------------------------
 
 
@@ -115,12 +125,18 @@ RMS_ZERO_CENTRED, RMS_LLAMA, L2 = 0, 1, 2
 
 
 @triton.jit
-def _row_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
+def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
     # One program per row, the whole row in one tile: the sum is one tree of fixed shape.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:  # x + r rounded to the dtype as torch's add rounds it, stored, then normalised
+        x = x + tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        s_ty = s_ptr.dtype.element_ty
+        x = round_to_bf16(x) if s_ty == tl.bfloat16 else x.to(s_ty).to(tl.float32)
+        tl.store(s_ptr + row * D + cols, x.to(s_ty), mask=mask)
     ss = tl.sum(x * x, axis=0)
     if MODE == 2:  # l2: x / sqrt(sum + eps), fp32 out
         tl.store(y_ptr + row * D + cols, x * (1.0 / tl.sqrt(ss + eps)), mask=mask)
@@ -135,22 +151,35 @@ def _row_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, MODE: tl.constexpr, BLOCK: tl.
             tl.store(y_ptr + row * D + cols, y.to(out_ty), mask=mask)
 
 
-def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, out_dtype: torch.dtype) -> torch.Tensor:
+def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, out_dtype: torch.dtype,
+              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    r2 = residual.reshape(-1, d).contiguous() if residual is not None else None
+    s = torch.empty_like(x2) if residual is not None else None
     if x2.shape[0]:
-        _row_norm_kernel[(x2.shape[0],)](x2, w if w is not None else x2, y, d, eps, MODE=mode,
+        _row_norm_kernel[(x2.shape[0],)](x2, w if w is not None else x2, y, r2 if r2 is not None else x2,
+                                         s if s is not None else x2, d, eps, MODE=mode, RESIDUAL=residual is not None,
                                          BLOCK=triton.next_power_of_2(d))
-    return y.reshape(x.shape)
+    return y.reshape(x.shape), (s.reshape(x.shape) if s is not None else None)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    return _row_norm(x, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, x.dtype)
+    return _row_norm(x, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, x.dtype)[0]
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)) in one pass over the row: the residual add and the next
+    pre-norm of a block, which otherwise write the sum and read it straight back. Same code as
+    rms_norm on the rounded sum, so the same bits as the two ops apart."""
+    y, s = _row_norm(h, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, h.dtype, residual=delta)
+    return s, y
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return _row_norm(x.float(), None, eps, L2, torch.float32)
+    return _row_norm(x.float(), None, eps, L2, torch.float32)[0]
 
 
 @triton.jit
@@ -282,17 +311,23 @@ def delta_rule_step(q, k, v, beta, g, s):
 # --- decode attention over a paged KV prefix ------------------------------------------------------
 
 
+ATTN_SPLIT = 1024  # positions per split of a long prefix (a multiple of ATTN_BLOCK_S)
+
+
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, Hq, scale,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, scale,
                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_S: tl.constexpr):
-    # One program per (query row, head). Query row r attends over its own prefix: positions 0..S-1 whose
-    # flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one launch serves
-    # B sequences of decode or the T columns of a verify, and no length is a compile-time value). The
-    # prefix is visited in position order, BLOCK_S positions a step, with an online softmax in fp32 —
-    # the same order whatever the batch, so a row's bits are its own.
+                             BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr):
+    # One program per (query row, head, split). Query row r attends over its own prefix: positions
+    # 0..S-1 whose flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one
+    # launch serves B sequences of decode or the T columns of a verify, and no length is a compile-time
+    # value). Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position,
+    # visited in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the
+    # batch, so a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output)
+    # for _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
     r = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     kvh = h // GROUP
     start = tl.load(starts_ptr + r)
     S = tl.load(lens_ptr + r)
@@ -302,9 +337,10 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     m_run = tl.full((), float("-inf"), tl.float32)
     l_run = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
+    hi = tl.minimum(S, (sp + 1) * SPLIT)
+    for s0 in range(sp * SPLIT, hi, BLOCK_S):  # empty for a split past the row's prefix
         ps = s0 + tl.arange(0, BLOCK_S)
-        ms = ps < S
+        ms = ps < hi
         rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
         base = (rows * HKV + kvh) * D
         kt = tl.load(k_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
@@ -317,21 +353,66 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
         acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
         l_run = l_run * alpha + tl.sum(p, axis=0)
         m_run = m_new
-    tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+    if PARTIAL:
+        at = (r * Hq + h) * tl.num_programs(2) + sp
+        tl.store(m_ptr + at, m_run)
+        tl.store(l_ptr + at, l_run)
+        tl.store(o_ptr + at * D + cd, acc, mask=md)
+    else:
+        tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
+    # in split 0 gets exactly the unsplit kernel's bits: its weight is exp(0) = 1, the empty splits'
+    # are exp(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
+    # the split be chosen per call (from the longest row) without changing any row's bits.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    base = (r * Hq + h) * N_SPLITS
+    m_all = tl.full((), float("-inf"), tl.float32)
+    for sp in tl.static_range(N_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp))
+    l_all = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for sp in tl.static_range(N_SPLITS):
+        w = tl.exp(tl.load(m_ptr + base + sp) - m_all)
+        l_all = l_all + tl.load(l_ptr + base + sp) * w
+        acc = acc + tl.load(part_ptr + (base + sp) * D + cd, mask=md, other=0.0) * w
+    tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
 
 
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                         starts: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """R query rows, each over its own paged prefix, in one launch. q [R, Hq, D]; k/v_pool
-    [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] : starts[r] +
-    lens[r]] in position order (its own K/V already written, last). -> [R, Hq, D]."""
+                         starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
+    """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
+    k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
+    starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
+    every lens[r] known to the caller (default N). -> [R, Hq, D].
+
+    Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
+    32k context would otherwise stream its prefix through just Hq programs); a row's bits depend only
+    on its own prefix either way (see _combine_splits_kernel)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = torch.empty_like(q)
-    if n:
-        _decode_attention_kernel[(n, hq)](q.contiguous(), k_pool, v_pool, rows.contiguous(), starts.contiguous(),
-                                          lens.contiguous(), o, hq, scale, GROUP=hq // hkv, HKV=hkv, D=d,
-                                          BLOCK_D=triton.next_power_of_2(d), BLOCK_S=ATTN_BLOCK_S)
+    if not n:
+        return o
+    n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
+    q, rows, starts, lens = q.contiguous(), rows.contiguous(), starts.contiguous(), lens.contiguous()
+    shape = dict(GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=ATTN_BLOCK_S, SPLIT=ATTN_SPLIT)
+    if n_splits <= 1:
+        _decode_attention_kernel[(n, hq, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, scale, PARTIAL=False, **shape)
+        return o
+    m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(n, hq, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, hq, scale,
+                                                PARTIAL=True, **shape)
+    _combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=triton.next_power_of_2(d))
     return o
 
 
@@ -343,3 +424,73 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     zero = torch.zeros(1, dtype=torch.long, device=q.device)
     lens = torch.full((1,), rows.numel(), dtype=torch.long, device=q.device)
     return paged_attention_rows(q[None], k_pool, v_pool, rows, zero, lens, scale)[0]
+
+
+# --- prefill attention over a paged KV prefix ------------------------------------------------------
+
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 64, 4, 2
+
+
+@triton.jit(do_not_specialize=["T", "pos0"])
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, T, pos0, Hq, qk_scale,
+                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (BLOCK_M queries, head): flash attention with the keys visited in blocks of BLOCK_N from
+    # position 0, whatever the queries. A query's bits cannot depend on the piece it came in or on the
+    # tile it shares: its scores and its P @ V are per-row MMA results, the blocks it sees are fixed
+    # by absolute position, and the blocks past its own position (there for its tile-mates) are fully
+    # masked, which leaves its running max, sum and output untouched (alpha = 1, p = 0).
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the piece
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    q = tl.load(q_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], mask=(rm[:, None] < T) & md[None, :], other=0.0)
+    q_pos = pos0 + rm
+    m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = tl.minimum(pos0 + (mb + 1) * BLOCK_M, pos0 + T)  # keys this tile's last query sees
+    for n0 in range(0, hi, BLOCK_N):
+        pn = n0 + tl.arange(0, BLOCK_N)
+        mn = pn < hi
+        rows = tl.load(rows_ptr + pn, mask=mn, other=0)
+        base = (rows * HKV + kvh) * D
+        kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=mn[None, :] & md[:, None], other=0.0)  # [D, N]
+        if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where((pn[None, :] <= q_pos[:, None]) & mn[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(s, axis=1))
+        alpha = tl.exp2(m_run - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_run = l_run * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_run = m_new
+    out = acc / l_run[:, None]
+    tl.store(o_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(rm[:, None] < T) & md[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, pos0: int,
+                      scale: float) -> torch.Tensor:
+    """T new queries of one sequence at positions pos0.. over its paged prefix (causal). q [T, Hq, D];
+    k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [pos0 + T] flat pool rows in position order (the new
+    tokens' K/V already written). -> [T, Hq, D]. A query's bits do not depend on T or pos0's piece."""
+    t, hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    o = torch.empty_like(q)
+    if t:
+        _prefill_attention_kernel[(triton.cdiv(t, PREFILL_BLOCK_M), hq)](
+            q.contiguous(), k_pool, v_pool, rows.contiguous(), o, t, pos0, hq, scale * 1.4426950408889634,
+            GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
+            IEEE=q.dtype == torch.float32 or _interpreting(), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES)
+    return o

@@ -47,7 +47,7 @@ class Attention:
             g.kv.k[self.layer].view(-1, self.n_kv, d)[g.write_rows] = k[g.sel]
             g.kv.v[self.layer].view(-1, self.n_kv, d)[g.write_rows] = v[g.sel]
             o[g.sel] = ops.paged_attention_rows(q[g.sel], g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
-                                                g.starts, g.lens, self.scale)
+                                                g.starts, g.lens, self.scale, g.max_len)
         return o.reshape(q.shape[0], self.n_heads * d)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -78,7 +78,7 @@ class Attention:
         if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
             o = ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
         else:
-            o = ops.causal_attention(q, flat_k[ctx.kv_read_rows], flat_v[ctx.kv_read_rows], ctx.pos0, self.scale)  # [T, Hq, D]
+            o = ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale)
         return o.reshape(t, self.n_heads * d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

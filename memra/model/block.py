@@ -22,13 +22,11 @@ class Block:
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [T, E] -> [T, E]: T tokens of one sequence."""
-        h = h + self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx)
-        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
+        return self._ffn(h, self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx))
 
     def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
-        h = h + self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step)
-        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
+        return self._ffn(h, self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step))
 
     def forward_tokens(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [T, E] -> [T, E]: T consecutive generated tokens of one sequence (the stacked verify body).
@@ -36,5 +34,10 @@ class Block:
         K/V, so row j sees rows < j exactly as decode would; GDN advances its state token by token."""
         x = ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
         mixed = self.mixer.forward_stacked(x, step) if isinstance(self.mixer, Attention) else self.mixer.forward_tokens(x, step)
-        h = h + mixed
-        return h + self.ffn.forward(ops.rms_norm(h, self.ffn_norm, self.eps, self.zc))
+        return self._ffn(h, mixed)
+
+    def _ffn(self, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """The mixer's residual add, then the FFN's pre-norm and residual. The add and the norm that
+        reads it are one kernel on the exact GPU path (ops.add_rms_norm: the same bits as apart)."""
+        h, x = ops.add_rms_norm(h, mixed, self.ffn_norm, self.eps, self.zc)
+        return h + self.ffn.forward(x)

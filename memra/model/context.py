@@ -33,6 +33,7 @@ class RowGroup:
     read_rows: torch.Tensor  # the rows' prefixes, concatenated (one table when they share a sequence)
     starts: torch.Tensor  # [n] where each row's prefix begins in read_rows
     lens: torch.Tensor  # [n] its length (positions 0..its own)
+    max_len: int  # a bound on every length, known on the host (how many splits a long prefix gets)
 
 
 @dataclass(frozen=True)
@@ -67,5 +68,6 @@ class StackedStep:
                 starts = [sum(lens[:j]) for j in range(len(idx))]
             as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
             groups.append(RowGroup(ctxs[idx[0]].cache.kv, as_dev(idx) if len(idx) < len(ctxs) else slice(None),
-                                   torch.cat([ctxs[i].kv_write_rows for i in idx]), read, as_dev(starts), as_dev(lens)))
+                                   torch.cat([ctxs[i].kv_write_rows for i in idx]), read, as_dev(starts), as_dev(lens),
+                                   max(lens)))
         return cls(ctxs, torch.cat([c.cos for c in ctxs]), torch.cat([c.sin for c in ctxs]), tuple(groups))

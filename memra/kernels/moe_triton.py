@@ -1,0 +1,174 @@
+"""The mixture-of-experts FFN as grouped matmuls (Triton): one launch per projection for every
+(token, expert) pair of a call, planned on the device, with no host round trip.
+
+The reference (reference.moe_experts) asks the host which experts were chosen and runs two linears per
+expert: for a 256-expert layer that is up to 512 launches and a device sync per layer, which also makes
+a MoE step impossible to capture in a CUDA graph. Here instead:
+
+    plan      sort the T*k pairs by expert on the device; give each expert whole BLOCK_M tiles of its
+              pairs; a tile table of static length (an upper bound) says, per tile, its expert and the
+              span of sorted pairs it covers (empty spans for the unused tail)
+    gate_up   y1[p] = x[token(p)] @ w_gate_up[expert(p)]^T          one grid over (tile, N block)
+    silu_mul  h = silu(gate) * up                                       elementwise (torch)
+    down      y2[p] = h[p] @ w_down[expert(p)]^T                       one grid over (tile, N block)
+    combine   out[t] = sum_j  weight[t, j] * y2[pair(t, j)]           each row's pairs in ascending
+                                                                        expert id, rounded as it goes
+
+Bits: a pair's product walks K exactly as triton_ops.linear does (same fp32 accumulator, same K
+blocks, same MMA step), so it has the bits that kernel gives its row alone, whatever tile it shares
+(the linear kernel's promise, re-checked by memra.kernels.exact's self-test). The combine adds a row's
+weighted expert outputs in the reference's order with the reference's roundings (product rounded to
+the dtype, then the running sum). So this path equals the per-expert loop run with the invariant
+linear, bit for bit, and a row's result does not depend on which tokens share the call (promise E1).
+tests/test_moe_kernel.py holds it to both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.kernels import reference
+from memra.kernels.triton_ops import _interpreting, linear_config, round_to_bf16
+
+
+@triton.jit
+def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr,
+                           N, K, stride_xm, stride_we, stride_wn, stride_ym,
+                           GATHER: tl.constexpr, IEEE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (tile, N block): BLOCK_M sorted pairs of one expert times BLOCK_N of its output rows.
+    tile = tl.program_id(0)
+    start = tl.load(tile_start_ptr + tile)
+    stop = tl.load(tile_stop_ptr + tile)
+    if start < stop:  # the tile table's unused tail has empty spans
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        rp = start + tl.arange(0, BLOCK_M)  # positions in the expert-sorted pair list
+        in_tile = rp < stop
+        if GATHER:  # the pair's token row of x (gate_up reads x in token order)
+            rx = tl.load(rows_ptr + rp, mask=in_tile, other=0)
+        else:  # x is already in pair order (down reads h)
+            rx = rp
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # the linear kernel's K order: same bits per row
+            kk = k0 + rk
+            a = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=in_tile[:, None] & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        tl.store(y_ptr + rp[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=in_tile[:, None] & (rn[None, :] < N))
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
+    # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
+    # `out += y * w` -- the reference's order and roundings. The sum is held in fp32 registers but only
+    # ever holds values of the dtype. Launched with fp fusion off: in fp32 a multiply-add contracted
+    # into one FMA rounds once where torch rounds twice (seen on the H200).
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < E
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)  # where pair (t, j) sits in sorted order
+        y = tl.load(y_ptr + p * E + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        if ROUND_BF16:
+            acc = round_to_bf16(acc + round_to_bf16(y * w))
+        else:
+            acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * E + cols, acc.to(dt), mask=mask)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Where every (token, slot) pair goes, computed on the device. P = T * top_k pairs."""
+
+    token_of: torch.Tensor  # [P] int64: the token row of the p-th pair in expert-sorted order
+    sorted_pos: torch.Tensor  # [T * top_k] int64: where pair (t, j) sits in expert-sorted order
+    tile_expert: torch.Tensor  # [n_tiles] int64
+    tile_start: torch.Tensor  # [n_tiles] int64: first sorted pair of the tile
+    tile_stop: torch.Tensor  # [n_tiles] int64: one past its last (== start for unused tiles)
+    config: tuple[int, int, int, int, int]  # the kernels' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+
+
+def plan_groups(ids: torch.Tensor, n_experts: int, config: tuple[int, int, int, int, int]) -> GroupPlan:
+    """ids [T, k] (each row's experts in ascending order) -> the tile table.
+
+    The table's length depends only on the shapes (at most ceil(P / BLOCK_M) full tiles plus one
+    partial tile per expert that was chosen), so nothing is read back to the host."""
+    t_rows, top_k = ids.shape
+    block_m = config[0]
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    order = torch.sort(flat, stable=True).indices  # sorted position -> pair index t * k + j
+    sorted_pos = torch.empty_like(order)
+    sorted_pos[order] = torch.arange(p, device=ids.device)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    ends = counts.cumsum(0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = tiles.cumsum(0)
+    n_tiles = triton.cdiv(p, block_m) + min(n_experts, p)
+    tile = torch.arange(n_tiles, device=ids.device)
+    expert = torch.searchsorted(tile_ends, tile, right=True).clamp_max(n_experts - 1)
+    start = ends[expert] - counts[expert] + (tile - (tile_ends[expert] - tiles[expert])) * block_m
+    stop = torch.minimum(start + block_m, ends[expert])
+    used = tile < tile_ends[-1]
+    zero = torch.zeros_like(start)
+    return GroupPlan(order // top_k, sorted_pos, expert, torch.where(used, start, zero), torch.where(used, stop, zero),
+                     config)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bool) -> torch.Tensor:
+    """Pair p's row (x[token_of[p]] if gather, else x[p]) times its expert's w[e] [N, K]^T -> [P, N]."""
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    p, n, k = plan.token_of.numel(), w.shape[1], w.shape[2]
+    y = torch.empty(p, n, dtype=x.dtype, device=x.device)
+    if p:
+        bm, bn, bk, warps, stages = plan.config
+        _grouped_linear_kernel[(plan.tile_start.numel(), triton.cdiv(n, bn))](
+            x, plan.token_of, w, y, plan.tile_expert, plan.tile_start, plan.tile_stop,
+            n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+            GATHER=gather, IEEE=x.dtype == torch.float32 or _interpreting(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
+
+
+def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
+    """The linear kernel's tile for the mean rows per chosen expert. Which tile runs changes speed,
+    not bits: every linear tile walks K in the same order (triton_ops.LINEAR_BUCKETS)."""
+    return linear_config(max(1, pairs // max(1, min(n_experts, pairs))), elem_bytes)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """reference.moe_experts' meaning and bits, in four launches and no sync.
+    x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]."""
+    t_rows, top_k = ids.shape
+    e = x.shape[-1]
+    ids, perm = ids.sort(dim=1)  # each row's slots in ascending expert id: the reference's summation order
+    weights = weights.gather(1, perm).contiguous()
+    n_experts = w_gate_up.shape[0]
+    plan = plan_groups(ids, n_experts, tile_config(t_rows * top_k, n_experts, x.element_size()))
+    h = reference.silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F]
+    y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
+    out = torch.empty_like(x)
+    if t_rows:
+        block = min(1024, triton.next_power_of_2(e))
+        _combine_kernel[(t_rows, triton.cdiv(e, block))](y, plan.sorted_pos, weights, out, e, TOP_K=top_k,
+                                                          ROUND_BF16=x.dtype == torch.bfloat16, BLOCK=block,
+                                                          enable_fp_fusion=False)
+    return out
