@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
     srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /tokenize")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
+    srv.add_argument("--pp-size", type=int, default=None,
+                     help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
+                          "this machine; under torchrun every rank runs this command and rank 0 serves HTTP "
+                          "(default: 1, or torchrun's WORLD_SIZE)")
     from memra.server.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -234,10 +238,49 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
+def _torchrun_world() -> int | None:
+    """WORLD_SIZE when a launcher (torchrun) started this process as one of several ranks, else None."""
+    import os
+
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        world = int(raw)
+    except ValueError:
+        raise MemraError(f"WORLD_SIZE={raw!r} is not an integer") from None
+    return world if world > 1 else None
+
+
+def _serving_model(args: argparse.Namespace):
+    """The model, or with --pp-size N >= 2 (or under torchrun) a process-per-stage pipeline in its place
+    (memra.pp.dist). Under torchrun only rank 0 returns: every other rank serves its stage inside this
+    call until rank 0 shuts the pipeline down, then exits with the worker's code."""
+    import memra
+
+    if args.pp_size is not None and args.pp_size < 1:
+        raise MemraError(f"--pp-size must be >= 1, got {args.pp_size}")
+    if _torchrun_world() is None and (args.pp_size or 1) == 1:
+        return memra.load(args.model, device=args.device, dtype=args.dtype)
+    from memra.pp.dist import pipeline_for_serving
+
+    return pipeline_for_serving(args.model, args.pp_size or 0, args.device, args.dtype)
+
+
+def _orderly_stop_exits_zero() -> None:
+    """Rank 0 under torchrun: the signal uvicorn re-raises after its orderly stop lands here and is
+    dropped, so the command returns 0. torchrun counts a rank that died by a signal as the whole job
+    failing (and SIGTERMs the other ranks while they are still exiting in order)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import memra
+    from memra.pp.dist_driver import DistPipeline
     from memra.server.api import build_app
     from memra.server.engine import Engine, EngineConfig
     from memra.server.metrics import Metrics
@@ -246,21 +289,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_waiting=args.max_waiting)
     if not 0 < args.port < 65536:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
-    model = memra.load(args.model, device=args.device, dtype=args.dtype)
-    if model.tokenizer is None:
-        raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
-    name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
-    metrics = Metrics(name)
-    engine = Engine(model, cfg, metrics)
-    done = lambda: print(f"memra serve: drained and stopped after {engine.steps} engine steps", file=sys.stderr)
+    model = _serving_model(args)
+    pipe = model if isinstance(model, DistPipeline) else None  # its workers must be shut down on every exit
+    try:
+        if model.tokenizer is None:
+            raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
+        name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
+        metrics = Metrics(name)
+        engine = Engine(model, cfg, metrics)
+    except BaseException:
+        if pipe is not None:
+            pipe.shutdown()
+        raise
+
+    def done() -> None:
+        workers = f"; pipeline workers exited {pipe.exit_codes}" if pipe is not None and pipe.workers is not None else ""
+        print(f"memra serve: drained and stopped after {engine.steps} engine steps{workers}", file=sys.stderr)
+
     app = build_app(engine, name, api_key=args.api_key, metrics=metrics, on_shutdown=done)
     import uvicorn
 
     print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
           file=sys.stderr)
+    if pipe is not None:
+        print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
+        for line in pipe.description.splitlines():
+            print(f"  {line}", file=sys.stderr)
     # On SIGINT/SIGTERM uvicorn stops accepting, lets in-flight requests finish, runs the app's shutdown
-    # (the engine drains), then re-raises the signal so the exit status says how the server ended.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    # (the engine drains, then shuts a pipeline down: its workers exit 0), then re-raises the signal so
+    # the exit status says how the server ended — except on rank 0 under torchrun, where it exits 0.
+    if pipe is not None and pipe.workers is None:
+        _orderly_stop_exits_zero()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    finally:
+        if pipe is not None:
+            pipe.shutdown()  # idempotent; here for exits that skipped the app's shutdown
     return 0
 
 

@@ -60,6 +60,16 @@ def _bring_up(model, cfg: DistConfig, fence: pf.StageFence, workers: LocalWorker
     return pipe
 
 
+def worker_source(model) -> str:
+    """What a worker loads to hold the same model: its checkpoint path, or for a random-weight model
+    (memra.random_model, source `random:NAME`) the recipe `random:NAME:LAYERS` that rebuilds it. Weights
+    that differ anyway (another seed, a quantized build) are refused at HELLO by the fingerprint."""
+    source = str(model.source)
+    if source.startswith("random:") and source.count(":") == 1:
+        return f"{source}:{model.cfg.n_layers}"
+    return source
+
+
 def launch_local(model, stages: int | None = None, *, device: str | None = None, dtype: str | None = None,
                  keep_full_model: bool = False, env: dict[str, str] | None = None) -> DistPipeline:
     """Rank 0 in this process, ranks 1..stages-1 spawned on this machine (gloo on CPU, NCCL on CUDA
@@ -78,7 +88,7 @@ def launch_local(model, stages: int | None = None, *, device: str | None = None,
     cfg = DistConfig(rank=0, world_size=n, local_rank=model.device.index or 0, master_addr="127.0.0.1",
                      master_port=free_port(), backend=backend_for(device_type, os.environ), own_store=True,
                      **doors_from_env())
-    workers = spawn_workers(model.source, cfg, device_type, model.dtype, torch.get_num_threads(),
+    workers = spawn_workers(worker_source(model), cfg, device_type, model.dtype, torch.get_num_threads(),
                             {**os.environ, **(env or {})})
     atexit.register(workers.finish, 0.0)  # never leave orphans behind if the caller forgets shutdown()
     try:

@@ -118,7 +118,12 @@ class DistPipeline:
 
     @property
     def mtp(self) -> list:
-        return []  # the MTP head lives on the last rank; the drafter is not wired across processes
+        """Refused, not empty: the checkpoint may well have an MTP block (the last rank holds it), but the
+        drafter runs on rank 0 and is not wired across processes. An empty list would make callers say
+        "this checkpoint has no MTP block", which is false."""
+        raise PipelineError("the MTP drafter is not wired across processes (the MTP block lives on the last rank, "
+                            "the drafter would run on rank 0): use speculative 'ngram' (--speculative ngram), or "
+                            "plain decoding, or load the model in one process for MTP drafting")
 
     @property
     def n_stages(self) -> int:
@@ -244,11 +249,10 @@ class DistPipeline:
     @torch.inference_mode()
     def prime(self, ids, cache: DistCache, all_logits: bool = False, chunk_size: int | None = None,
               hidden: bool = False):
-        """Prompt tokens through every stage, in memra.step.prime's pieces (chunks of chunk_size, cut at
-        absolute multiples of EXACT_PIECE on the exact path). Stage 0 runs piece k+1 while the next stages
-        run piece k. -> the last position's logits [V] (or [T, V] with all_logits), fp32."""
-        from memra.kernels.exact import aligned_cuts
-        from memra.step import EXACT_PIECE
+        """Prompt tokens through every stage, in memra.step.prime's pieces (chunks of chunk_size, cut
+        where memra.step.forward_cuts cuts them). Stage 0 runs piece k+1 while the next stages run
+        piece k. -> the last position's logits [V] (or [T, V] with all_logits), fp32."""
+        from memra.step import forward_cuts
 
         with self._lock:
             self._check_up()
@@ -264,7 +268,7 @@ class DistPipeline:
             pieces, pos = [], cache.pos
             for start in range(0, tokens.numel(), chunk):
                 part = tokens[start : start + chunk]
-                for a, b in (aligned_cuts(part.numel(), pos, EXACT_PIECE) if exact else [(0, part.numel())]):
+                for a, b in forward_cuts(self.model, part.numel(), pos, exact):
                     pieces.append(part[a:b])
                     pos += b - a
             cmd = self._next_cmd()

@@ -15,6 +15,10 @@ Doors (read when a pipeline starts; every value is checked and a bad one names i
                                  (an idle server is not a failure; a dead driver closes the connection).
   MEMRA_PP_DIST_START_TIMEOUT_S  joining and loading the model on every rank. Default 600.
   MEMRA_PP_DIST_BACKEND          gloo | nccl; default nccl on CUDA, gloo on CPU.
+  MEMRA_PP_DIST_SHARE_GPUS       1: NCCL ranks may share GPUs round-robin when a node has fewer GPUs than
+                                 ranks (gloo ranks always may). Off by default: NCCL 2.5 and later refuse
+                                 two ranks of one communicator on one GPU ("Duplicate GPU detected"),
+                                 which then fails the bring-up with that error (one-GPU experiments).
 The fence comes from the in-process doors (MEMRA_PP_STAGES / MEMRA_PP_SPLITS / MEMRA_PP_SPLIT, memra.pp.fence),
 with one rank per stage: MEMRA_PP_STAGES defaults to the world size and must equal it when set.
 """
@@ -93,6 +97,7 @@ class DistConfig:
     idle_timeout_s: float = FOREVER_S
     start_timeout_s: float = 600.0
     own_store: bool = False  # True: memra hosts the rendezvous store on rank 0 (local launch)
+    share_gpus: bool = False  # NCCL ranks may share a GPU (MEMRA_PP_DIST_SHARE_GPUS)
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -124,8 +129,11 @@ class DistConfig:
 def doors_from_env(env: Env | None = None) -> dict:
     e = os.environ if env is None else env
     idle = _seconds(e, "MEMRA_PP_DIST_IDLE_TIMEOUT_S", 0.0, zero_ok=True)
+    share = e.get("MEMRA_PP_DIST_SHARE_GPUS", "").strip()
+    if share not in ("", "0", "1"):
+        raise MemraError(f"MEMRA_PP_DIST_SHARE_GPUS={share!r} must be 0 or 1")
     return dict(timeout_s=_seconds(e, "MEMRA_PP_DIST_TIMEOUT_S", 30.0), idle_timeout_s=idle or FOREVER_S,
-                start_timeout_s=_seconds(e, "MEMRA_PP_DIST_START_TIMEOUT_S", 600.0))
+                start_timeout_s=_seconds(e, "MEMRA_PP_DIST_START_TIMEOUT_S", 600.0), share_gpus=share == "1")
 
 
 def dist_fence(n_layers: int, world_size: int, env: Env | None = None) -> pf.StageFence:
@@ -148,15 +156,17 @@ def dist_fence(n_layers: int, world_size: int, env: Env | None = None) -> pf.Sta
 
 def rank_device(device_type: str, cfg: DistConfig) -> torch.device:
     """cuda:LOCAL_RANK (or cpu). Under gloo, ranks beyond the GPU count share GPUs round-robin (one-GPU
-    machines, tests); NCCL needs a GPU of its own per rank, so there it is refused."""
+    machines, tests); NCCL needs a GPU of its own per rank, so there it is refused unless
+    MEMRA_PP_DIST_SHARE_GPUS=1 asks to try (NCCL may still refuse, at bring-up)."""
     if device_type != "cuda":
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if count == 0:
         raise pf.PipelineError(f"rank {cfg.rank} was asked for CUDA but sees no CUDA device")
-    if cfg.local_rank >= count and cfg.backend == "nccl":
+    if cfg.local_rank >= count and cfg.backend == "nccl" and not cfg.share_gpus:
         raise pf.PipelineError(f"rank {cfg.rank} wants cuda:{cfg.local_rank} but this node has {count} GPU(s); NCCL needs "
-                               "one GPU per rank (MEMRA_PP_DIST_BACKEND=gloo lets ranks share GPUs)")
+                               "one GPU per rank (MEMRA_PP_DIST_BACKEND=gloo lets ranks share GPUs; "
+                               "MEMRA_PP_DIST_SHARE_GPUS=1 tries NCCL anyway)")
     return torch.device("cuda", cfg.local_rank % count)
 
 
@@ -278,7 +288,8 @@ def spawn_workers(model_path: str, cfg: DistConfig, device_type: str, dtype: tor
         worker_env = dict(base, RANK=str(r), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(r),
                           MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(cfg.master_port), MEMRA_PP_STAGES=str(cfg.world_size),
                           MEMRA_PP_DIST_BACKEND=cfg.backend, MEMRA_PP_DIST_TIMEOUT_S=repr(cfg.timeout_s),
-                          MEMRA_PP_DIST_START_TIMEOUT_S=repr(cfg.start_timeout_s), **{LOCAL_DOOR: "1"})
+                          MEMRA_PP_DIST_START_TIMEOUT_S=repr(cfg.start_timeout_s),
+                          MEMRA_PP_DIST_SHARE_GPUS="1" if cfg.share_gpus else "0", **{LOCAL_DOOR: "1"})
         worker_env["MEMRA_PP_DIST_IDLE_TIMEOUT_S"] = "0" if cfg.idle_timeout_s >= FOREVER_S else repr(cfg.idle_timeout_s)
         cmd = [sys.executable, "-m", "memra.pp.dist_worker", str(model_path), "--device", device_type,
                "--dtype", dtype_name, "--threads", str(threads)]

@@ -2,6 +2,9 @@
 
     python -m memra.pp.dist_worker MODEL [--device cpu|cuda] [--dtype float32] [--threads N]
 
+MODEL is a checkpoint path, or `random:NAME:LAYERS` for a random-weight model of a named shape
+(memra.random_model, seed 0: what launch_local passes for one; HELLO's fingerprint refuses a mismatch).
+
 (started by memra.pp.dist.launch_local, or by torchrun through memra.pp.dist.join_from_env).
 
 The loop: receive a command from the previous stage; do this stage's part of it (create/free a
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -162,14 +166,26 @@ def _tell(down: Link, msg: Message, cfg: DistConfig) -> None:
     print(f"memra pp worker rank {cfg.rank}: {msg.text}", file=sys.stderr)
 
 
-def run_worker(model_path: str, cfg: DistConfig, device: torch.device, dtype: str | None) -> int:
-    """Join, load, serve. -> the exit code."""
+def load_stage_model(source: str, device: torch.device, dtype: str | None):
+    """This rank's copy of the model (weights outside its stage are dropped later): a checkpoint path,
+    or `random:NAME[:LAYERS]`, rebuilt by memra.random_model with seed 0 on this rank's device."""
     import memra
 
+    if not source.startswith("random:"):
+        return memra.load(source, device=device, dtype=dtype, tokenizer=False)
+    from memra.random_model import random_model
+
+    name, _, layers = source.removeprefix("random:").partition(":")
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return random_model(name, device, torch_dtype, n_layers=int(layers) if layers else None)
+
+
+def run_worker(model_path: str, cfg: DistConfig, device: torch.device, dtype: str | None) -> int:
+    """Join, load, serve. -> the exit code."""
     join_group(cfg)
     state, fp, problem = None, 0, None
     try:
-        model = memra.load(model_path, device=device, dtype=dtype, tokenizer=False)
+        model = load_stage_model(model_path, device, dtype)
         fence = dist_fence(model.cfg.n_layers, cfg.world_size)
         fp = fingerprint(model)  # before trimming: it reads the embedding and the head
         state = StageState(model, fence, cfg.rank)
@@ -198,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)  # rank 0's count: CPU kernels may pick reductions by thread count
     cfg = DistConfig.from_env(args.device)
+    if cfg.own_store:
+        # A local worker lives and dies with its rank 0, which shuts it down in order after draining (or
+        # kills it); a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group,
+        # and must not take a stage away under requests rank 0 is still finishing. A dead rank 0 still
+        # ends the worker: its connections close.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = rank_device(args.device, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)

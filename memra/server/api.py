@@ -5,8 +5,10 @@
 
 Errors follow OpenAI's body: {"error": {"message", "type", "param", "code"}} — 400 for a bad request
 (malformed JSON, wrong types, out-of-range values, a prompt over the context), 401 for a wrong API
-key, 429 when the waiting queue is at its bound, 503 while shutting down. A streaming client that
-disconnects cancels its request at the engine's next step boundary.
+key, 429 when the waiting queue is at its bound, 503 while shutting down or once the engine cannot serve
+(stopped after an error, a pipeline rank gone: the message names it). A request in flight when the
+engine fails ends with a 500 body (or, streaming, an error event) carrying the engine's message. A
+streaming client that disconnects cancels its request at the engine's next step boundary.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 
 from memra.errors import MemraError
-from memra.server.engine import Engine, QueueFull, TokenEvent, fresh_seed
+from memra.server.engine import Engine, QueueFull, TokenEvent, Unavailable, fresh_seed
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -118,8 +120,9 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
 
     @app.get("/health")
     async def health():
-        if engine.error is not None:
-            return error_body(503, f"engine stopped: {engine.error}", "server_error")
+        problem = engine.health()
+        if problem is not None:
+            return error_body(503, problem, "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -183,10 +186,11 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, metri
         except QueueFull as err:
             engine.cancel(job.rids)
             return error_body(429, str(err), "rate_limit_error")
+        except Unavailable as err:
+            engine.cancel(job.rids)
+            return error_body(503, str(err), "server_error")
         except MemraError as err:
             engine.cancel(job.rids)
-            if "shutting down" in str(err) or "stopped" in str(err):
-                return error_body(503, str(err), "server_error")
             return error_body(400, str(err))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())

@@ -13,12 +13,19 @@ Every request's tokens are the ones offline `generate_tokens` produces for it, b
   (recomputing would re-run generated tokens through the chunked GDN form and change the bits).
 
 All model work happens on the engine thread; other threads only enqueue commands and read sinks.
+
+What the engine runs on is a backend: the model in this process (`_InProcess`: the shared KV pool and
+recurrent slots, stage-owned under the in-process PP door, swapping to host), or a process-per-stage
+pipeline in the model's place (`_ProcessPipeline`, over a memra.pp.dist.DistPipeline: each sequence is
+a cache on every rank, no swapping, the pipeline shut down with the engine). See `_ProcessPipeline`
+for what a pipeline does not do (preemption, MTP drafting) and how a failed rank ends requests.
 """
 
 from __future__ import annotations
 
 import queue
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,12 +36,18 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
 from memra.graphs import reserve_scratch
 from memra.errors import ContextOverflowError, MemraError
+from memra.pp.fence import PipelineError
 from memra.sampling import SamplingParams, apply_penalties, sample
 from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.step import EXACT_PIECE
 from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
 
-__all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
+
+
+class Unavailable(MemraError):
+    """The engine takes no requests now: shutting down, stopped after an error, or a pipeline rank is
+    gone (HTTP 503). The message says which, and what brings the server back."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class EngineConfig:
     max_ctx: int = 4096  # prompt + generated tokens of one sequence
     token_budget: int = 2048  # tokens per engine step (decode rows + prefill chunk tokens)
     max_waiting: int = 256  # queued requests beyond which submit() raises QueueFull (HTTP 429)
-    kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx
+    kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx (in-process only)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
@@ -93,25 +106,156 @@ class _Seq:
     done: bool = False
 
 
-class Engine:
-    """Owns the model, the shared KV pool and recurrent slots, the scheduler and the engine thread."""
+# --- what the engine runs on ------------------------------------------------------------------------------
 
-    def __init__(self, model, cfg: EngineConfig = EngineConfig(), metrics=None):
-        self.model, self.cfg, self.metrics = model, cfg, metrics
-        mcfg = model.cfg
-        self.rt = None
+
+class _InProcess:
+    """The model in this process: the shared KV pool and recurrent slots the scheduler's counts stand
+    for (stage-owned when the in-process PP door is open), and preemption by swapping to host memory."""
+
+    preemption = True
+
+    def __init__(self, model, cfg: EngineConfig):
         from memra.pp.walk import active_runtime
 
+        self.model = model
+        mcfg = model.cfg
         self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
         # One block and one slot beyond what the scheduler hands out: the CUDA graphs' inert padding rows.
         self.kv = kv_pool(mcfg, cfg.blocks + 1, model.dtype, model.device, layer_devices)
-        self.rec = RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices) if mcfg.gdn_layers else None
+        self.rec = (RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices)
+                    if mcfg.gdn_layers else None)
         reserve_scratch(model, self.kv, self.rec)
+        self.blocks = cfg.blocks
+        self.slots = cfg.max_batch if self.rec is not None else None
+
+    def new_cache(self, max_ctx: int) -> Cache:
+        slot = self.rec.allocate() if self.rec is not None else None
+        return Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
+
+    def scratch_cache(self, max_ctx: int):
+        """A sequence outside the shared pools (warm-up)."""
+        return (self.rt.new_cache if self.rt is not None else self.model.new_cache)(max_ctx)
+
+    def before_step(self) -> None:
+        if self.rt is not None:
+            from memra.pp.probe import service_runtime_probe
+
+            service_runtime_probe(self.rt, scheduler_idle=False)
+
+    def swap_out(self, c: Cache) -> dict:
+        """Host copies of the sequence's KV blocks and recurrent slot, byte for byte; frees the cache."""
+        blocks = torch.tensor(c.blocks, dtype=torch.long)
+        saved = {
+            "pos": c.pos, "n_blocks": len(c.blocks),
+            "k": {i: self.kv.k[i][blocks.to(self.kv.k[i].device)].cpu() for i in self.kv.layers},
+            "v": {i: self.kv.v[i][blocks.to(self.kv.v[i].device)].cpu() for i in self.kv.layers},
+            # copy=True: on a CPU model .cpu() would return a view of the slot, which the next sequence reuses
+            "conv": {i: c.conv_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
+            "ssm": {i: c.ssm_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
+        }
+        c.free()
+        return saved
+
+    def swap_in(self, saved: dict, max_ctx: int) -> Cache:
+        c = self.new_cache(max_ctx)
+        c.blocks = self.kv.allocate(saved["n_blocks"])
+        c.pos = saved["pos"]
+        blocks = torch.tensor(c.blocks, dtype=torch.long)
+        for i in self.kv.layers:
+            self.kv.k[i][blocks.to(self.kv.k[i].device)] = saved["k"][i].to(self.kv.k[i].device)
+            self.kv.v[i][blocks.to(self.kv.v[i].device)] = saved["v"][i].to(self.kv.v[i].device)
+        for i in saved["conv"]:
+            c.conv_state(i).copy_(saved["conv"][i])
+            c.ssm_state(i).copy_(saved["ssm"][i])
+        return c
+
+    def problem(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class _ProcessPipeline:
+    """A process-per-stage pipeline (memra.pp.dist.DistPipeline, rank 0's driver) in the model's place.
+
+    - No shared pools, scratch or CUDA graphs here: every sequence is `pipe.new_cache(prompt + max_tokens)`,
+      a cache of its own layers on every rank, freed on every rank when the sequence ends.
+    - No preemption. Swapping would have to move every rank's state to host and back, which the wire
+      does not carry; so the scheduler counts max_batch x ceil(max_ctx / BLOCK_SIZE) blocks — every
+      admitted sequence fits for its whole life and no step ever needs a victim — and runs with
+      preemption=False, which raises instead of planning a swap (fail closed). The pipeline's memory is
+      bounded by that same product, on every rank. `kv_blocks` (a smaller pool that relies on swapping)
+      is refused.
+    - No speculative drafting: the engine never drafts (on any backend); the pipeline itself refuses the
+      MTP drafter (its head runs on the last rank), so nothing can ask for it by accident.
+    - A failed rank: the pipeline raises PipelineError naming the rank on the step that meets it (every
+      wait is bounded by MEMRA_PP_DIST_TIMEOUT_S); the engine ends every request in flight with that
+      error and refuses later ones (Unavailable, HTTP 503). A local worker found dead between requests is
+      reported the same way before any work is queued. Only a restart brings the pipeline back.
+    - close() (the engine's shutdown) shuts the pipeline down: SHUTDOWN travels down the chain and the
+      workers exit 0 (a broken pipeline's workers are stopped instead).
+    """
+
+    preemption = False
+    rt = None
+
+    def __init__(self, pipe, cfg: EngineConfig):
+        if cfg.kv_blocks is not None:
+            raise MemraError(f"kv_blocks={cfg.kv_blocks} sizes the in-process KV pool, which relies on swapping; a "
+                             "process pipeline keeps each sequence on its ranks and never swaps. Leave kv_blocks unset "
+                             "(max_batch x max_ctx bounds the pipeline's memory)")
+        self.pipe = pipe
+        self.blocks = cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)  # the worst case: nobody ever waits for blocks
+        self.slots = None  # each sequence brings its own recurrent state on every rank
+
+    def new_cache(self, max_ctx: int):
+        return self.pipe.new_cache(max_ctx)
+
+    scratch_cache = new_cache
+
+    def before_step(self) -> None:
+        pass
+
+    def swap_out(self, c) -> dict:
+        raise PipelineError("preemption is off for a process pipeline (its scheduler never plans a swap); "
+                            "this is a bug in the engine's sizing")
+
+    def swap_in(self, saved: dict, max_ctx: int):
+        return self.swap_out(None)
+
+    def problem(self) -> str | None:
+        """Why the pipeline cannot serve (a known failure, or a local worker that exited), or None."""
+        if self.pipe.closed:
+            return "the pipeline has been shut down"
+        if self.pipe.broken is not None:
+            return f"the pipeline is down: {self.pipe.broken}"
+        gone = self.pipe.workers.exited() if self.pipe.workers is not None else None
+        return f"a pipeline rank is gone ({gone})" if gone else None
+
+    def close(self) -> None:
+        self.pipe.shutdown()
+
+
+def _backend(model, cfg: EngineConfig):
+    from memra.pp.dist_driver import DistPipeline
+
+    return _ProcessPipeline(model, cfg) if isinstance(model, DistPipeline) else _InProcess(model, cfg)
+
+
+class Engine:
+    """Owns the model (or a process pipeline in its place), its caches, the scheduler and the engine thread."""
+
+    def __init__(self, model, cfg: EngineConfig = EngineConfig(), metrics=None):
+        self.model, self.cfg, self.metrics = model, cfg, metrics
+        self.backend = _backend(model, cfg)
+        self.rt = self.backend.rt
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
-            max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=cfg.blocks,
-            total_slots=cfg.max_batch if self.rec is not None else None))
+            max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
+            total_slots=self.backend.slots, preemption=self.backend.preemption))
         self.seqs: dict[str, _Seq] = {}
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -145,13 +289,11 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[TokenEvent], None], n: int = 1,
                logprobs: int | None = None, eos_ids=()) -> list[str]:
         """Queue a request with n choices (choice i samples with seed + i). -> the sequence ids.
-        Raises MemraError (bad request), QueueFull (over the bound) or MemraError when shutting down."""
+        Raises MemraError (bad request), QueueFull (over the bound) or Unavailable (shutting down, stopped
+        after an error, a pipeline rank gone)."""
         self.check_request(prompt, params)
-        if not self._accepting:
-            raise MemraError("the server is shutting down")
-        if self.error is not None:
-            raise MemraError(f"the engine has stopped after an error: {self.error}")
-        with self._lock:
+        with self._lock:  # the engine thread's exit aborts what is queued under this lock: nothing slips past
+            self._check_open()
             if self.scheduler.num_waiting() + self._commands.qsize() + n > self.cfg.max_waiting:
                 raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
             seqs = []
@@ -166,6 +308,21 @@ class Engine:
         self._wake.set()
         return [s.rid for s in seqs]
 
+    def _check_open(self) -> None:
+        if not self._accepting:
+            raise Unavailable("the server is shutting down")
+        if self.error is not None:
+            raise Unavailable(f"the engine has stopped after an error: {self.error}; restart the server")
+        problem = self.backend.problem()
+        if problem is not None:
+            raise Unavailable(f"{problem}; restart the server")
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (GET /health answers 503 with it), or None."""
+        if self.error is not None:
+            return f"engine stopped: {self.error}"
+        return self.backend.problem()
+
     def cancel(self, rids: list[str]) -> None:
         """Stop these sequences at the next step boundary and free what they hold (client went away)."""
         self._commands.put(("cancel", list(rids)))
@@ -174,7 +331,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does: the decode plan's on-model check,
         kernel compilation, allocator growth (a scratch sequence, outside the shared pools)."""
-        c = (self.rt.new_cache if self.rt is not None else self.model.new_cache)(2 * EXACT_PIECE)
+        c = self.backend.scratch_cache(2 * EXACT_PIECE)
         try:
             logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(EXACT_PIECE + 2)], c)
             self.model.decode_step_batch([int(logits.argmax())], [c])
@@ -189,7 +346,8 @@ class Engine:
         return self
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop admitting; let in-flight requests finish (up to drain_timeout), then abort the rest."""
+        """Stop admitting; let in-flight requests finish (up to drain_timeout), then abort the rest.
+        A process pipeline is shut down with the engine (its workers exit)."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
         while self.busy() and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
@@ -198,6 +356,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.backend.close()
 
     def busy(self) -> bool:
         return bool(self.seqs) or not self._commands.empty()
@@ -214,14 +373,39 @@ class Engine:
                     self._wake.clear()
                     continue
                 self._step(plan)
+        except MemraError as err:  # a failed pipeline rank (PipelineError names it): clear message, no traceback
+            self.error = err
+            print(f"memra engine: stopped: {err}", file=sys.stderr, flush=True)
+            self._abort_all(f"engine error: {err}")
         except BaseException as err:  # a broken engine fails every request loudly, never hangs them
             self.error = err
-            for s in list(self.seqs.values()):
-                self._finish(s, "abort", error=f"engine error: {err}")
+            self._abort_all(f"engine error: {err}")
             raise
         finally:
+            self._abort_all("the server shut down before this request finished")
+
+    def _abort_all(self, error: str) -> None:
+        """End every sequence, running or still queued, with `error`. Under the submit lock, so a request
+        submitted while the thread exits is either aborted here or refused by submit(), never left waiting."""
+        with self._lock:
+            while True:
+                try:
+                    kind, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                for s in arg if kind == "add" else ():
+                    s.done = True
+                    s.sink(TokenEvent(s.index, "", None, finish_reason="abort", prompt_tokens=len(s.prompt),
+                                      error=error))
             for s in list(self.seqs.values()):
-                self._finish(s, "abort", error="the server shut down before this request finished")
+                try:
+                    self._finish(s, "abort", error=error)
+                except MemraError:  # freeing on a pipeline that just failed: the sequence still ends
+                    s.cache = None
+                    if not s.done:
+                        s.done = True
+                        s.sink(TokenEvent(s.index, "", None, finish_reason="abort", prompt_tokens=len(s.prompt),
+                                          completion_tokens=len(s.out), error=error))
 
     def _drain_commands(self) -> None:
         while True:
@@ -245,10 +429,7 @@ class Engine:
                         self._finish(s, "abort")
 
     def _step(self, plan) -> None:
-        if self.rt is not None:
-            from memra.pp.probe import service_runtime_probe
-
-            service_runtime_probe(self.rt, scheduler_idle=False)
+        self.backend.before_step()
         for rid in plan.swap_out:
             self._swap_out(self.seqs[rid])
         for rid in plan.swap_in:
@@ -280,9 +461,8 @@ class Engine:
         self.steps += 1
         self._publish_gauges(len(plan.decode))
 
-    def _new_cache(self, s: _Seq) -> Cache:
-        slot = self.rec.allocate() if self.rec is not None else None
-        return Cache(kv=self.kv, rec=self.rec, max_ctx=len(s.prompt) + s.params.max_tokens, slot=slot)
+    def _new_cache(self, s: _Seq):
+        return self.backend.new_cache(len(s.prompt) + s.params.max_tokens)
 
     def _emit(self, s: _Seq, logits: torch.Tensor) -> None:
         """Choose the next token exactly as offline generation does, and send it out."""
@@ -337,22 +517,12 @@ class Engine:
             s.cache = None
         s.swapped = None
 
-    # --- preemption: swap to host and back, byte for byte ---
+    # --- preemption: swap to host and back, byte for byte (the backend's copies) ---
     def _swap_out(self, s: _Seq) -> None:
-        c = s.cache
-        if c is None:  # preempted before its first prefill chunk: nothing to keep
+        if s.cache is None:  # preempted before its first prefill chunk: nothing to keep
             s.swapped = {"empty": True}
             return
-        blocks = torch.tensor(c.blocks, dtype=torch.long)
-        s.swapped = {
-            "pos": c.pos, "n_blocks": len(c.blocks),
-            "k": {i: self.kv.k[i][blocks.to(self.kv.k[i].device)].cpu() for i in self.kv.layers},
-            "v": {i: self.kv.v[i][blocks.to(self.kv.v[i].device)].cpu() for i in self.kv.layers},
-            # copy=True: on a CPU model .cpu() would return a view of the slot, which the next sequence reuses
-            "conv": {i: c.conv_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
-            "ssm": {i: c.ssm_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
-        }
-        c.free()
+        s.swapped = self.backend.swap_out(s.cache)
         s.cache = None
         if self.metrics is not None:
             self.metrics.preemptions.inc()
@@ -361,17 +531,7 @@ class Engine:
         saved, s.swapped = s.swapped, None
         if saved is None or saved.get("empty"):
             return
-        c = self._new_cache(s)
-        c.blocks = self.kv.allocate(saved["n_blocks"])
-        c.pos = saved["pos"]
-        blocks = torch.tensor(c.blocks, dtype=torch.long)
-        for i in self.kv.layers:
-            self.kv.k[i][blocks.to(self.kv.k[i].device)] = saved["k"][i].to(self.kv.k[i].device)
-            self.kv.v[i][blocks.to(self.kv.v[i].device)] = saved["v"][i].to(self.kv.v[i].device)
-        for i in saved["conv"]:
-            c.conv_state(i).copy_(saved["conv"][i])
-            c.ssm_state(i).copy_(saved["ssm"][i])
-        s.cache = c
+        s.cache = self.backend.swap_in(saved, len(s.prompt) + s.params.max_tokens)
 
     def _publish_gauges(self, batch: int) -> None:
         if self.metrics is None:

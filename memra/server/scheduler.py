@@ -38,6 +38,12 @@ One step, in this order:
    A consequence: running + swapped never exceeds the running-set cap (admission happens only when
    no swapped sequence is left), so host memory for swapped state is bounded too.
 
+Preemption off (`preemption=False`). For an engine that cannot swap (a pipeline whose stages live in
+other processes): the caller sizes total_blocks for every running sequence's whole context
+(max_running x blocks of the longest sequence), so no step ever needs a victim, and `schedule()`
+raises RuntimeError at the point where it would have to swap one out instead of planning a swap the
+engine cannot carry out (fail closed: a broken sizing stops the engine loudly, it never corrupts).
+
 Prefill chunks. A sequence at `start` with budget b and room for r more tokens in its blocks plus the
 free ones: n = min(prompt_len - start, b, r); if start + n < prompt_len, start + n is rounded down to a
 multiple of prefill_align; if that leaves n <= 0 it is not scheduled this step. Every cut therefore
@@ -75,6 +81,7 @@ class SchedulerConfig:
     block_size: int = 16  # KV tokens per block
     total_blocks: int = 1024  # KV blocks in the shared pool
     total_slots: int | None = None  # recurrent-state slots (hybrid models); None = unlimited (no GDN layers)
+    preemption: bool = True  # False: never swap out; schedule() raises where it would have to (module docstring)
 
     def __post_init__(self) -> None:
         names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
@@ -84,6 +91,8 @@ class SchedulerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.preemption, bool):
+            raise ValueError(f"SchedulerConfig.preemption must be True or False, got {self.preemption!r}")
         if self.token_budget < self.prefill_align:
             raise ValueError(
                 f"SchedulerConfig.token_budget ({self.token_budget}) must be >= prefill_align ({self.prefill_align}): "
@@ -203,6 +212,10 @@ class Scheduler:
         scheduled: set[str] = set()
 
         def preempt(victim: Sequence) -> None:
+            if not self.cfg.preemption:
+                raise RuntimeError(
+                    f"{victim.rid}: the step needs a KV block swapped out but preemption is off; total_blocks "
+                    f"({self.cfg.total_blocks}) must cover max_running x the longest sequence's blocks")
             self._free += victim.blocks
             victim.blocks = 0
             victim.status = Status.SWAPPED
