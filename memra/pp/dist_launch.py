@@ -285,7 +285,9 @@ def spawn_workers(model_path: str, cfg: DistConfig, device_type: str, dtype: tor
     dtype_name = str(dtype).removeprefix("torch.")
     procs = {}
     for r in range(1, cfg.world_size):
-        worker_env = dict(base, RANK=str(r), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(r),
+        # rank r takes the device r after rank 0's (cuda:K -> K + r), so a driver on cuda:1 does not
+        # share its GPU with rank 1 (rank_device wraps, or refuses for NCCL, past the last GPU)
+        worker_env = dict(base, RANK=str(r), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(cfg.local_rank + r),
                           MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(cfg.master_port), MEMRA_PP_STAGES=str(cfg.world_size),
                           MEMRA_PP_DIST_BACKEND=cfg.backend, MEMRA_PP_DIST_TIMEOUT_S=repr(cfg.timeout_s),
                           MEMRA_PP_DIST_START_TIMEOUT_S=repr(cfg.start_timeout_s),
