@@ -106,8 +106,23 @@ def _triton_probes(rnd, failures: list[str]) -> None:
             _check(f"triton linear[{m}x{k}] vs rows of [{wide}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
+    _quant_probes(rnd, failures)
     _moe_probes(rnd, tk, failures)
     _prefill_probes(rnd, tk, failures)
+
+
+def _quant_probes(rnd, failures: list[str]) -> None:
+    """The packed-weight kernels' tiles per M bucket (quant_triton.QUANT_BUCKETS) on the same rows."""
+    from memra.kernels import quant, quant_triton
+
+    wide, k = 300, 512
+    x = rnd(wide, k)
+    for pack in (quant.quantize_q8_0, quant.quantize_q4_k):
+        qw = pack(rnd(320, k).float() * 0.05, x.dtype)
+        full = quant_triton.linear(x, qw)
+        for m in (1, 9, 40, 100):
+            _check(f"triton {qw.qtype.name} linear[{m}x{k}] vs rows of [{wide}x{k}]", quant_triton.linear(x[:m].clone(), qw),
+                   full[:m], failures)
 
 
 def _prefill_probes(rnd, tk, failures: list[str]) -> None:
