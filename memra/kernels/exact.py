@@ -112,7 +112,9 @@ def _triton_probes(rnd, failures: list[str]) -> None:
 
 
 def _quant_probes(rnd, failures: list[str]) -> None:
-    """The packed-weight kernels' tiles per M bucket (quant_triton.QUANT_BUCKETS) on the same rows."""
+    """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call. (One
+    frozen tile serves every M there; per-M tiles were tried on the H200 and this probe caught them
+    changing bits across buckets.)"""
     from memra.kernels import quant, quant_triton
 
     wide, k = 300, 512
