@@ -332,7 +332,7 @@ def prefill_flops(model, tokens: int, pos0: int = 0) -> float:
     every matmul weight (the routed experts at top_k / n_experts of theirs, the embedding gather free),
     the LM head once (prime computes only the last position's logits), causal attention over the prefix,
     and an estimate of the chunked delta rule (state apply + update, and the intra-chunk products)."""
-    from memra.model.gdn import GDN_CHUNK
+    from memra.kernels.reference import GDN_CHUNK
 
     cfg = model.cfg
     per_token = 0.0

@@ -137,6 +137,20 @@ def _prefill_probes(rnd, tk, failures: list[str]) -> None:
     for a, b in ((0, 64), (64, 200), (130, 131), (131, 300)):
         _check(f"triton prefill attention[{n}] queries {a}:{b} as a piece",
                tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5), whole[a:b], failures)
+    from memra import doors
+
+    if doors.flag("MEMRA_GDN_KERNEL", False):  # the chunked delta-rule kernel, where it is switched on
+        from memra.kernels import gdn_triton
+
+        h, dk, dv = 4, 128, 128
+        qk = lambda: torch.nn.functional.normalize(rnd(n, h, dk).float(), dim=-1)  # noqa: E731
+        gq, gk, gv, s0 = qk() * dk ** -0.5, qk(), rnd(n, h, dv).float(), rnd(h, dk, dv).float() * 0.1
+        beta, decay = torch.sigmoid(rnd(n, h).float()), -torch.sigmoid(rnd(n, h).float())
+        o, s = gdn_triton.gdn_prefill(gq, gk, gv, beta, decay, s0, 0)
+        o1, s1 = gdn_triton.gdn_prefill(gq[:128], gk[:128], gv[:128], beta[:128], decay[:128], s0, 0)
+        o2, s2 = gdn_triton.gdn_prefill(gq[128:], gk[128:], gv[128:], beta[128:], decay[128:], s1, 128)
+        _check(f"triton gdn prefill[{n}] in 64-aligned pieces", torch.cat((o1, o2)), o, failures)
+        _check(f"triton gdn prefill[{n}] final state in pieces", s2, s, failures)
 
 
 def _moe_probes(rnd, tk, failures: list[str]) -> None:

@@ -39,7 +39,7 @@ from memra.kernels.reference import (  # ops with no fast twin: elementwise, or 
 
 __all__ = [
     "add_rms_norm", "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
-    "gdn_chunk", "gdn_gates", "gdn_recurrent", "grouped_moe", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
+    "gdn_chunk", "gdn_gates", "gdn_prefill", "gdn_recurrent", "grouped_moe", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
     "moe_route", "paged_attention_rows", "paged_decode_attention", "prefill_attention", "rms_norm", "rope_cos_sin", "silu_mul",
 ]
 
@@ -107,6 +107,21 @@ def delta_rule_step(q, k, v, beta, g, s):
 
 def delta_rule_scan(q, k, v, beta, g, s):
     return _impl(q).delta_rule_scan(q, k, v, beta, g, s)
+
+
+@functools.cache
+def _gdn_triton():
+    from memra.kernels import gdn_triton
+
+    return gdn_triton
+
+
+def gdn_prefill(q, k, v, beta, g, state, pos0):
+    # The one-launch chunked kernel runs only behind MEMRA_GDN_KERNEL=1 until it has been measured on a
+    # GPU (memra.kernels.gdn_triton); the reference's chunks are the default on every device.
+    if q.is_cuda and invariant_kernels(q.device) and doors.flag("MEMRA_GDN_KERNEL", False):
+        return _gdn_triton().gdn_prefill(q, k, v, beta, g, state, pos0)
+    return reference.gdn_prefill(q, k, v, beta, g, state, pos0)
 
 
 def gdn_recurrent(q, k, v, beta, g, state):

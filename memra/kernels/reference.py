@@ -238,6 +238,22 @@ def gdn_chunk(q, k, v, beta, g, state):
     return out.transpose(0, 1), new_state
 
 
+GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts sit at absolute multiples of it
+
+
+def gdn_prefill(q, k, v, beta, g, state, pos0: int):
+    """The delta rule over T prompt tokens at absolute position pos0 (arguments as gdn_recurrent), in
+    closed-form chunks cut where the absolute position is a multiple of GDN_CHUNK — so a prompt primed
+    in 64-aligned pieces sees exactly the chunks of a one-shot prime. -> (o [T, Hv, Dv], final state)."""
+    from memra.kernels.exact import aligned_cuts
+
+    outs = []
+    for a, b in aligned_cuts(q.shape[0], pos0, GDN_CHUNK):
+        o, state = gdn_chunk(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b], state)
+        outs.append(o)
+    return torch.cat(outs), state
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm: RMSNorm(o) * w * SiLU(z) per value head; plain weight (not 1+w).
 

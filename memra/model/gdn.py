@@ -6,10 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels import ops
-from memra.kernels.exact import aligned_cuts
 from memra.model.context import StackedStep, StepContext
-
-GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts align to absolute multiples of it
 
 
 class GatedDeltaNet:
@@ -51,7 +48,7 @@ class GatedDeltaNet:
         if ctx.recurrent:
             o, new_state = ops.gdn_recurrent(q, k, v, beta, decay, state)
         else:
-            o, new_state = self._chunked(q, k, v, beta, decay, state, ctx.pos0)
+            o, new_state = ops.gdn_prefill(q, k, v, beta, decay, state, ctx.pos0)
         state.copy_(new_state)
         if ctx.trail is not None:  # a verify column run alone (the row plan)
             ctx.trail.record(self.layer, ctx.column, conv_state, state)
@@ -107,13 +104,3 @@ class GatedDeltaNet:
             trail.record_ssm_all(self.layer, states[0])
         y = ops.gated_rms_norm(o[0].to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return ops.linear(y.reshape(t, g.value_dim), self.wo)
-
-    @staticmethod
-    def _chunked(q, k, v, beta, decay, state, pos0):
-        """Run the closed form over chunks whose cuts sit at absolute positions that are multiples of
-        GDN_CHUNK, so a prompt primed in 64-aligned pieces sees exactly the chunks of a one-shot prime."""
-        outs = []
-        for a, b in aligned_cuts(q.shape[0], pos0, GDN_CHUNK):
-            o, state = ops.gdn_chunk(q[a:b], k[a:b], v[a:b], beta[a:b], decay[a:b], state)
-            outs.append(o)
-        return torch.cat(outs), state
