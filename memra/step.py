@@ -322,21 +322,19 @@ def check_samp(samp, caches) -> None:
 
 def sample_rows(logits: torch.Tensor, caches, samp, lean: bool):
     """The device-side choice after a batched step's logits [B, V] -> (rows, next_tokens), as
-    decode_step_batch_sampled documents (shared by the pipeline driver across processes)."""
+    decode_step_batch_sampled documents (shared by the pipeline driver across processes). Each row is
+    chosen by its own device_sample call (its bits cannot see its batchmates); what the host needs
+    comes back in two transfers (the chosen tokens, the host rows), not one or two per row."""
     from memra.sampling import device_sample
 
-    rows, next_tokens = [], []
-    for row, s, c in zip(logits, samp, caches):
-        if s is None:
-            rows.append(row.cpu())
-            next_tokens.append(None)
-            continue
-        next_tokens.append(int(device_sample(row, s)))
-        counters.bump("device_sampled_rows")
-        if lean:
-            c.last_logits_dev = row
-            rows.append(None)
-            counters.bump("lean_parked_rows")
-        else:
-            rows.append(row.cpu())
-    return rows, next_tokens
+    on_device = [i for i, s in enumerate(samp) if s is not None]
+    chosen = torch.stack([device_sample(logits[i], samp[i]) for i in on_device]).tolist() if on_device else []
+    counters.bump("device_sampled_rows", len(on_device))
+    to_host = [i for i, s in enumerate(samp) if s is None or not lean]
+    host = dict(zip(to_host, logits[to_host].cpu())) if to_host else {}
+    if lean:
+        for i in on_device:
+            caches[i].last_logits_dev = logits[i]
+        counters.bump("lean_parked_rows", len(on_device))
+    tokens = dict(zip(on_device, chosen))
+    return [host.get(i) for i in range(len(samp))], [tokens.get(i) for i in range(len(samp))]
