@@ -40,7 +40,8 @@ from memra.kernels.reference import (  # ops with no fast twin: elementwise, or 
 __all__ = [
     "add_rms_norm", "apply_rope", "causal_attention", "causal_conv", "causal_conv_step", "delta_rule_scan", "delta_rule_step", "gated_rms_norm",
     "gdn_chunk", "gdn_gates", "gdn_prefill", "gdn_recurrent", "grouped_moe", "invariant_kernels", "l2_normalize", "linear", "moe_experts",
-    "moe_route", "paged_attention_rows", "paged_decode_attention", "prefill_attention", "rms_norm", "rope_cos_sin", "silu_mul",
+    "moe_route", "paged_attention_rows", "paged_decode_attention", "prefill_attention", "rms_norm", "rope_cos_sin",
+    "sample_batch", "silu_mul",
 ]
 
 
@@ -144,6 +145,19 @@ def prefill_attention(q, k_pool, v_pool, rows, pos0, scale):
 
 def paged_decode_attention(q, k_pool, v_pool, rows, scale):
     return _impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)
+
+
+def sample_batch(logits, samps):
+    """Each row's device_sample token, for logits [B, V] -> int64 [B] on the device. One Triton launch
+    for the batch behind MEMRA_SAMPLE_KERNEL=1 on CUDA (memra.kernels.sample_triton, not yet measured
+    on a GPU), else device_sample row by row."""
+    from memra.sampling import device_sample
+
+    if logits.is_cuda and doors.flag("MEMRA_SAMPLE_KERNEL", False) and _triton() is not None:
+        from memra.kernels import sample_triton
+
+        return sample_triton.sample_batch(logits, list(samps))
+    return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
 
 @functools.cache

@@ -1,0 +1,90 @@
+"""Seeded sampling of a whole batch in one Triton launch (memra.sampling.device_sample, row by row).
+
+device_sample draws row r's token as argmax(logits / T + Gumbel(u)) over the allowed tokens, with
+u = (top 53 bits of splitmix64(id ^ key(seed, ctr)) + 0.5) / 2^53: about fifteen torch launches per
+row, so a B=128 sampled step pays ~2000 launches. Here one program per row walks the vocabulary in
+blocks and keeps a running (best score, first index): the same integer hash in uint64 lanes (wrapping
+multiplies are uint64 arithmetic mod 2^64, exactly torch's int64 lanes), the same fp64 operations in
+the same order, the same first-index tie rule as torch.argmax. Greedy rows (T = 0) take the argmax of
+the logits themselves. Rows that filter (top-k / top-p / min-p) pass the mask device_sample would
+build (memra.sampling.allowed_tokens); the kernel does not sort.
+
+A row's token reads only its own logits, seed and counter, so it cannot depend on the batch (E3).
+Whether the fp64 logs round as torch's do is a property of the math library (libdevice on the GPU);
+tests hold the kernel to device_sample token for token. Status: checked in Triton's interpreter, behind
+MEMRA_SAMPLE_KERNEL=1 until it has been measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.sampling import DevSamp, _MASK64, _to_signed, allowed_tokens, splitmix64
+
+SAMPLE_BLOCK = 1024  # vocabulary entries per loop turn
+
+
+@triton.jit
+def _splitmix64(x):
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, key_ptr, temp_ptr, greedy_ptr, mask_ptr, out_ptr, V, stride_l, stride_m,
+                   HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    key = tl.load(key_ptr + r).to(tl.uint64, bitcast=True)
+    temperature = tl.load(temp_ptr + r)  # fp64 (1 for greedy rows, unused there)
+    greedy = tl.load(greedy_ptr + r) != 0
+    best = tl.full((BLOCK,), float("-inf"), tl.float64)
+    best_at = tl.full((BLOCK,), 0, tl.int64)
+    for v0 in range(0, V, BLOCK):
+        ids = v0 + tl.arange(0, BLOCK)
+        live = ids < V
+        x = tl.load(logits_ptr + r * stride_l + ids, mask=live, other=float("-inf")).to(tl.float64)
+        bits = _splitmix64(ids.to(tl.uint64) ^ key)
+        u = ((bits >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^53
+        score = tl.where(greedy, x, x / temperature - tl.log(-tl.log(u)))
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + r * stride_m + ids, mask=live, other=0) != 0
+            score = tl.where(keep, score, float("-inf"))
+        score = tl.where(live, score, float("-inf"))
+        better = score > best  # strictly: an earlier block keeps a tie
+        best_at = tl.where(better, ids.to(tl.int64), best_at)
+        best = tl.where(better, score, best)
+    top = tl.max(best, axis=0)
+    # the first index holding the maximum (torch.argmax's rule; an all -inf row gives 0, as torch's does)
+    tl.store(out_ptr + r, tl.min(tl.where(best == top, best_at, V), axis=0))
+
+
+def _key(seed: int, ctr: int) -> int:
+    """key(seed, ctr) as device_sample's uniform_noise computes it (a signed int64)."""
+    mixed = torch.tensor([_to_signed((seed & _MASK64) ^ ((ctr * 0xD1B54A32D192ED03) & _MASK64))], dtype=torch.int64)
+    return int(splitmix64(mixed))
+
+
+def sample_batch(logits: torch.Tensor, samps: list[DevSamp]) -> torch.Tensor:
+    """Row r of logits [B, V] chosen as device_sample(logits[r], samps[r]) would -> int64 [B] on the device."""
+    b, v = logits.shape
+    dev = logits.device
+    keys = torch.tensor([_key(s.seed, s.ctr) for s in samps], dtype=torch.int64, device=dev)
+    temps = torch.tensor([s.temperature if s.temperature else 1.0 for s in samps], dtype=torch.float64, device=dev)
+    greedy = torch.tensor([s.temperature == 0.0 for s in samps], dtype=torch.uint8, device=dev)
+    filtered = [i for i, s in enumerate(samps) if s.temperature and (s.top_k or s.top_p < 1.0 or s.min_p > 0.0)]
+    mask = None
+    if filtered:
+        mask = torch.ones(b, v, dtype=torch.uint8, device=dev)
+        for i in filtered:
+            mask[i] = allowed_tokens(logits[i], samps[i]).to(torch.uint8)
+    out = torch.empty(b, dtype=torch.int64, device=dev)
+    if b:
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        _sample_kernel[(b,)](logits, keys, temps, greedy, mask if mask is not None else greedy, out, v,
+                             logits.stride(0), mask.stride(0) if mask is not None else 0,
+                             HAS_MASK=mask is not None, BLOCK=SAMPLE_BLOCK)
+    return out
