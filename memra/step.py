@@ -93,10 +93,13 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
 
 def exact_piece(model) -> int:
     """Prefill forward size on the exact path for this model now: INVARIANT_PIECE where the invariant
-    kernels run and their self-test found no row that changes with the call, else EXACT_PIECE."""
+    kernels run and the self-test found nothing a token's bits could take from the size of its forward
+    (a kernel row that changes with the call, an elementwise op whose result depends on where a value
+    sits in the tensor, a softmax row — MoE routing — that changes with its neighbours), else EXACT_PIECE."""
     if not ops.invariant_kernels(model.device):
         return EXACT_PIECE
-    broken = [f for f in platform_report(model.dtype, model.device) if f.startswith("triton")]
+    broken = [f for f in platform_report(model.dtype, model.device)
+              if f.startswith(("triton", "row softmax")) or " at offset " in f]
     return EXACT_PIECE if broken else INVARIANT_PIECE
 
 

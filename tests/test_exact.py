@@ -257,3 +257,24 @@ def test_decode_plan_door(load_model, monkeypatch):
     monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
     with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
         model.decode_step_batch([1], [model.new_cache(8)])
+
+
+def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_model, monkeypatch):
+    """exact_piece: the 64-token pieces unless the invariant kernels run and the self-test found no
+    failure a token's bits could take from its forward's size. (The platform report is substituted:
+    this CPU has no invariant kernels; the decision is what is under test.)"""
+    from memra import step
+
+    model = load_model(hf_dir("qwen3_5"))
+    assert step.exact_piece(model) == step.EXACT_PIECE  # CPU: no invariant kernels
+    monkeypatch.setattr(step.ops, "invariant_kernels", lambda device: True)
+    for failures, piece in (([], step.INVARIANT_PIECE),
+                            (["linear[64x256] row 7"], step.INVARIANT_PIECE),  # torch's matmul: not on this path
+                            (["triton prefill attention[300] queries 0:64 as a piece"], step.EXACT_PIECE),
+                            (["softplus at offset 3"], step.EXACT_PIECE),
+                            (["row softmax [64x256] row 5 vs alone"], step.EXACT_PIECE)):
+        monkeypatch.setattr(step, "platform_report", lambda dtype, device, f=failures: f)
+        assert step.exact_piece(model) == piece, failures
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device: [])
+    assert step.forward_cuts(model, 5000, 100, exact=True) == [(0, 3996), (3996, 5000)]  # cut at 4096
+    assert step.forward_cuts(model, 5000, 100, exact=False) == [(0, 5000)]
