@@ -249,3 +249,19 @@ def test_failure_latches_native_off_before_publishing_validated_bounce():
     assert latch == TransportLatch(native_failed=True, host_bounce=False)
     assert "refusing" in P.latch_refusal(latch) and not P.host_bounce_active(False, latch)
     assert P.latch_refusal(TransportLatch()) is None and P.host_bounce_active(True, TransportLatch())
+
+
+def test_probe_pass_is_logged_with_its_status():
+    """The boot log line each probe pass prints (memra.pp.probe.probe_line): PASS when clean, BOUNCE
+    when corruption was seen (and host bounce carries the traffic)."""
+    import time
+
+    from memra.pp.probe import probe_line
+
+    t0 = time.perf_counter()
+    clean = probe_line("production-slot probe", 0, "cuda:0", "cuda:1", copies=4, mismatches=0,
+                       detail="widths_tokens=[1, 8, 16, 4096]", started=t0)
+    assert clean.startswith("[pp] production-slot probe PASS: boundary=0 cuda:0->cuda:1 widths_tokens=[1, 8, 16, 4096]")
+    assert "copies=4 mismatches=0 elapsed_ms=" in clean
+    assert "probe BOUNCE: boundary=1" in probe_line("peer byte-integrity probe", 1, "cuda:1", "cuda:2", copies=2,
+                                                    mismatches=7, detail="bytes=16384", started=t0)

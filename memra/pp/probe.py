@@ -10,6 +10,7 @@ failure, latches the boundary to a validated host bounce for the rest of the pro
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -41,17 +42,35 @@ def _one_way(transport, data: bytes, src: torch.device, dst: torch.device, capac
 @torch.inference_mode()
 def probe_boundary(rt: PpRuntime, b: int) -> policy.ProbeDecision:
     """The bring-up probe of boundary b: the fixed pattern both ways, then the ladder through the
-    production slots. Returns the decision (the caller refuses on REFUSE_NATIVE_PEER)."""
+    production slots, each pass logged with its status (PASS / BOUNCE). Returns the decision (the
+    caller refuses on REFUSE_NATIVE_PEER)."""
     bd = rt.boundaries[b]
     src, dst = rt.stages[b].device, rt.stages[b + 1].device
     host_bounce = bd.transport.kind is BoundaryTransport.HOST_BOUNCE
-    mismatches = 0
+    started, fixed = time.perf_counter(), 0
     for (a, z) in ((src, dst), (dst, src)):
         pattern = policy.peer_probe_pattern(policy.PEER_PROBE_FIXED_BYTES, b, a.index or 0, z.index or 0)
-        mismatches += policy.mismatch_count(pattern, _one_way(bd.transport, pattern, a, z, rt.host_capacity))
-    mismatches += run_ladder(rt, b, widths=None)
+        fixed += policy.mismatch_count(pattern, _one_way(bd.transport, pattern, a, z, rt.host_capacity))
+    _log(probe_line("peer byte-integrity probe", b, src, dst, copies=2, mismatches=fixed,
+                    detail=f"bytes={policy.PEER_PROBE_FIXED_BYTES}", started=started))
+    started = time.perf_counter()
+    rungs = policy.ladder(rt.model.cfg.hidden_size, _row_bytes(rt) // rt.model.cfg.hidden_size)
+    ladder = run_ladder(rt, b, widths=None)
+    _log(probe_line("production-slot probe", b, src, dst, copies=len(rungs), mismatches=ladder,
+                    detail=f"widths_tokens={[r.tokens for r in rungs]}", started=started))
     counters.bump("pp_peer_probes")
-    return policy.decide(mismatches, host_bounce)
+    return policy.decide(fixed + ladder, host_bounce)
+
+
+def probe_line(what: str, b: int, src, dst, copies: int, mismatches: int, detail: str, started: float) -> str:
+    """One probe pass as the boot log reports it: `[pp] <what> PASS|BOUNCE: boundary=.. ...`."""
+    status = policy.probe_pass_status(copies, 0, mismatches)
+    return (f"[pp] {what} {status}: boundary={b} {src}->{dst} {detail} copies={copies} mismatches={mismatches} "
+            f"elapsed_ms={(time.perf_counter() - started) * 1e3:.3f}")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _row_bytes(rt: PpRuntime) -> int:
@@ -85,6 +104,8 @@ def bring_up(rt: PpRuntime) -> None:
         return
     if not rt.doors.peer_probe:  # accepted by plan_placement only with host bounce selected
         counters.bump("pp_peer_probe_bypassed")
+        _log("[pp] SECURITY RED: peer probe bypassed (MEMRA_PEER_PROBE=0 on a cross-device placement); "
+             "host bounce is the only transport")
         return
     for b in cross:
         decision = probe_boundary(rt, b)
