@@ -57,6 +57,25 @@ def env(**values: str | None):
                 os.environ[k] = v
 
 
+def _reference(model, prompts, ctx: int, steps: int):
+    """Door shut, the unsplit batched body on ordinary caches: -> (prompts, each step's input tokens,
+    each step's rows on the host)."""
+    inputs, ref = [], []
+    with env(MEMRA_PP_STAGES=None):
+        caches = [model.new_cache(ctx) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.prime(p, c)
+        toks = [p[-1] for p in prompts]
+        for _ in range(steps):
+            inputs.append(list(toks))
+            rows = model.decode_step_batch(toks, caches)
+            ref.append(rows.cpu())
+            toks = rows.argmax(-1).tolist()
+        for c in caches:
+            c.free()
+    return prompts, inputs, ref
+
+
 def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8), steps: int = 8, reps: int = 2,
                    plen: int = 20, out: Callable[[str], None] = print) -> bool:
     from memra.pp.walk import active_runtime
@@ -68,6 +87,9 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
     ledger = Ledger(out)
     vocab = model.cfg.vocab_size
     ctx = plen + 5 * max(batches) + steps + 16
+    # Every reference first: the runtime shards the weights onto the stage devices in place, after
+    # which the door-shut unsplit body would meet remote weights on a cross-device placement.
+    references = {b: _reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in batches}
     with env(MEMRA_PP_STAGES=str(stages)):
         rt = active_runtime(model)
         if rt is None:
@@ -96,19 +118,7 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
         _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger)
 
     for b in batches:
-        prompts = gate_prompts(b, plen, seed, vocab)
-        # ---- reference: door shut, unsplit batched body, ordinary caches ----
-        inputs, ref = [], []
-        with env(MEMRA_PP_STAGES=None):
-            caches = [model.new_cache(ctx) for _ in prompts]
-            for p, c in zip(prompts, caches):
-                model.prime(p, c)
-            toks = [p[-1] for p in prompts]
-            for _ in range(steps):
-                inputs.append(list(toks))
-                rows = model.decode_step_batch(toks, caches)
-                ref.append(rows.cpu())
-                toks = rows.argmax(-1).tolist()
+        prompts, inputs, ref = references[b]
         out(f"-- B={b}: reference recorded ({steps} steps x {b} rows, door shut)")
 
         with env(MEMRA_PP_STAGES=str(stages)):

@@ -52,6 +52,33 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
     ledger = Ledger(out)
     vocab = model.cfg.vocab_size
     prompt = [(55 + seed * 13 + j * 31) % vocab for j in range(plen)]
+
+    def primed(new_cache, ctx):
+        c = new_cache(ctx)
+        model.prime(prompt, c)
+        return c
+
+    def reference(t: int):
+        """Door shut, the unsplit verify on an ordinary cache, and plain greedy generation: -> (each
+        round's (pos, input columns), logits, h_seed, pos after it, the plain greedy stream)."""
+        inputs, ref_logits, ref_seed, ref_pos = [], [], [], []
+        with env(MEMRA_PP_STAGES=None):
+            c = primed(model.new_cache, plen + rounds * t + 8)
+            chunk = [prompt[-1]] * t
+            for _ in range(rounds):
+                inputs.append((c.pos, chunk))
+                logits, h_seed = model.decode_step_t(chunk, c.pos, c)
+                ref_logits.append(logits.cpu())
+                ref_seed.append(h_seed.cpu())
+                ref_pos.append(c.pos)
+                chunk = logits.argmax(-1).tolist()
+            c.free()
+            plain = list(generate_tokens(model, prompt, SamplingParams(max_tokens=rounds * t + 4)))
+        return inputs, ref_logits, ref_seed, ref_pos, plain
+
+    # Every reference first: the runtime shards the weights onto the stage devices in place, after
+    # which the door-shut unsplit body would meet remote weights on a cross-device placement.
+    references = {t: reference(t) for t in ts}
     with env(MEMRA_PP_STAGES=str(stages)):
         rt = active_runtime(model)
         if rt is None:
@@ -61,25 +88,9 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
     out(f"ppspec mode: verify stage-split exactness battery over {model.cfg.n_layers} layers; {knobs}")
     out(f"ppspec mode: T={list(ts)} rounds={rounds} reps={reps} seed={seed}{' CANARY (must FAIL)' if canary else ''}")
 
-    def primed(new_cache, ctx):
-        c = new_cache(ctx)
-        model.prime(prompt, c)
-        return c
-
     for t in ts:
         ctx = plen + rounds * t + 8
-        # ---- reference: door shut, unsplit verify, ordinary cache ----
-        inputs, ref_logits, ref_seed, ref_pos = [], [], [], []
-        with env(MEMRA_PP_STAGES=None):
-            c = primed(model.new_cache, ctx)
-            chunk = [prompt[-1]] * t
-            for _ in range(rounds):
-                inputs.append((c.pos, chunk))
-                logits, h_seed = model.decode_step_t(chunk, c.pos, c)
-                ref_logits.append(logits.cpu())
-                ref_seed.append(h_seed.cpu())
-                ref_pos.append(c.pos)
-                chunk = logits.argmax(-1).tolist()
+        inputs, ref_logits, ref_seed, ref_pos, plain = references[t]
         out(f"-- T={t}: reference recorded ({rounds} rounds x {t} columns x {vocab} logits + h_seed, door shut)")
 
         with env(MEMRA_PP_STAGES=str(stages)):
@@ -116,8 +127,6 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
         # ---- arm3: a whole speculative stream under the split == plain greedy with the door shut ----
         spec = SpecConfig("mtp" if model.mtp else "ngram", k=max(t - 1, 1))
         params = SamplingParams(max_tokens=rounds * t + 4)
-        with env(MEMRA_PP_STAGES=None):
-            plain = list(generate_tokens(model, prompt, params))
         with env(MEMRA_PP_STAGES=str(stages)):
             before = counters.snapshot()
             spec_out = list(generate_tokens(model, prompt, params, speculative=spec))
