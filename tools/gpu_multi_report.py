@@ -620,7 +620,7 @@ def section_inproc(args) -> None:
                                        f"before sharding: {mem_before})")
     cross = sum(bd.cross for bd in rt.boundaries)
     emit(f"probe ladder {tag}", doors, probes == cross and ladder.startswith("PASS"),
-         f"boot probes {probes}/{cross} boundaries (counter; no log line); re-run by hand: {ladder}")
+         f"boot probes {probes}/{cross} boundaries (counter; the gate rows read their log lines); re-run by hand: {ladder}")
 
     # ---- split == unsplit, to the bit ----
     refs = record_reference(ref, (1, 4), steps=4, plen=12)
