@@ -20,6 +20,7 @@ give the same bits" (checked by memra.kernels.exact.self_test):
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -34,6 +35,23 @@ EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chu
 INVARIANT_PIECE = PRIME_CHUNK_MAX_TOKENS  # ... where every prefill op is batch-invariant (exact_piece)
 
 
+def on_model_device(fn):
+    """Run a step body with the model's GPU as the current CUDA device. Triton launches its kernels
+    on the current device, so a model loaded onto cuda:1 while the process's current device is
+    cuda:0 would hand cuda:1 pointers to kernels on cuda:0. A no-op on CPU and wherever the model's
+    device is already current (every one-GPU machine); the pipeline's stage scopes set their own."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        dev = model.device
+        if dev.type == "cuda" and dev.index is not None and torch.cuda.current_device() != dev.index:
+            with torch.cuda.device(dev):
+                return fn(model, *args, **kwargs)
+        return fn(model, *args, **kwargs)
+
+    return run
+
+
 def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(ids, dtype=torch.long).flatten()
     if t.numel() == 0:
@@ -44,6 +62,7 @@ def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return t.to(model.device)
 
 
+@on_model_device
 @torch.inference_mode()
 def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
     """Run prompt tokens through the model in chunks, advancing the cache.
@@ -150,6 +169,7 @@ def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None, dual: b
     return torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
 
 
+@on_model_device
 @torch.inference_mode()
 def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     """Feed one generated token at cache.pos; returns next-token logits [V] (fp32)."""
@@ -199,6 +219,7 @@ def verify_head(model, h: torch.Tensor, plan: str) -> tuple[torch.Tensor, torch.
     return torch.cat([model.logits(normed[j : j + 1]) for j in range(h.shape[0])]), normed
 
 
+@on_model_device
 @torch.inference_mode()
 def decode_step_t(model, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
     """The verify forward: T = K+1 tokens fed at pos0 (= cache.pos) in one call.
@@ -256,6 +277,7 @@ def _check_batch(model, tokens, caches) -> torch.Tensor:
     return ids
 
 
+@on_model_device
 @torch.inference_mode()
 def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     """One decode step for B sequences at their own positions. -> logits [B, V] (fp32).
@@ -298,6 +320,7 @@ def _decode_stacked(model, ids: torch.Tensor, caches) -> torch.Tensor:
     return model.logits(model.norm_out(h))
 
 
+@on_model_device
 @torch.inference_mode()
 def decode_step_batch_sampled(model, tokens, caches, samp, lean: bool = False):
     """decode_step_batch, then choose each row's next token on the device.
