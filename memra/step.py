@@ -79,10 +79,9 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, ids)
     rt = _pp_runtime(model)
-    if rt is not None and not rt.doors.prime_pp:
-        from memra.pp.walk import refuse_unsplit
-
-        refuse_unsplit(rt, "prime", "MEMRA_PRIME_PP=1 (the split prime)")
+    # MEMRA_PRIME_PP=0 (the unsplit prime) is deliberately not refused on a sharded placement, unlike
+    # the unsplit decode and verify: it is the prime gate's reference arm, and a 4096-token prime
+    # amortises its remote weight reads (the reference system's rule, fence.prime_pp_on).
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
     if rt is not None and rt.doors.prime_pp:
         from memra.pp.walk import prime_split
