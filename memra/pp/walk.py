@@ -51,6 +51,8 @@ def active_runtime(model) -> PpRuntime | None:
     key = (fence, placement, doors.streams, doors.overlap)
     rt = model.pp_runtimes.get(key)
     if rt is None:
+        if cuda:  # before anything moves: native peer transport needs access both ways between every pair
+            pf.peer_capable_pairs(placement, torch.cuda.can_device_access_peer)
         from memra.pp.probe import bring_up
         from memra.pp.shard import shard_weights
 
