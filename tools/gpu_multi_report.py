@@ -522,21 +522,10 @@ def resolve_plan_unsplit(model) -> str:
 def record_reference(model, batches, steps: int, plen: int):
     """Door shut, the never-sharded model: each width's prompts, prime logits, fed tokens and decode rows."""
     from memra.gate.battery import gate_prompts
-    from memra.gate.pp_battery import env
+    from memra.gate.pp_battery import record_reference as reference
 
-    refs = {}
-    with env(MEMRA_PP_STAGES=None):
-        for b in batches:
-            prompts = gate_prompts(b, plen, 0, model.cfg.vocab_size)
-            caches = [model.new_cache(plen + 5 * b + steps + 8) for _ in prompts]
-            primed = [model.prime(p, c).cpu() for p, c in zip(prompts, caches)]
-            toks, inputs, rows = [p[-1] for p in prompts], [], []
-            for _ in range(steps):
-                inputs.append(list(toks))
-                rows.append(model.decode_step_batch(toks, caches).cpu())
-                toks = rows[-1].argmax(-1).tolist()
-            refs[b] = (prompts, primed, inputs, rows)
-    return refs
+    vocab = model.cfg.vocab_size
+    return {b: reference(model, gate_prompts(b, plen, 0, vocab), plen + 5 * b + steps + 8, steps) for b in batches}
 
 
 def replay_split(model, doors: dict[str, str], refs, peer: bool) -> tuple[bool, str]:

@@ -57,23 +57,21 @@ def env(**values: str | None):
                 os.environ[k] = v
 
 
-def _reference(model, prompts, ctx: int, steps: int):
-    """Door shut, the unsplit batched body on ordinary caches: -> (prompts, each step's input tokens,
-    each step's rows on the host)."""
-    inputs, ref = [], []
+def record_reference(model, prompts, ctx: int, steps: int):
+    """Door shut, the unsplit batched body on ordinary caches: -> (prompts, each prompt's prime logits,
+    each step's input tokens, each step's rows), all on the host. The reference every pp arm (in this
+    process or across processes) is held to."""
     with env(MEMRA_PP_STAGES=None):
         caches = [model.new_cache(ctx) for _ in prompts]
-        for p, c in zip(prompts, caches):
-            model.prime(p, c)
-        toks = [p[-1] for p in prompts]
+        primed = [model.prime(p, c).cpu() for p, c in zip(prompts, caches)]
+        toks, inputs, rows = [p[-1] for p in prompts], [], []
         for _ in range(steps):
             inputs.append(list(toks))
-            rows = model.decode_step_batch(toks, caches)
-            ref.append(rows.cpu())
-            toks = rows.argmax(-1).tolist()
+            rows.append(model.decode_step_batch(toks, caches).cpu())
+            toks = rows[-1].argmax(-1).tolist()
         for c in caches:
             c.free()
-    return prompts, inputs, ref
+    return prompts, primed, inputs, rows
 
 
 def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8), steps: int = 8, reps: int = 2,
@@ -89,7 +87,7 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
     ctx = plen + 5 * max(batches) + steps + 16
     # Every reference first: the runtime shards the weights onto the stage devices in place, after
     # which the door-shut unsplit body would meet remote weights on a cross-device placement.
-    references = {b: _reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in batches}
+    references = {b: record_reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in batches}
     with env(MEMRA_PP_STAGES=str(stages)):
         rt = active_runtime(model)
         if rt is None:
@@ -118,7 +116,7 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
         _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger)
 
     for b in batches:
-        prompts, inputs, ref = references[b]
+        prompts, _, inputs, ref = references[b]
         out(f"-- B={b}: reference recorded ({steps} steps x {b} rows, door shut)")
 
         with env(MEMRA_PP_STAGES=str(stages)):
@@ -252,18 +250,8 @@ def run_pp_dist_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4
     widths = sorted(set(batches) | {1})  # the B=1 stream also feeds the b1 and verify arms
 
     # ---- reference: door shut, this process, the unsplit model ----
-    ref: dict[int, tuple[list[list[int]], list[torch.Tensor], list[list[int]], list[torch.Tensor]]] = {}
+    ref = {b: record_reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in widths}
     with env(MEMRA_PP_STAGES=None):
-        for b in widths:
-            prompts = gate_prompts(b, plen, seed, vocab)
-            caches = [model.new_cache(ctx) for _ in prompts]
-            primed = [model.prime(p, c).cpu() for p, c in zip(prompts, caches)]
-            toks, inputs, rows = [p[-1] for p in prompts], [], []
-            for _ in range(steps):
-                inputs.append(list(toks))
-                rows.append(model.decode_step_batch(toks, caches).cpu())
-                toks = rows[-1].argmax(-1).tolist()
-            ref[b] = (prompts, primed, inputs, rows)
         all_ref = model.prime(ref[1][0][0], model.new_cache(ctx), all_logits=True).cpu()
 
     pipe = pipeline if pipeline is not None else launch_local(model, stages, keep_full_model=True)
