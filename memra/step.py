@@ -345,16 +345,21 @@ def check_samp(samp, caches) -> None:
             raise MemraError(f"row {i}: sampling spec must be a DevSamp or None, got {type(s).__name__}")
 
 
+def _rows(logits: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """logits[idx] without the device copy in the usual case of every row."""
+    return logits if idx == list(range(logits.shape[0])) else logits[idx]
+
+
 def sample_rows(logits: torch.Tensor, caches, samp, lean: bool):
     """The device-side choice after a batched step's logits [B, V] -> (rows, next_tokens), as
     decode_step_batch_sampled documents (shared by the pipeline driver across processes). Each row's
     token is its own device_sample choice (it cannot see its batchmates; ops.sample_batch); what the
     host needs comes back in two transfers (the chosen tokens, the host rows), not one or two per row."""
     on_device = [i for i, s in enumerate(samp) if s is not None]
-    chosen = ops.sample_batch(logits[on_device], [samp[i] for i in on_device]).tolist() if on_device else []
+    chosen = ops.sample_batch(_rows(logits, on_device), [samp[i] for i in on_device]).tolist() if on_device else []
     counters.bump("device_sampled_rows", len(on_device))
     to_host = [i for i, s in enumerate(samp) if s is None or not lean]
-    host = dict(zip(to_host, logits[to_host].cpu())) if to_host else {}
+    host = dict(zip(to_host, _rows(logits, to_host).cpu())) if to_host else {}
     if lean:
         for i in on_device:
             caches[i].last_logits_dev = logits[i]
