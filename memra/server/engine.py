@@ -23,6 +23,7 @@ for what a pipeline does not do (preemption, MTP drafting) and how a failed rank
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import secrets
 import sys
@@ -219,12 +220,11 @@ class _ProcessPipeline:
     def before_step(self) -> None:
         pass
 
-    def swap_out(self, c) -> dict:
+    def swap_out(self, *_) -> dict:
         raise PipelineError("preemption is off for a process pipeline (its scheduler never plans a swap); "
                             "this is a bug in the engine's sizing")
 
-    def swap_in(self, saved: dict, max_ctx: int):
-        return self.swap_out(None)
+    swap_in = swap_out  # never reached either: nothing is ever swapped out
 
     def problem(self) -> str | None:
         """Why the pipeline cannot serve (a known failure, or a local worker that exited), or None."""
@@ -388,24 +388,16 @@ class Engine:
         """End every sequence, running or still queued, with `error`. Under the submit lock, so a request
         submitted while the thread exits is either aborted here or refused by submit(), never left waiting."""
         with self._lock:
+            queued = []
             while True:
                 try:
                     kind, arg = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                for s in arg if kind == "add" else ():
-                    s.done = True
-                    s.sink(TokenEvent(s.index, "", None, finish_reason="abort", prompt_tokens=len(s.prompt),
-                                      error=error))
-            for s in list(self.seqs.values()):
-                try:
+                queued += arg if kind == "add" else ()
+            for s in queued + list(self.seqs.values()):
+                with contextlib.suppress(MemraError):  # a free on a pipeline that just failed: it still ends
                     self._finish(s, "abort", error=error)
-                except MemraError:  # freeing on a pipeline that just failed: the sequence still ends
-                    s.cache = None
-                    if not s.done:
-                        s.done = True
-                        s.sink(TokenEvent(s.index, "", None, finish_reason="abort", prompt_tokens=len(s.prompt),
-                                          completion_tokens=len(s.out), error=error))
 
     def _drain_commands(self) -> None:
         while True:
@@ -502,20 +494,21 @@ class Engine:
 
     def _finish(self, s: _Seq, reason: str, error: str | None = None) -> None:
         """End a sequence from outside the normal flow (cancel, shutdown, engine error)."""
-        if s.rid in self.seqs:
-            self.seqs.pop(s.rid)
-            self.scheduler.cancel(s.rid)
-            self._release(s)
-        if not s.done:
-            s.done = True
-            s.sink(TokenEvent(s.index, "", None, finish_reason=reason, prompt_tokens=len(s.prompt),
-                              completion_tokens=len(s.out), error=error))
+        try:
+            if s.rid in self.seqs:
+                self.seqs.pop(s.rid)
+                self.scheduler.cancel(s.rid)
+                self._release(s)
+        finally:  # the sequence ends even when freeing its cache fails (a pipeline rank just died)
+            if not s.done:
+                s.done = True
+                s.sink(TokenEvent(s.index, "", None, finish_reason=reason, prompt_tokens=len(s.prompt),
+                                  completion_tokens=len(s.out), error=error))
 
     def _release(self, s: _Seq) -> None:
-        if s.cache is not None:
-            s.cache.free()
-            s.cache = None
-        s.swapped = None
+        cache, s.cache, s.swapped = s.cache, None, None
+        if cache is not None:
+            cache.free()
 
     # --- preemption: swap to host and back, byte for byte (the backend's copies) ---
     def _swap_out(self, s: _Seq) -> None:
