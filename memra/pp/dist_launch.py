@@ -16,9 +16,9 @@ Doors (read when a pipeline starts; every value is checked and a bad one names i
   MEMRA_PP_DIST_START_TIMEOUT_S  joining and loading the model on every rank. Default 600.
   MEMRA_PP_DIST_BACKEND          gloo | nccl; default nccl on CUDA, gloo on CPU.
   MEMRA_PP_DIST_SHARE_GPUS       1: NCCL ranks may share GPUs round-robin when a node has fewer GPUs than
-                                 ranks (gloo ranks always may). Off by default: NCCL 2.5 and later refuse
-                                 two ranks of one communicator on one GPU ("Duplicate GPU detected"),
-                                 which then fails the bring-up with that error (one-GPU experiments).
+                                 ranks (gloo ranks always may). Off by default: recent NCCL refuses two
+                                 ranks of one communicator on one GPU (on the H200, NCCL 2.28.9: "invalid
+                                 usage" at the first send), which ends the pipeline with that error.
 The fence comes from the in-process doors (MEMRA_PP_STAGES / MEMRA_PP_SPLITS / MEMRA_PP_SPLIT, memra.pp.fence),
 with one rank per stage: MEMRA_PP_STAGES defaults to the world size and must equal it when set.
 """
