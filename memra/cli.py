@@ -200,7 +200,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
-    from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
+    from memra.tokenizer import IncrementalDetokenizer
 
     model = memra.load(args.model, device=args.device, dtype=args.dtype)
     tok = model.tokenizer
@@ -238,20 +238,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
-def _torchrun_world() -> int | None:
-    """WORLD_SIZE when a launcher (torchrun) started this process as one of several ranks, else None."""
-    import os
-
-    raw = os.environ.get("WORLD_SIZE", "").strip()
-    if not raw:
-        return None
-    try:
-        world = int(raw)
-    except ValueError:
-        raise MemraError(f"WORLD_SIZE={raw!r} is not an integer") from None
-    return world if world > 1 else None
-
-
 def _serving_model(args: argparse.Namespace):
     """The model, or with --pp-size N >= 2 (or under torchrun) a process-per-stage pipeline in its place
     (memra.pp.dist). Under torchrun only rank 0 returns: every other rank serves its stage inside this
@@ -260,7 +246,9 @@ def _serving_model(args: argparse.Namespace):
 
     if args.pp_size is not None and args.pp_size < 1:
         raise MemraError(f"--pp-size must be >= 1, got {args.pp_size}")
-    if _torchrun_world() is None and (args.pp_size or 1) == 1:
+    from memra.pp.dist_launch import launcher_world_size
+
+    if (launcher_world_size() or 1) == 1 and (args.pp_size or 1) == 1:
         return memra.load(args.model, device=args.device, dtype=args.dtype)
     from memra.pp.dist import pipeline_for_serving
 

@@ -33,7 +33,7 @@ from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.dist_driver import DistCache, DistPipeline
 from memra.pp.dist_launch import (DistConfig, LocalWorkers, backend_for, dist_fence, doors_from_env, free_port,
-                                  join_group, leave_group, rank_device, spawn_workers)
+                                  join_group, launcher_world_size, leave_group, rank_device, spawn_workers)
 from memra.pp.dist_stage import fingerprint, release_foreign_weights
 from memra.pp.dist_worker import run_worker
 
@@ -130,8 +130,8 @@ def pipeline_for_serving(model_path: str, pp_size: int, device: str | None = Non
     """What `memra serve --pp-size N` needs: under torchrun (WORLD_SIZE set) join the launcher's group
     (ranks > 0 serve and exit inside this call); otherwise spawn pp_size - 1 local workers. -> the driver,
     which takes the model's place for the engine's prime / decode_step_batch / new_cache."""
-    if os.environ.get("WORLD_SIZE"):
-        world = int(os.environ["WORLD_SIZE"])
+    world = launcher_world_size()
+    if world is not None:
         if pp_size not in (0, world):
             raise PipelineError(f"--pp-size {pp_size} but torchrun started {world} ranks; make them agree")
         return join_from_env(model_path, device, dtype)

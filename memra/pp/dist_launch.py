@@ -47,6 +47,17 @@ Env = Mapping[str, str]
 LOCAL_DOOR = "MEMRA_PP_DIST_LOCAL"  # set by the local launcher on its workers: rank 0 hosts the store
 
 
+def launcher_world_size(env: Env | None = None) -> int | None:
+    """WORLD_SIZE as a launcher (torchrun) set it for this process, or None where none did."""
+    raw = (os.environ if env is None else env).get("WORLD_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise MemraError(f"WORLD_SIZE={raw!r} is not an integer") from None
+
+
 def _seconds(env: Env, name: str, default: float, zero_ok: bool = False) -> float:
     raw = env.get(name, "").strip()
     if not raw:
