@@ -261,12 +261,14 @@ def test_decode_plan_door(load_model, monkeypatch):
 
 def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_model, monkeypatch):
     """exact_piece: the 64-token pieces unless the invariant kernels run and the self-test found no
-    failure a token's bits could take from its forward's size. (The platform report is substituted:
-    this CPU has no invariant kernels; the decision is what is under test.)"""
+    failure a token's bits could take from its forward's size. (The kernels' presence and the platform
+    report are substituted, so the decision is what is under test on CPU and GPU alike.)"""
     from memra import step
 
     model = load_model(hf_dir("qwen3_5"))
-    assert step.exact_piece(model) == step.EXACT_PIECE  # CPU: no invariant kernels
+    monkeypatch.setattr(step.ops, "invariant_kernels", lambda device: False)
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device: [])
+    assert step.exact_piece(model) == step.EXACT_PIECE  # no invariant kernels (torch's ops)
     monkeypatch.setattr(step.ops, "invariant_kernels", lambda device: True)
     for failures, piece in (([], step.INVARIANT_PIECE),
                             (["linear[64x256] row 7"], step.INVARIANT_PIECE),  # torch's matmul: not on this path

@@ -1,7 +1,7 @@
 """GDN's chunked prefill on the GPU: the one-launch Triton form against the reference's chunk loop
 (run through the device tool before turning MEMRA_GDN_KERNEL on by default):
 
-    python tools/gpu_gdn_prefill.py [--tokens 4096] [--heads 32] [--dk 128] [--dv 128]
+    python tools/gpu_gdn_prefill.py [--tokens 4096] [--heads 32] [--dk 128] [--dv 128] [--variants]
 
 Prints, for one layer of the Qwen3.5-9B shape: the largest relative difference of outputs and final
 state from the reference (fp32: a product replaces the triangular solve), whether the kernel's bits
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--variants", action="store_true", help="also time the launch configs around the frozen one")
     a = ap.parse_args()
     t, h, dk, dv = a.tokens, a.heads, a.dk, a.dv
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,6 +50,19 @@ def main() -> None:
     print(f"  max relative difference: output {rel(o, o_ref):.2e}, final state {rel(s, s_ref):.2e}")
     print(f"  bits equal in two 64-aligned pieces: {'yes' if same else 'NO'}")
     print(f"  reference chunk loop {ms_ref:8.2f} ms   Triton kernel {ms_ker:8.2f} ms   ({ms_ref / ms_ker:.2f}x)")
+    if a.variants:  # the frozen launch config against its neighbours (each config is its own bits)
+        frozen = (gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS)
+        print("  scan BLOCK_DV  scan warps  prep warps     ms   max rel diff")
+        for cfg in [(bd, sw, pw) for bd in (16, 32, 64) for sw in (2, 4, 8) for pw in (4, 8)]:
+            gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS = cfg
+            try:
+                ov, _ = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0)
+                ms = triton.testing.do_bench(lambda: gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0), rep=100)
+                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:11d} {ms:8.2f}   {rel(ov, o_ref):.2e}"
+                      + ("   (frozen)" if cfg == frozen else ""))
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:11d}   failed: {type(e).__name__}: {str(e)[:80]}")
+        gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS = frozen
 
 
 if __name__ == "__main__":

@@ -1,27 +1,29 @@
-"""Gated DeltaNet's chunked prefill as one Triton launch per layer (the delta rule over a prompt piece).
+"""Gated DeltaNet's chunked prefill in two Triton launches per layer (the delta rule over a prompt piece).
 
 The reference (reference.gdn_prefill) runs the closed (WY) form chunk by chunk from the host: ~25 torch
-launches per 64-token chunk, so a 4096-token piece of a 24-GDN-layer model issues ~40k launches. Here
-one program per (value head, block of value columns) walks all the piece's chunks in order with its
-columns of the state in registers, and per chunk of n <= 64 tokens computes (G = cumsum(g), Gamma_ij =
-exp(G_i - G_j) for i >= j, else 0):
+launches per 64-token chunk, so a 4096-token piece of a 24-GDN-layer model issues ~40k launches. Per
+chunk of n <= 64 tokens (G = cumsum(g), Gamma_ij = exp(G_i - G_j) for i >= j, else 0):
 
     A   = strict_lower(diag(beta) K K^T * Gamma)                     [n, n]
     T   = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32)
           (A is strictly lower triangular, so A^64 = 0: five squarings replace the triangular solve's
           64 dependent row steps with tensor-shaped products)
-    U   = T diag(beta) V          W = T diag(beta exp(G)) K
-    V'  = U - W S                  O = diag(exp(G)) Q S + (Q K^T * Gamma) V'
+    U   = T diag(beta) V          W = T diag(beta exp(G)) K          P = (Q K^T) * Gamma
+    V'  = U - W S                  O = diag(exp(G)) Q S + P V'
     S'  = exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
+
+Everything in the first line block reads only the chunk's own tokens, so it is one launch over every
+(chunk, head) at once (`_gdn_chunk_prep`, the bulk of the arithmetic: the squarings). Only the last
+two lines carry the state, so the second launch (`_gdn_chunk_scan`) is one program per (value head,
+block of value columns) walking the chunks in order with its columns of the state in registers —
+three thin products per chunk. (The first form of this kernel did both in the serial walk and was
+0.57x the reference's speed on an H200: the squarings sat on the critical path, four times over.)
 
 Same meaning as the reference; the sums differ in order (and T is a product rather than a
 substitution), so the twin test allows fp32 rounding noise. Bits: chunks are cut at absolute multiples
 of the chunk length (the same cuts as the reference), and a chunk's arithmetic reads only its own
 tokens and the state it is handed, so a token's output does not depend on how the prompt was split
 into pieces (E5) -- tested bit for bit. Every dot is fp32 (input_precision="ieee": no TF32).
-
-Status: built and checked in Triton's interpreter; behind MEMRA_GDN_KERNEL (off by default) until it
-has been measured on a GPU against the reference (register pressure at Dk = 128 is the open question).
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ import triton.language as tl
 
 from memra.kernels.exact import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
-GDN_PREFILL_BLOCK_DV = 32  # value columns of the state per program
-GDN_PREFILL_WARPS = 8
+
+# Frozen launch configs (tools/gpu_gdn_prefill.py times the alternatives): value columns of the state per
+# scan program, and warps per program of each launch.
+GDN_SCAN_BLOCK_DV = 32
+GDN_SCAN_WARPS = 4
+GDN_PREP_WARPS = 8
 
 
 @triton.jit
@@ -41,43 +47,69 @@ def _dot(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
+@triton.jit
+def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
+                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    a = tl.load(cuts_ptr + c)
+    n = tl.load(cuts_ptr + c + 1) - a
+    rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
+    t = a + rc
+    mt = rc < n
+    k_mask = mt[:, None] & (ck < DK)[None, :]
+    v_mask = mt[:, None] & (cv < DV)[None, :]
+    kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
+    qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
+    vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
+    beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
+    gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
+    # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
+    gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
+    amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc)) * gamma, 0.0)
+    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
+    power = _dot(amat, amat)
+    for i in tl.static_range(5):
+        inv = _dot(inv, eye + power)
+        if i < 4:
+            power = _dot(power, power)
+    u = _dot(inv, beta[:, None] * vc)  # [C, DV]; zero rows at padding
+    w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc)  # [C, DK]
+    p = _dot(qc, tl.trans(kc)) * gamma  # [C, C]
+    tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
+    tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
+    tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
+    tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
+
+
 @triton.jit(do_not_specialize=["n_chunks"])
-def _gdn_prefill_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, n_chunks, H,
-                        DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        CHUNK: tl.constexpr):
+def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, n_chunks, H,
+                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """One (value head, block of value columns): the state's columns through every chunk in order."""
     h = tl.program_id(0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    ck = tl.arange(0, BLOCK_DK)
-    rc = tl.arange(0, CHUNK)
+    ck, rc = tl.arange(0, BLOCK_DK), tl.arange(0, CHUNK)
     mk, mv = ck < DK, cv < DV
     s = tl.load(s_ptr + h * DK * DV + ck[:, None] * DV + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    below = rc[:, None] > rc[None, :]
     for c in range(n_chunks):
         a = tl.load(cuts_ptr + c)
         n = tl.load(cuts_ptr + c + 1) - a
         t = a + rc
         mt = rc < n
-        kq_mask = mt[:, None] & mk[None, :]
-        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=kq_mask, other=0.0)  # [C, DK]
-        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=kq_mask, other=0.0)
-        vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
-        gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
-        # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
-        gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
-        amat = tl.where(below, beta[:, None] * _dot(kc, tl.trans(kc)) * gamma, 0.0)
-        inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
-        power = _dot(amat, amat)
-        for i in tl.static_range(5):
-            inv = _dot(inv, eye + power)
-            if i < 4:
-                power = _dot(power, power)
-        u = _dot(inv, beta[:, None] * vc)  # [C, DV]
-        w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc)  # [C, DK]
-        v_new = u - _dot(w, s)
-        out = _dot(tl.exp(gcum)[:, None] * qc, s) + _dot(_dot(qc, tl.trans(kc)) * gamma, v_new)
-        tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=mt[:, None] & mv[None, :])
+        k_mask = mt[:, None] & mk[None, :]
+        v_mask = mt[:, None] & mv[None, :]
+        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
+        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
+        wc = tl.load(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
+        uc = tl.load(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, BLOCK_DV]
+        pc = tl.load(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])  # [C, C]
+        gcum = tl.load(gcum_ptr + t * H + h, mask=mt, other=0.0)
+        v_new = uc - _dot(wc, s)
+        out = _dot(tl.exp(gcum)[:, None] * qc, s) + _dot(pc, v_new)
+        tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new)
     tl.store(s_out_ptr + h * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=mk[:, None] & mv[None, :])
@@ -89,16 +121,19 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     [Hv, Dk, Dv], all fp32 -> (o [T, Hv, Dv], final state). Same contract as reference.gdn_prefill."""
     t, h, dk = q.shape
     dv = v.shape[-1]
+    if not t:
+        return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.float().clone()
     cuts = aligned_cuts(t, pos0, GDN_CHUNK)
     bounds = torch.tensor([a for a, _ in cuts] + [t], dtype=torch.int32, device=q.device)
-    args = [x.contiguous().float() for x in (q, k, v, beta, g)]
-    o = torch.empty(t, h, dv, dtype=torch.float32, device=q.device)
-    s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=q.device)
-    if t:
-        _gdn_prefill_kernel[(h, triton.cdiv(dv, GDN_PREFILL_BLOCK_DV))](
-            *args, state.contiguous(), o, s_out, bounds, len(cuts), h, DK=dk, DV=dv,
-            BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_PREFILL_BLOCK_DV, CHUNK=GDN_CHUNK,
-            num_warps=GDN_PREFILL_WARPS)
-    else:
-        s_out.copy_(state)
+    q, k, v, beta, g = (x.contiguous().float() for x in (q, k, v, beta, g))
+    f32 = dict(dtype=torch.float32, device=q.device)
+    u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)
+    p, gcum = torch.empty(len(cuts), h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
+    o, s_out = torch.empty(t, h, dv, **f32), torch.empty(h, dk, dv, **f32)
+    block_dk = triton.next_power_of_2(dk)
+    _gdn_chunk_prep[(len(cuts), h)](q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=block_dk,
+                                    BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, num_warps=GDN_PREP_WARPS)
+    _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
+        q, k, u, w, p, gcum, state.contiguous(), o, s_out, bounds, len(cuts), h, DK=dk, DV=dv, BLOCK_DK=block_dk,
+        BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, num_warps=GDN_SCAN_WARPS)
     return o, s_out

@@ -11,8 +11,9 @@ build (memra.sampling.allowed_tokens); the kernel does not sort.
 
 A row's token reads only its own logits, seed and counter, so it cannot depend on the batch (E3).
 Whether the fp64 logs round as torch's do is a property of the math library (libdevice on the GPU);
-tests hold the kernel to device_sample token for token. Status: checked in Triton's interpreter, behind
-MEMRA_SAMPLE_KERNEL=1 until it has been measured on a GPU.
+tests hold the kernel to device_sample token for token, in the interpreter and on the GPU (an H200:
+libdevice's logs gave torch's tokens in every row). On by default on CUDA; MEMRA_SAMPLE_KERNEL=0 is
+the door back to device_sample row by row.
 """
 
 from __future__ import annotations
