@@ -51,18 +51,21 @@ def main() -> None:
     print(f"  bits equal in two 64-aligned pieces: {'yes' if same else 'NO'}")
     print(f"  reference chunk loop {ms_ref:8.2f} ms   Triton kernel {ms_ker:8.2f} ms   ({ms_ref / ms_ker:.2f}x)")
     if a.variants:  # the frozen launch config against its neighbours (each config is its own bits)
-        frozen = (gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS)
-        print("  scan BLOCK_DV  scan warps  prep warps     ms   max rel diff")
-        for cfg in [(bd, sw, pw) for bd in (16, 32, 64) for sw in (2, 4, 8) for pw in (4, 8)]:
-            gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS = cfg
+        names = ("GDN_SCAN_BLOCK_DV", "GDN_SCAN_WARPS", "GDN_SCAN_STAGES", "GDN_PREP_WARPS")
+        frozen = tuple(getattr(gdn_triton, n) for n in names)
+        print("  scan BLOCK_DV  scan warps  scan stages  prep warps     ms   max rel diff")
+        for cfg in [(bd, sw, st, pw) for bd in (16, 32, 64) for sw in (4, 8) for st in (1, 2) for pw in (4, 8)]:
+            for n, x in zip(names, cfg):
+                setattr(gdn_triton, n, x)
             try:
                 ov, _ = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0)
                 ms = triton.testing.do_bench(lambda: gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0), rep=100)
-                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:11d} {ms:8.2f}   {rel(ov, o_ref):.2e}"
+                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:12d} {cfg[3]:11d} {ms:8.2f}   {rel(ov, o_ref):.2e}"
                       + ("   (frozen)" if cfg == frozen else ""))
             except Exception as e:  # a config that does not compile (registers, shared memory)
-                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:11d}   failed: {type(e).__name__}: {str(e)[:80]}")
-        gdn_triton.GDN_SCAN_BLOCK_DV, gdn_triton.GDN_SCAN_WARPS, gdn_triton.GDN_PREP_WARPS = frozen
+                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:12d} {cfg[3]:11d}   failed: {type(e).__name__}: {str(e)[:60]}")
+        for n, x in zip(names, frozen):
+            setattr(gdn_triton, n, x)
 
 
 if __name__ == "__main__":

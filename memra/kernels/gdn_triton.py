@@ -39,6 +39,7 @@ from memra.kernels.reference import GDN_CHUNK
 # scan program, and warps per program of each launch.
 GDN_SCAN_BLOCK_DV = 32
 GDN_SCAN_WARPS = 4
+GDN_SCAN_STAGES = 1  # the walk's loads staged ahead: three [64, 128] fp32 tiles per stage (shared memory)
 GDN_PREP_WARPS = 8
 
 
@@ -135,5 +136,5 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
                                     BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, num_warps=GDN_PREP_WARPS)
     _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
         q, k, u, w, p, gcum, state.contiguous(), o, s_out, bounds, len(cuts), h, DK=dk, DV=dv, BLOCK_DK=block_dk,
-        BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, num_warps=GDN_SCAN_WARPS)
+        BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
     return o, s_out
