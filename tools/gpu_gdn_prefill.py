@@ -50,23 +50,31 @@ def main() -> None:
     print(f"  max relative difference: output {rel(o, o_ref):.2e}, final state {rel(s, s_ref):.2e}")
     print(f"  bits equal in two 64-aligned pieces: {'yes' if same else 'NO'}")
     print(f"  reference chunk loop {ms_ref:8.2f} ms   Triton kernel {ms_ker:8.2f} ms   ({ms_ref / ms_ker:.2f}x)")
-    if a.variants:  # the frozen launch config against its neighbours (each config is its own bits)
-        names = ("GDN_SCAN_BLOCK_DV", "GDN_SCAN_WARPS", "GDN_SCAN_STAGES", "GDN_PREP_WARPS")
+    if a.variants:  # the frozen launch config against others (each config is its own bits)
+        names = ("GDN_SCAN_BLOCK_DV", "GDN_SCAN_WARPS", "GDN_SCAN_STAGES", "GDN_PREP_WARPS", "GDN_DOT_PRECISION")
         frozen = tuple(getattr(gdn_triton, n) for n in names)
-        print("  scan BLOCK_DV  scan warps  scan stages  prep warps     ms   max rel diff")
-        for cfg in [(bd, sw, st, pw) for bd in (16, 32, 64) for sw in (4, 8) for st in (1, 2) for pw in (4, 8)]:
+        configs = [frozen, (32, 4, 1, 4, "ieee"), (16, 4, 1, 8, "ieee"), (32, 4, 1, 8, "tf32x3"),
+                   (16, 4, 1, 4, "tf32x3"), (64, 4, 1, 8, "tf32x3"), (32, 8, 2, 8, "tf32x3")]
+        bounds = torch.arange(0, t + 1, 64, dtype=torch.int32, device="cuda")
+        f32 = dict(dtype=torch.float32, device="cuda")
+        u, w, o_, gc = (torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32), torch.empty(t, h, dv, **f32),
+                        torch.empty(t, h, **f32))
+        p, s_ = torch.empty(t // 64, h, 64, 64, **f32), torch.empty(h, dk, dv, **f32)
+        print("  scan BLOCK_DV/warps/stages  prep warps  precision   prep ms   scan ms   max rel diff")
+        for cfg in configs:
             for n, x in zip(names, cfg):
                 setattr(gdn_triton, n, x)
             try:
                 ov, _ = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0)
-                ms = triton.testing.do_bench(lambda: gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0), rep=100)
-                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:12d} {cfg[3]:11d} {ms:8.2f}   {rel(ov, o_ref):.2e}"
-                      + ("   (frozen)" if cfg == frozen else ""))
+                prep = lambda: gdn_triton.chunk_prep(q, k, v, beta, decay, bounds, u, w, p, gc)  # noqa: E731
+                scan = lambda: gdn_triton.chunk_scan(q, k, u, w, p, gc, s0, o_, s_, bounds)  # noqa: E731
+                ms_p, ms_s = triton.testing.do_bench(prep, rep=50), triton.testing.do_bench(scan, rep=50)
+                print(f"  {cfg[0]:9d}/{cfg[1]}/{cfg[2]:<14d} {cfg[3]:10d}  {cfg[4]:9s} {ms_p:8.2f}  {ms_s:8.2f}   "
+                      f"{rel(ov, o_ref):.2e}" + ("   (frozen)" if cfg == frozen else ""), flush=True)
             except Exception as e:  # a config that does not compile (registers, shared memory)
-                print(f"  {cfg[0]:13d} {cfg[1]:11d} {cfg[2]:12d} {cfg[3]:11d}   failed: {type(e).__name__}: {str(e)[:60]}")
+                print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
         for n, x in zip(names, frozen):
             setattr(gdn_triton, n, x)
-
 
 if __name__ == "__main__":
     main()

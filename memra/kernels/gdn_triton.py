@@ -41,17 +41,19 @@ GDN_SCAN_BLOCK_DV = 32
 GDN_SCAN_WARPS = 4
 GDN_SCAN_STAGES = 1  # the walk's loads staged ahead: three [64, 128] fp32 tiles per stage (shared memory)
 GDN_PREP_WARPS = 8
+# fp32 products: "ieee" (CUDA-core FMAs) or "tf32x3" (three TF32 tensor-core products, fp32-level error)
+GDN_DOT_PRECISION = "ieee"
 
 
 @triton.jit
-def _dot(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _dot(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                    CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
@@ -68,17 +70,17 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
     gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
     # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
     gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
-    amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc)) * gamma, 0.0)
+    amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc), PREC) * gamma, 0.0)
     eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
     inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
-    power = _dot(amat, amat)
+    power = _dot(amat, amat, PREC)
     for i in tl.static_range(5):
-        inv = _dot(inv, eye + power)
+        inv = _dot(inv, eye + power, PREC)
         if i < 4:
-            power = _dot(power, power)
-    u = _dot(inv, beta[:, None] * vc)  # [C, DV]; zero rows at padding
-    w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc)  # [C, DK]
-    p = _dot(qc, tl.trans(kc)) * gamma  # [C, C]
+            power = _dot(power, power, PREC)
+    u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
+    w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
+    p = _dot(qc, tl.trans(kc), PREC) * gamma  # [C, C]
     tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
     tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
     tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
@@ -88,7 +90,7 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
 @triton.jit(do_not_specialize=["n_chunks"])
 def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, n_chunks, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr):
+                    CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One (value head, block of value columns): the state's columns through every chunk in order."""
     h = tl.program_id(0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -108,11 +110,11 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         uc = tl.load(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, BLOCK_DV]
         pc = tl.load(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])  # [C, C]
         gcum = tl.load(gcum_ptr + t * H + h, mask=mt, other=0.0)
-        v_new = uc - _dot(wc, s)
-        out = _dot(tl.exp(gcum)[:, None] * qc, s) + _dot(pc, v_new)
+        v_new = uc - _dot(wc, s, PREC)
+        out = _dot(tl.exp(gcum)[:, None] * qc, s, PREC) + _dot(pc, v_new, PREC)
         tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
-        s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new)
+        s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
     tl.store(s_out_ptr + h * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=mk[:, None] & mv[None, :])
 
 
@@ -131,10 +133,25 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)
     p, gcum = torch.empty(len(cuts), h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
     o, s_out = torch.empty(t, h, dv, **f32), torch.empty(h, dk, dv, **f32)
-    block_dk = triton.next_power_of_2(dk)
-    _gdn_chunk_prep[(len(cuts), h)](q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=block_dk,
-                                    BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, num_warps=GDN_PREP_WARPS)
-    _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
-        q, k, u, w, p, gcum, state.contiguous(), o, s_out, bounds, len(cuts), h, DK=dk, DV=dv, BLOCK_DK=block_dk,
-        BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
+    chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum)
+    chunk_scan(q, k, u, w, p, gcum, state.contiguous(), o, s_out, bounds)
     return o, s_out
+
+
+def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
+    """First launch: every chunk's U, W, P and G at once (reads no state)."""
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    _gdn_chunk_prep[(bounds.numel() - 1, h)](
+        q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk),
+        BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION, num_warps=GDN_PREP_WARPS)
+
+
+def chunk_scan(q, k, u, w, p, gcum, state, o, s_out, bounds) -> None:
+    """Second launch: the state through the chunks in order, writing O and the final state."""
+    t, h, dk = q.shape
+    dv = u.shape[-1]
+    _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
+        q, k, u, w, p, gcum, state, o, s_out, bounds, bounds.numel() - 1, h, DK=dk, DV=dv,
+        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
+        num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
