@@ -40,3 +40,9 @@ def exact_mode() -> bool:
     """MEMRA_EXACT (default 1): run the exact path. 0 = the fast path whose bits may depend on the
     batch and on how a prompt is chunked (for measured comparisons only)."""
     return flag("MEMRA_EXACT", True)
+
+
+def gdn_kernel() -> bool:
+    """MEMRA_GDN_KERNEL (default 1): GDN's chunked prefill as the two-launch Triton kernel on CUDA
+    (memra.kernels.gdn_triton). 0 = the reference's torch chunk loop, ~15x slower on an H200."""
+    return flag("MEMRA_GDN_KERNEL", True)

@@ -1,14 +1,14 @@
-"""The door-gated kernels' GPU check, in one device call (run through the device tool):
+"""The GDN prefill and batch-sampler kernels' GPU check, in one device call (run through the device tool):
 
     python tools/gpu_kernel_check.py [--budget 420]
 
 1. the exactness tests that need the GPU's own kernels: `MEMRA_TEST_DEVICE=cuda pytest` over the kernel,
    step, exactness and graph files (the whole-chunk exact prefill included), in a child with a wall limit;
-2. GDN's one-launch chunked prefill (MEMRA_GDN_KERNEL) against the reference's chunk loop: largest
+2. GDN's two-launch chunked prefill (MEMRA_GDN_KERNEL) against the reference's chunk loop: largest
    relative difference, bits across 64-aligned pieces, ms per layer (tools/gpu_gdn_prefill.py);
 3. the one-launch batch sampler (MEMRA_SAMPLE_KERNEL) against device_sample row by row on a 248k
    vocabulary: the same token in every row (greedy, plain, top-k/top-p/min-p), and ms per batch of 128.
-Prints a short table last: what turning each door on by default would rest on.
+Prints a short table last: what keeping each kernel on by default rests on.
 """
 
 from __future__ import annotations

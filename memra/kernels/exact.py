@@ -139,7 +139,7 @@ def _prefill_probes(rnd, tk, failures: list[str]) -> None:
                tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5), whole[a:b], failures)
     from memra import doors
 
-    if doors.flag("MEMRA_GDN_KERNEL", False):  # the chunked delta-rule kernel, where it is switched on
+    if doors.gdn_kernel():  # the chunked delta-rule kernel, where it is switched on
         from memra.kernels import gdn_triton
 
         h, dk, dv = 4, 128, 128

@@ -118,9 +118,9 @@ def _gdn_triton():
 
 
 def gdn_prefill(q, k, v, beta, g, state, pos0):
-    # The one-launch chunked kernel runs only behind MEMRA_GDN_KERNEL=1 until it has been measured on a
-    # GPU (memra.kernels.gdn_triton); the reference's chunks are the default on every device.
-    if q.is_cuda and invariant_kernels(q.device) and doors.flag("MEMRA_GDN_KERNEL", False):
+    # The Triton form where the invariant kernels run (MEMRA_GDN_KERNEL=0 is the door back): same chunks
+    # at the same absolute cuts as the reference's loop, so a token's bits still do not depend on its piece.
+    if q.is_cuda and invariant_kernels(q.device) and doors.gdn_kernel():
         return _gdn_triton().gdn_prefill(q, k, v, beta, g, state, pos0)
     return reference.gdn_prefill(q, k, v, beta, g, state, pos0)
 
