@@ -206,3 +206,19 @@ def test_dual_pp_timing_records_every_wave_stage(load_model):
     d = counters.delta(before)
     for name in ("wave_a_stage0", "wave_b_stage0", "wave_a_stage1", "wave_b_stage1"):
         assert d[f"dual_pp_stage_samples_{name}"] == 1 and d[f"dual_pp_stage_ns_{name}"] > 0
+
+
+def test_streams_off_keeps_every_stage_home():
+    """MEMRA_PP_STREAMS=0 is the single-stream rollback: weights and caches stay on the primary
+    (fence.pp_sharded_cross_device), so every stage must run there too, whatever MEMRA_PP_DEVICES
+    says; with streams on each stage takes its placement's device. (torch.device objects need no GPU.)"""
+    from memra.pp.runtime import stage_devices
+
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert stage_devices(cuda0, (0, 1), streams=True) == [cuda0, cuda1]
+    assert stage_devices(cuda0, (1, 0), streams=True) == [cuda1, cuda0]
+    assert stage_devices(cuda0, (0, 1), streams=False) == [cuda0, cuda0]
+    assert stage_devices(cuda1, (0, 1, 2, 3), streams=False) == [cuda1] * 4
+    assert stage_devices(torch.device("cpu"), (0, 1), streams=True) == [torch.device("cpu")] * 2
+    assert not pf.pp_sharded_cross_device({"MEMRA_PP_STAGES": "2", "MEMRA_PP_DEVICES": "0,1", "MEMRA_PP_STREAMS": "0"})
+    assert pf.pp_sharded_cross_device({"MEMRA_PP_STAGES": "2", "MEMRA_PP_DEVICES": "0,1"})

@@ -130,6 +130,16 @@ def make_transport(kind: BoundaryTransport):
 # --- stages and boundaries ------------------------------------------------------------------------
 
 
+def stage_devices(model_device: torch.device, placement_devices: tuple[int, ...], streams: bool) -> list[torch.device]:
+    """The device each stage runs on: its placement's CUDA index, except that MEMRA_PP_STREAMS=0 (the
+    single-stream rollback) keeps every stage on the model's device, as it keeps every weight and cache
+    there (fence.pp_sharded_cross_device); a stage elsewhere would compute on home weights from a
+    device that is not current. On CPU every stage is the model's device."""
+    if model_device.type != "cuda" or not streams:
+        return [model_device] * len(placement_devices)
+    return [torch.device("cuda", d) for d in placement_devices]
+
+
 @dataclass
 class StageRt:
     index: int
@@ -188,14 +198,16 @@ class PpRuntime:
                  transports: tuple[BoundaryTransport, ...] | None = None):
         self.model, self.fence, self.placement, self.doors = model, fence, placement, doors
         cuda = model.device.type == "cuda"
-        devices = [torch.device("cuda", d) if cuda else model.device for d in placement.devices]
+        devices = stage_devices(model.device, placement.devices, doors.streams)
         use_streams = cuda and doors.streams
         self.stages = [
             StageRt(s, devices[s], fence.ranges[s], torch.cuda.Stream(devices[s]) if use_streams else None,
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"memra-pp-stage{s}"))
             for s in range(fence.n_stages)
         ]
-        kinds = transports or placement.transports()
+        # MEMRA_PP_STREAMS=0 keeps every stage home, so no boundary crosses a device
+        kinds = transports or (placement.transports() if doors.streams else
+                               (BoundaryTransport.LOCAL,) * (fence.n_stages - 1))
         row_bytes = model.cfg.hidden_size * torch.empty((), dtype=model.dtype).element_size()
         self.host_capacity = row_bytes * PRIME_CHUNK_MAX_TOKENS
         self.abort = threading.Event()  # set when a stage of a concurrent body fails
