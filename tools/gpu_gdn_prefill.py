@@ -1,4 +1,4 @@
-"""GDN's chunked prefill on the GPU: the one-launch Triton form against the reference's chunk loop
+"""GDN's chunked prefill on the GPU: the two-launch Triton form against the reference's chunk loop
 (run through the device tool; MEMRA_GDN_KERNEL turns the kernel on in the model, by default):
 
     python tools/gpu_gdn_prefill.py [--tokens 4096] [--heads 32] [--dk 128] [--dv 128] [--variants]
@@ -76,6 +76,7 @@ def main() -> None:
                 print(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
         for n, x in zip(names, frozen):
             setattr(gdn_triton, n, x)
+
 
 if __name__ == "__main__":
     main()

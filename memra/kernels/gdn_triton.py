@@ -151,7 +151,7 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
 
 def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
     """First launch: every chunk's U, W, P and G at once (reads no state)."""
-    t, h, dk = q.shape
+    _, h, dk = q.shape
     dv = v.shape[-1]
     _gdn_chunk_prep[(bounds.numel() - 1, h)](
         q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk),
@@ -160,7 +160,7 @@ def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
 
 def chunk_scan(q, k, u, w, p, gcum, state, o, s_out, bounds) -> None:
     """Second launch: the state through the chunks in order, writing O and the final state."""
-    t, h, dk = q.shape
+    _, h, dk = q.shape
     dv = u.shape[-1]
     _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
         q, k, u, w, p, gcum, state, o, s_out, bounds, bounds.numel() - 1, h, DK=dk, DV=dv,
