@@ -46,3 +46,9 @@ def gdn_kernel() -> bool:
     """MEMRA_GDN_KERNEL (default 1): GDN's chunked prefill as the two-launch Triton kernel on CUDA
     (memra.kernels.gdn_triton). 0 = the reference's torch chunk loop, ~15x slower on an H200."""
     return flag("MEMRA_GDN_KERNEL", True)
+
+
+def sample_kernel() -> bool:
+    """MEMRA_SAMPLE_KERNEL (default 1): a batch's seeded sampling as one Triton launch on CUDA
+    (memra.kernels.sample_triton). 0 = device_sample row by row, ~15 launches per row."""
+    return flag("MEMRA_SAMPLE_KERNEL", True)

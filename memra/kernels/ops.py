@@ -154,7 +154,7 @@ def sample_batch(logits, samps):
     248k vocabulary, in 5.8 ms against 45 ms row by row (tools/gpu_kernel_check.py)."""
     from memra.sampling import device_sample
 
-    if logits.is_cuda and doors.flag("MEMRA_SAMPLE_KERNEL", True) and _triton() is not None:
+    if logits.is_cuda and doors.sample_kernel() and _triton() is not None:
         from memra.kernels import sample_triton
 
         return sample_triton.sample_batch(logits, list(samps))
