@@ -1,0 +1,64 @@
+"""Token ids to text as they arrive: whole characters only, and stop strings applied."""
+
+from __future__ import annotations
+
+import codecs
+from typing import TYPE_CHECKING
+
+from memra.tokenizer.stops import StopStringFilter
+
+if TYPE_CHECKING:
+    from memra.tokenizer.core import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text as it arrives.
+
+    One token may carry only part of a character (byte-level BPE splits emoji and CJK across tokens), so
+    `push` returns only whole characters and holds back an incomplete tail until the next token completes
+    it. Concatenating every `push` and the final `flush` gives exactly `tok.decode(ids, skip_special)`.
+    """
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = True):
+        self._tok = tok
+        self._skip_special = skip_special
+        # Python's incremental UTF-8 decoder does exactly the holding back we need, and its 'replace'
+        # output matches one-shot decoding of the same bytes.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at_start = True
+
+    def push(self, token_id: int) -> str:
+        """The text completed by this token (possibly empty)."""
+        piece = self._tok._stream_piece(token_id, self._skip_special, self._at_start)
+        if piece is None:
+            return ""
+        self._at_start = False
+        return self._utf8.decode(piece, final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is held back, with U+FFFD for bytes that never completed."""
+        return self._utf8.decode(b"", final=True)
+
+
+class TextStream:
+    """One sequence's generated tokens to the text its reader sees: whole characters (the detokenizer),
+    cut before the first stop string (the filter). The concatenation of every `push` and `finish` is the
+    decoded text up to the stop string, however the tokens were grouped."""
+
+    def __init__(self, tok: "Tokenizer", stops: tuple[str, ...] = (), skip_special: bool = True):
+        self._detok = IncrementalDetokenizer(tok, skip_special=skip_special)
+        self._stops = StopStringFilter(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has appeared: nothing more will be released."""
+        return self._stops.stopped
+
+    def push(self, token_id: int) -> str:
+        return self._stops.push(self._detok.push(token_id))
+
+    def finish(self) -> str:
+        """At the end of the stream (EOS, length, abort): the held-back text, unless a stop string ended it."""
+        if self.stopped:
+            return ""
+        return self._stops.push(self._detok.flush()) + self._stops.flush()
