@@ -77,10 +77,8 @@ class GraphKey:
 class StaticDecode:
     """One bucket's static step: its input buffer, its captured graph, its output."""
 
-    def __init__(self, model, kv: KvPool, rec: RecurrentPool | None, bucket: int, nb: int,
-                 scratch_block: int | None, scratch_slot: int | None):
+    def __init__(self, model, kv: KvPool, rec: RecurrentPool | None, bucket: int, nb: int):
         self.model, self.kv, self.rec, self.bucket, self.nb = model, kv, rec, bucket, nb
-        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         dev = model.device
         self.args = torch.zeros(bucket, 3 + nb, dtype=torch.long, device=dev)
         self.logits = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
@@ -103,45 +101,49 @@ class StaticDecode:
         self.logits.copy_(m.logits(m.norm_out(h)))
         return self.logits
 
-    def fill(self, ids: torch.Tensor, caches: list[Cache]) -> None:
-        """Write the rows' inputs (live rows first, then inert padding) into `args`."""
+    def fill(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> None:
+        """Write the rows' inputs (live rows first, then inert padding on the pools' scratch block and
+        slot) into `args`. The scratch comes with each call, not with the graph: a bucket's graph may
+        first be captured by a full batch, which pads nothing."""
         b, host = len(caches), torch.zeros(self.bucket, 2 + self.nb, dtype=torch.long)
         for i, c in enumerate(caches):
             host[i, 0] = c.pos
             host[i, 1] = c.slot if c.slot is not None else 0
             host[i, 2 : 2 + len(c.blocks)] = torch.tensor(c.blocks, dtype=torch.long)
         if b < self.bucket:  # inert rows: position 0 of the scratch block, the scratch slot
-            host[b:, 1] = self.scratch_slot if self.scratch_slot is not None else 0
-            host[b:, 2:] = self.scratch_block
+            if scratch is None:
+                raise RuntimeError(f"a batch of {b} in the graph of bucket {self.bucket} needs the pools' scratch "
+                                   "block for its padding rows, and none was given")
+            block, slot = scratch
+            host[b:, 1] = slot if slot is not None else 0
+            host[b:, 2:] = block
         self.args[:, 1:].copy_(host)  # a pageable copy: the host buffer is free again when it returns
         self.args[:b, 0].copy_(ids)
         self.args[b:, 0] = 0
 
-    def first_run(self, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
-        """The first step of a new bucket: run it eagerly (which also compiles every kernel, so none
-        compiles during capture), then record the graph. Recording launches nothing, so the step
-        happens once, and the eager run's logits are the step's result."""
-        self.fill(ids, caches)
-        side = torch.cuda.Stream(self.args.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+    def run(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> torch.Tensor:
+        """The step for these rows -> their logits [B, V]. The first run of a bucket runs it eagerly on a
+        side stream (which also compiles every kernel, so none compiles during capture), then records
+        the graph; recording launches nothing, so the step happens once. Later runs replay. Off the GPU
+        there are no graphs: the static step runs eagerly (how the CPU tests exercise it)."""
+        self.fill(ids, caches, scratch)
+        if self.args.device.type != "cuda":
             self.body()
-        torch.cuda.current_stream().wait_stream(side)
-        out = self.logits[: len(caches)].clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.body()
-        self.graph = graph
-        counters.bump("graph_captures")
-        return out
-
-    def run(self, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor:
-        if self.graph is None:
-            return self.first_run(ids, caches)
-        self.fill(ids, caches)
-        self.graph.replay()
-        counters.bump("graph_replays")
-        return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next replay
+        elif self.graph is None:
+            side = torch.cuda.Stream(self.args.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.body()
+            self.graph = graph
+            counters.bump("graph_captures")
+        else:
+            self.graph.replay()
+            counters.bump("graph_replays")
+        return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
 
 
 def _eligible(model, caches: list[Cache]) -> bool:
@@ -176,18 +178,19 @@ def graphed_decode(model, ids: torch.Tensor, caches: list[Cache]) -> torch.Tenso
     if not _eligible(model, caches):
         return None
     kv, rec, b = caches[0].kv, caches[0].rec, len(caches)
-    bucket = bucket_for(b)
-    scratch = _scratch(kv, rec, model.graph_scratch) if bucket is not None and bucket > b else (None, None)
-    if bucket is None or scratch is None:
-        bucket, scratch = b, (None, None)
+    bucket, scratch = bucket_for(b), None
+    if bucket is not None and bucket > b:
+        scratch = _scratch(kv, rec, model.graph_scratch)
+    if bucket is None or (bucket > b and scratch is None):
+        bucket = b  # no room for inert rows (or wider than every bucket): a graph of exactly this width
     nb = table_blocks(max(c.max_ctx for c in caches))
     key = GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None)
     static = model.decode_graphs.get(key)
     if static is None:
         for old in [k for k in model.decode_graphs if k.kv == key.kv and k.kv_version != key.kv_version]:
             del model.decode_graphs[old]  # captured against tensors the pool has replaced
-        static = model.decode_graphs[key] = StaticDecode(model, kv, rec, bucket, nb, *scratch)
-    logits = static.run(ids, caches)
+        static = model.decode_graphs[key] = StaticDecode(model, kv, rec, bucket, nb)
+    logits = static.run(ids, caches, scratch)
     for c in caches:
         c.pos += 1
     return logits
