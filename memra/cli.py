@@ -1,7 +1,7 @@
-"""The `memra` command line: generate | inspect.
+"""The `memra` command line: generate | chat | serve | bench | inspect | convert | eval-ppl | gate.
 
-Every user-facing failure is a MemraError and is printed as one line, `error: ...`, with exit code 2 —
-never a traceback.
+Every user-facing failure — a MemraError, or an OSError about a file or socket the user named — is
+printed as one line, `error: ...`, with exit code 2, never a traceback. (A traceback means a bug.)
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from memra.errors import MemraError
+from memra.server.options import DEFAULT_MAX_BODY_MB
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
     srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
     srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
-    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 and /tokenize")
+    srv.add_argument("--api-key", default=None,
+                     help="require Authorization: Bearer KEY on every route but /health and /v1/models "
+                          "(visible in the process list: prefer --api-key-file or $MEMRA_API_KEY)")
+    srv.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    srv.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                     help=f"largest request body in MiB; bigger ones get 413 (default {DEFAULT_MAX_BODY_MB:g})")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
+                          "error (default 30)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
     srv.add_argument("--pp-size", type=int, default=None,
                      help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
@@ -147,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
-    from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
+    from memra.tokenizer import TextStream
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
@@ -169,19 +178,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if spec is not None:
         check_model(model, spec)
     stats = GenerationStats()
-    detok = IncrementalDetokenizer(tok, skip_special=True)
+    text = TextStream(tok, params.stop)
     out = sys.stdout
     if not args.chat:
         out.write(prompt)
-    stream = StopStringFilter(params.stop)
     for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids, speculative=spec):
-        out.write(stream.push(detok.push(token)))
+        out.write(text.push(token))
         out.flush()
-        if stream.stopped:
+        if text.stopped:
             stats.finish_reason = "stop"
             break
-    if not stream.stopped:
-        out.write(stream.push(detok.flush()) + stream.flush())
+    out.write(text.finish())
     out.write("\n")
     out.flush()
     print(
@@ -268,15 +275,26 @@ def _orderly_stop_exits_zero() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from memra import doors
     from memra.pp.dist_driver import DistPipeline
+    from memra.pp.dist_launch import launcher_rank
     from memra.server.api import build_app
     from memra.server.engine import Engine, EngineConfig
+    from memra.server.http import HttpServer, bind
     from memra.server.metrics import Metrics
+    from memra.server.options import ServerOptions, resolve_api_key
 
     cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
                        max_waiting=args.max_waiting)
     if not 0 < args.port < 65536:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 < args.max_body_mb <= 1024:
+        raise MemraError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb:g}")
+    options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, doors.api_key()),
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout)
+    # The port before the model: a port in use is a one-line error now, not after minutes of loading.
+    # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.
+    sock = bind(args.host, args.port) if launcher_rank() in (None, 0) else None
     model = _serving_model(args)
     pipe = model if isinstance(model, DistPipeline) else None  # its workers must be shut down on every exit
     try:
@@ -294,22 +312,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         workers = f"; pipeline workers exited {pipe.exit_codes}" if pipe is not None and pipe.workers is not None else ""
         print(f"memra serve: drained and stopped after {engine.steps} engine steps{workers}", file=sys.stderr)
 
-    app = build_app(engine, name, api_key=args.api_key, metrics=metrics, on_shutdown=done)
-    import uvicorn
-
+    app = build_app(engine, name, options, metrics=metrics, on_shutdown=done)
     print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
           file=sys.stderr)
     if pipe is not None:
         print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
         for line in pipe.description.splitlines():
             print(f"  {line}", file=sys.stderr)
-    # On SIGINT/SIGTERM uvicorn stops accepting, lets in-flight requests finish, runs the app's shutdown
-    # (the engine drains, then shuts a pipeline down: its workers exit 0), then re-raises the signal so
-    # the exit status says how the server ended — except on rank 0 under torchrun, where it exits 0.
+    # On SIGINT/SIGTERM the engine drains for --shutdown-timeout (then ends what is left with an error),
+    # the app's shutdown stops it (a pipeline's workers exit 0), and uvicorn re-raises the signal so the
+    # exit status says how the server ended — except on rank 0 under torchrun, where it exits 0.
     if pipe is not None and pipe.workers is None:
         _orderly_stop_exits_zero()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+        HttpServer(app).run(sockets=[sock])
     finally:
         if pipe is not None:
             pipe.shutdown()  # idempotent; here for exits that skipped the app's shutdown
@@ -372,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except MemraError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or socket the user named: a full disk, a permission, a vanished path
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

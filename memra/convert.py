@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +231,11 @@ def _encode(t: torch.Tensor, qtype: str, name: str):
 
 
 def convert(model_path: str | Path, out_path: str | Path, qtype: str = "f16") -> Path:
+    """Write the HF model directory `model_path` as a GGUF file at `out_path`.
+
+    The destination is claimed first (a temporary file beside it), so a path that cannot be written
+    fails before minutes of converting; the file appears under its name only once complete (rename),
+    so a failure midway never leaves a truncated GGUF that looks like a model."""
     import gguf
 
     if qtype not in TYPES:
@@ -236,23 +243,44 @@ def convert(model_path: str | Path, out_path: str | Path, qtype: str = "f16") ->
     src = Path(model_path)
     if not src.is_dir():
         raise MemraError(f"{src}: convert reads a Hugging Face model directory")
-    cfg, weights, _ = load_weights(src, torch.device("cpu"), torch.float32)
-    arch = GGUF_NAME[cfg.arch]
     out = Path(out_path)
-    writer = gguf.GGUFWriter(str(out), arch)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-    _metadata(writer, cfg, arch, src.name, int(file_type))
-    _tokenizer_metadata(writer, src)
-    tensors = gguf_tensors(cfg, weights)
-    for name, t in progress(tensors.items(), len(tensors), f"writing {out.name}"):
-        data, raw = _encode(t, qtype, name)
-        writer.add_tensor(name, data, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    partial = _claim(out)
+    try:
+        cfg, weights, _ = load_weights(src, torch.device("cpu"), torch.float32)
+        arch = GGUF_NAME[cfg.arch]
+        writer = gguf.GGUFWriter(str(partial), arch)
+        file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+        _metadata(writer, cfg, arch, src.name, int(file_type))
+        _tokenizer_metadata(writer, src)
+        tensors = gguf_tensors(cfg, weights)
+        for name, t in progress(tensors.items(), len(tensors), f"writing {out.name}"):
+            data, raw = _encode(t, qtype, name)
+            writer.add_tensor(name, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return out
+
+
+def _claim(out: Path) -> Path:
+    """A fresh temporary file in `out`'s directory (where the final rename happens), or a one-line
+    MemraError saying why `out` cannot be written."""
+    if out.is_dir():
+        raise MemraError(f"{out} is a directory; give the GGUF file's name, e.g. {out / 'model.gguf'}")
+    if not out.parent.is_dir():
+        raise MemraError(f"{out.parent} does not exist; create it first or write somewhere else")
+    try:
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    except OSError as e:
+        raise MemraError(f"cannot write to {out.parent} ({e.strerror}); choose another destination") from None
+    os.close(fd)
+    return Path(name)
 
 
 __all__ = ["convert", "gguf_tensors", "permute_rope_rows", "tile_value_heads"]

@@ -52,3 +52,9 @@ def sample_kernel() -> bool:
     """MEMRA_SAMPLE_KERNEL (default 1): a batch's seeded sampling as one Triton launch on CUDA
     (memra.kernels.sample_triton). 0 = device_sample row by row, ~15 launches per row."""
     return flag("MEMRA_SAMPLE_KERNEL", True)
+
+
+def api_key() -> str | None:
+    """MEMRA_API_KEY (default unset): the key `memra serve` requires when neither --api-key nor
+    --api-key-file gives one; an environment variable stays out of the process list."""
+    return os.environ.get("MEMRA_API_KEY") or None

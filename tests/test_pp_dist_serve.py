@@ -36,7 +36,8 @@ from memra.gate.pp_battery import env
 from memra.generate import generate_tokens
 from memra.pp.dist import PipelineError, launch_local
 from memra.sampling import SamplingParams
-from memra.server.api import ServerThread, build_app
+from memra.server.api import build_app
+from memra.server.http import ServerThread
 from memra.server.engine import Engine, EngineConfig
 from memra.server.metrics import Metrics
 from memra.server.scheduler import Scheduler, SchedulerConfig

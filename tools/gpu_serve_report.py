@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memra  # noqa: E402
-from memra.server.api import ServerThread, build_app  # noqa: E402
+from memra.server.api import build_app  # noqa: E402
+from memra.server.http import ServerThread  # noqa: E402
 from memra.server.bench import (ServeBenchConfig, check_against_offline, check_metrics, memra_offline,  # noqa: E402
                                 run_serve_bench, scrape_metrics)
 from memra.server.engine import Engine, EngineConfig  # noqa: E402

@@ -58,6 +58,13 @@ def launcher_world_size(env: Env | None = None) -> int | None:
         raise MemraError(f"WORLD_SIZE={raw!r} is not an integer") from None
 
 
+def launcher_rank(env: Env | None = None) -> int | None:
+    """RANK as a launcher set it for this process (None where none did): only rank 0 serves HTTP."""
+    if launcher_world_size(env) is None:
+        return None
+    return _int(os.environ if env is None else env, "RANK")
+
+
 def _seconds(env: Env, name: str, default: float, zero_ok: bool = False) -> float:
     raw = env.get(name, "").strip()
     if not raw:

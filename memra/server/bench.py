@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
+from memra import doors
 from memra.errors import MemraError
 
 # Ordinary words for prompts: any model tokenizes them, and their length in words tracks their length
@@ -577,7 +578,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
-    p.add_argument("--api-key", default=os.environ.get("MEMRA_API_KEY"), help="bearer token (default $MEMRA_API_KEY)")
+    p.add_argument("--api-key", default=doors.api_key(), help="bearer token (default $MEMRA_API_KEY)")
     p.add_argument("--no-metrics", action="store_true", help="skip the /metrics check (a server without it)")
     p.add_argument("--metrics-prefix", default="memra:", help="counter prefix, e.g. vllm: (default %(default)s)")
     p.add_argument("--offline-check", metavar="MODEL", default=None,
@@ -612,14 +613,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _launch(args):
     """An in-process memra server on a free port: (ServerThread, url)."""
     import memra
-    from memra.server.api import ServerThread, build_app
+    from memra.server.api import build_app
     from memra.server.engine import Engine, EngineConfig
+    from memra.server.http import ServerThread
     from memra.server.metrics import Metrics
+    from memra.server.options import ServerOptions
 
     model = memra.load(args.launch, device=args.device, dtype=args.dtype)
     metrics = Metrics("memra")
     engine = Engine(model, EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx), metrics)
-    server = ServerThread(build_app(engine, "memra", api_key=args.api_key, metrics=metrics)).start()
+    server = ServerThread(build_app(engine, "memra", ServerOptions(api_key=args.api_key), metrics=metrics)).start()
     server.model = model
     return server, server.url
 

@@ -1,7 +1,7 @@
 """The serving engine: one thread owns the model and runs the scheduler's plans, step after step.
 
     submit() --> [commands] --> engine thread: schedule -> swap out/in -> prefill chunks -> one batched
-                                decode -> sample per request -> events to each request's sink
+                                decode -> sample per request -> token events to each request's sink
 
 Every request's tokens are the ones offline `generate_tokens` produces for it, bit for bit:
 - prefill chunks are cut at absolute multiples of 64 (the scheduler's alignment), which is the very
@@ -12,38 +12,49 @@ Every request's tokens are the ones offline `generate_tokens` produces for it, b
 - preemption swaps the KV blocks and the recurrent slot out to host memory and back, byte for byte
   (recomputing would re-run generated tokens through the chunked GDN form and change the bits).
 
-All model work happens on the engine thread; other threads only enqueue commands and read sinks.
+The engine thread does model work only; other threads enqueue commands and read sinks. Text is the
+reader's business: an event carries token ids (and logprobs when asked), and the reader turns them into
+text and watches for stop strings (memra.tokenizer.TextStream) on its own thread, then ends a sequence
+whose text hit a stop string with cancel(rids, finish_reason="stop"). So nothing about one request's
+text (a long stop string, a slow detokenizer) can lengthen another request's step.
 
-What the engine runs on is a backend: the model in this process (`_InProcess`: the shared KV pool and
-recurrent slots, stage-owned under the in-process PP door, swapping to host), or a process-per-stage
-pipeline in the model's place (`_ProcessPipeline`, over a memra.pp.dist.DistPipeline: each sequence is
-a cache on every rank, no swapping, the pipeline shut down with the engine). See `_ProcessPipeline`
-for what a pipeline does not do (preemption, MTP drafting) and how a failed rank ends requests.
+How a sequence ends: EOS or max_tokens (the last event's finish_reason "stop" / "length"); cancel (its
+reader went away or saw a stop string: "abort", or the reason given); or an abort carrying an error,
+whose `error_kind` tells the reader what to answer:
+    "shutdown"  the server is shutting down and its drain deadline passed (HTTP 503)
+    "refused"   the request cannot run here, e.g. it can never fit the KV pool (HTTP 400)
+    "engine"    the engine failed; the message is ours (a pipeline rank gone, ...), never a Python
+                internal, which goes to the server log instead (HTTP 500)
+
+What the engine runs on is a backend (memra.server.backends): the model in this process, or a
+process-per-stage pipeline in its place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import secrets
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
-from memra.graphs import reserve_scratch
+from memra.cache import BLOCK_SIZE, Cache
 from memra.errors import ContextOverflowError, MemraError
-from memra.pp.fence import PipelineError
 from memra.sampling import SamplingParams, apply_penalties, sample
+from memra.server.backends import backend_for
 from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.step import EXACT_PIECE
-from memra.tokenizer import IncrementalDetokenizer, StopStringFilter
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
+
+SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 
 
 class Unavailable(MemraError):
@@ -73,17 +84,17 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One step of a request's output, in order. `text` may be empty (a partial character is held back)."""
+    """One step of a sequence's output, in order: a new token, or (token_id None) its end."""
 
     index: int  # which choice of the request (n > 1)
-    text: str
     token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (or cancel's reason) on the last event
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # why an aborted sequence ended, in words a client may read
+    error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
 
 
 @dataclass
@@ -97,8 +108,6 @@ class _Seq:
     logprobs: int | None
     eos: frozenset[int]
     sink: Callable[[TokenEvent], None]
-    detok: IncrementalDetokenizer | None
-    stops: StopStringFilter
     arrival: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
     cache: Cache | None = None
@@ -107,150 +116,12 @@ class _Seq:
     done: bool = False
 
 
-# --- what the engine runs on ------------------------------------------------------------------------------
-
-
-class _InProcess:
-    """The model in this process: the shared KV pool and recurrent slots the scheduler's counts stand
-    for (stage-owned when the in-process PP door is open), and preemption by swapping to host memory."""
-
-    preemption = True
-
-    def __init__(self, model, cfg: EngineConfig):
-        from memra.pp.walk import active_runtime
-
-        self.model = model
-        mcfg = model.cfg
-        self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
-        layer_devices = self.rt.layer_devices() if self.rt is not None else None
-        # One block and one slot beyond what the scheduler hands out: the CUDA graphs' inert padding rows.
-        self.kv = kv_pool(mcfg, cfg.blocks + 1, model.dtype, model.device, layer_devices)
-        self.rec = (RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices)
-                    if mcfg.gdn_layers else None)
-        reserve_scratch(model, self.kv, self.rec)
-        self.blocks = cfg.blocks
-        self.slots = cfg.max_batch if self.rec is not None else None
-
-    def new_cache(self, max_ctx: int) -> Cache:
-        slot = self.rec.allocate() if self.rec is not None else None
-        return Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
-
-    def scratch_cache(self, max_ctx: int):
-        """A sequence outside the shared pools (warm-up)."""
-        return (self.rt.new_cache if self.rt is not None else self.model.new_cache)(max_ctx)
-
-    def before_step(self) -> None:
-        if self.rt is not None:
-            from memra.pp.probe import service_runtime_probe
-
-            service_runtime_probe(self.rt, scheduler_idle=False)
-
-    def swap_out(self, c: Cache) -> dict:
-        """Host copies of the sequence's KV blocks and recurrent slot, byte for byte; frees the cache."""
-        blocks = torch.tensor(c.blocks, dtype=torch.long)
-        saved = {
-            "pos": c.pos, "n_blocks": len(c.blocks),
-            "k": {i: self.kv.k[i][blocks.to(self.kv.k[i].device)].cpu() for i in self.kv.layers},
-            "v": {i: self.kv.v[i][blocks.to(self.kv.v[i].device)].cpu() for i in self.kv.layers},
-            # copy=True: on a CPU model .cpu() would return a view of the slot, which the next sequence reuses
-            "conv": {i: c.conv_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
-            "ssm": {i: c.ssm_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
-        }
-        c.free()
-        return saved
-
-    def swap_in(self, saved: dict, max_ctx: int) -> Cache:
-        c = self.new_cache(max_ctx)
-        c.blocks = self.kv.allocate(saved["n_blocks"])
-        c.pos = saved["pos"]
-        blocks = torch.tensor(c.blocks, dtype=torch.long)
-        for i in self.kv.layers:
-            self.kv.k[i][blocks.to(self.kv.k[i].device)] = saved["k"][i].to(self.kv.k[i].device)
-            self.kv.v[i][blocks.to(self.kv.v[i].device)] = saved["v"][i].to(self.kv.v[i].device)
-        for i in saved["conv"]:
-            c.conv_state(i).copy_(saved["conv"][i])
-            c.ssm_state(i).copy_(saved["ssm"][i])
-        return c
-
-    def problem(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class _ProcessPipeline:
-    """A process-per-stage pipeline (memra.pp.dist.DistPipeline, rank 0's driver) in the model's place.
-
-    - No shared pools, scratch or CUDA graphs here: every sequence is `pipe.new_cache(prompt + max_tokens)`,
-      a cache of its own layers on every rank, freed on every rank when the sequence ends.
-    - No preemption. Swapping would have to move every rank's state to host and back, which the wire
-      does not carry; so the scheduler counts max_batch x ceil(max_ctx / BLOCK_SIZE) blocks — every
-      admitted sequence fits for its whole life and no step ever needs a victim — and runs with
-      preemption=False, which raises instead of planning a swap (fail closed). The pipeline's memory is
-      bounded by that same product, on every rank. `kv_blocks` (a smaller pool that relies on swapping)
-      is refused.
-    - No speculative drafting: the engine never drafts (on any backend); the pipeline itself refuses the
-      MTP drafter (its head runs on the last rank), so nothing can ask for it by accident.
-    - A failed rank: the pipeline raises PipelineError naming the rank on the step that meets it (every
-      wait is bounded by MEMRA_PP_DIST_TIMEOUT_S); the engine ends every request in flight with that
-      error and refuses later ones (Unavailable, HTTP 503). A local worker found dead between requests is
-      reported the same way before any work is queued. Only a restart brings the pipeline back.
-    - close() (the engine's shutdown) shuts the pipeline down: SHUTDOWN travels down the chain and the
-      workers exit 0 (a broken pipeline's workers are stopped instead).
-    """
-
-    preemption = False
-    rt = None
-
-    def __init__(self, pipe, cfg: EngineConfig):
-        if cfg.kv_blocks is not None:
-            raise MemraError(f"kv_blocks={cfg.kv_blocks} sizes the in-process KV pool, which relies on swapping; a "
-                             "process pipeline keeps each sequence on its ranks and never swaps. Leave kv_blocks unset "
-                             "(max_batch x max_ctx bounds the pipeline's memory)")
-        self.pipe = pipe
-        self.blocks = cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)  # the worst case: nobody ever waits for blocks
-        self.slots = None  # each sequence brings its own recurrent state on every rank
-
-    def new_cache(self, max_ctx: int):
-        return self.pipe.new_cache(max_ctx)
-
-    scratch_cache = new_cache
-
-    def before_step(self) -> None:
-        pass
-
-    def swap_out(self, *_) -> dict:
-        raise PipelineError("preemption is off for a process pipeline (its scheduler never plans a swap); "
-                            "this is a bug in the engine's sizing")
-
-    swap_in = swap_out  # never reached either: nothing is ever swapped out
-
-    def problem(self) -> str | None:
-        """Why the pipeline cannot serve (a known failure, or a local worker that exited), or None."""
-        if self.pipe.closed:
-            return "the pipeline has been shut down"
-        if self.pipe.broken is not None:
-            return f"the pipeline is down: {self.pipe.broken}"
-        gone = self.pipe.workers.exited() if self.pipe.workers is not None else None
-        return f"a pipeline rank is gone ({gone})" if gone else None
-
-    def close(self) -> None:
-        self.pipe.shutdown()
-
-
-def _backend(model, cfg: EngineConfig):
-    from memra.pp.dist_driver import DistPipeline
-
-    return _ProcessPipeline(model, cfg) if isinstance(model, DistPipeline) else _InProcess(model, cfg)
-
-
 class Engine:
     """Owns the model (or a process pipeline in its place), its caches, the scheduler and the engine thread."""
 
     def __init__(self, model, cfg: EngineConfig = EngineConfig(), metrics=None):
         self.model, self.cfg, self.metrics = model, cfg, metrics
-        self.backend = _backend(model, cfg)
+        self.backend = backend_for(model, cfg)
         self.rt = self.backend.rt
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
@@ -261,49 +132,53 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._accepting = True
+        self._drain_deadline: float | None = None  # monotonic time at which in-flight work is aborted
         self._lock = threading.Lock()  # submit() vs the scheduler's queue bound
         self._next = 0
         self.steps = 0
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def max_len(self) -> int:
+        """The most tokens (prompt + completion) one sequence may hold."""
+        return min(self.cfg.max_ctx, self.model.cfg.max_position)
+
     # --- the caller's side (any thread) ---
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """Every refusal a request can get before it is queued (HTTP 400)."""
+        """Every refusal a request can get before it is queued (HTTP 400). The length is checked first:
+        it is O(1), and a prompt over the context needs no look at its ids."""
         if not prompt:
             raise MemraError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise MemraError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        for tok, _ in params.logit_bias:
-            if tok >= vocab:
-                raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{vocab - 1})")
-        limit = min(self.cfg.max_ctx, self.model.cfg.max_position)
+        limit = self.max_len
         if len(prompt) + params.max_tokens > limit:
             raise ContextOverflowError(
                 f"this model's maximum context length is {limit} tokens; the request needs {len(prompt)} prompt "
                 f"+ {params.max_tokens} completion tokens = {len(prompt) + params.max_tokens}; shorten the prompt "
                 f"or lower max_tokens")
+        vocab = self.model.cfg.vocab_size
+        if not 0 <= min(prompt) <= max(prompt) < vocab:
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise MemraError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        for tok, _ in params.logit_bias:
+            if tok >= vocab:
+                raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{vocab - 1})")
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[TokenEvent], None], n: int = 1,
                logprobs: int | None = None, eos_ids=()) -> list[str]:
-        """Queue a request with n choices (choice i samples with seed + i). -> the sequence ids.
-        Raises MemraError (bad request), QueueFull (over the bound) or Unavailable (shutting down, stopped
-        after an error, a pipeline rank gone)."""
+        """Queue a request with n choices (choice i samples with seed + i). -> the sequence ids, in choice
+        order. Raises MemraError (bad request), QueueFull (over the bound) or Unavailable (shutting down,
+        stopped after an error, a pipeline rank gone)."""
         self.check_request(prompt, params)
         with self._lock:  # the engine thread's exit aborts what is queued under this lock: nothing slips past
             self._check_open()
             if self.scheduler.num_waiting() + self._commands.qsize() + n > self.cfg.max_waiting:
                 raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
             seqs = []
-            base_seed = params.seed
             for i in range(n):
-                p = params if n == 1 else _with_seed(params, base_seed + i)
+                p = params if n == 1 else dataclasses.replace(params, seed=params.seed + i)
                 self._next += 1
-                seqs.append(_Seq(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink,
-                                 IncrementalDetokenizer(self.model.tokenizer, skip_special=True)
-                                 if self.model.tokenizer is not None else None, StopStringFilter(p.stop)))
+                seqs.append(_Seq(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]
@@ -312,7 +187,7 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         if self.error is not None:
-            raise Unavailable(f"the engine has stopped after an error: {self.error}; restart the server")
+            raise Unavailable(f"the engine has stopped after an error: {_public(self.error)}; restart the server")
         problem = self.backend.problem()
         if problem is not None:
             raise Unavailable(f"{problem}; restart the server")
@@ -320,12 +195,14 @@ class Engine:
     def health(self) -> str | None:
         """Why the engine cannot serve now (GET /health answers 503 with it), or None."""
         if self.error is not None:
-            return f"engine stopped: {self.error}"
+            return f"engine stopped: {_public(self.error)}"
         return self.backend.problem()
 
-    def cancel(self, rids: list[str]) -> None:
-        """Stop these sequences at the next step boundary and free what they hold (client went away)."""
-        self._commands.put(("cancel", list(rids)))
+    def cancel(self, rids: list[str], finish_reason: str | None = None) -> None:
+        """End these sequences at the next step boundary and free what they hold. Without a reason the
+        reader went away; with one (e.g. "stop": its text reached a stop string) the sequence ended as
+        the reader wanted and counts as a success."""
+        self._commands.put(("cancel", (list(rids), finish_reason)))
         self._wake.set()
 
     def warm_up(self) -> None:
@@ -345,12 +222,22 @@ class Engine:
         self._thread.start()
         return self
 
+    def begin_drain(self, timeout: float) -> None:
+        """Stop admitting (submit raises Unavailable) and give in-flight requests `timeout` seconds to
+        finish; the engine thread aborts whatever is left then, each with a "shutdown" error, so every
+        reader can end its answer properly. Returns at once; a second call keeps the first deadline."""
+        with self._lock:
+            self._accepting = False
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + max(timeout, 0.0)
+        self._wake.set()
+
     def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop admitting; let in-flight requests finish (up to drain_timeout), then abort the rest.
-        A process pipeline is shut down with the engine (its workers exit)."""
-        self._accepting = False
-        deadline = time.monotonic() + drain_timeout
-        while self.busy() and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+        """Drain (begin_drain, unless it has begun), wait for the deadline's aborts to be sent, then stop
+        the engine thread. A process pipeline is shut down with the engine (its workers exit)."""
+        self.begin_drain(drain_timeout)
+        give_up = self._drain_deadline + 30.0  # a step that never returns must not hold the process forever
+        while self.busy() and self._thread is not None and self._thread.is_alive() and time.monotonic() < give_up:
             time.sleep(0.02)
         self._stop.set()
         self._wake.set()
@@ -366,6 +253,8 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
+                    self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
                 plan = self.scheduler.schedule()
                 if plan.empty:
                     self._publish_gauges(0)
@@ -376,49 +265,53 @@ class Engine:
         except MemraError as err:  # a failed pipeline rank (PipelineError names it): clear message, no traceback
             self.error = err
             print(f"memra engine: stopped: {err}", file=sys.stderr, flush=True)
-            self._abort_all(f"engine error: {err}")
-        except BaseException as err:  # a broken engine fails every request loudly, never hangs them
+            self._abort_all(f"engine error: {err}", "engine")
+        except BaseException as err:  # a bug: the log gets the traceback, each request a clear 500, none hangs
             self.error = err
-            self._abort_all(f"engine error: {err}")
-            raise
+            print("memra engine: stopped by an internal error:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            self._abort_all(f"engine error: {_public(err)}", "engine")
         finally:
-            self._abort_all("the server shut down before this request finished")
+            self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
 
-    def _abort_all(self, error: str) -> None:
+    def _abort_all(self, error: str, kind: str) -> None:
         """End every sequence, running or still queued, with `error`. Under the submit lock, so a request
         submitted while the thread exits is either aborted here or refused by submit(), never left waiting."""
         with self._lock:
             queued = []
             while True:
                 try:
-                    kind, arg = self._commands.get_nowait()
+                    what, arg = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                queued += arg if kind == "add" else ()
+                queued += arg if what == "add" else ()
             for s in queued + list(self.seqs.values()):
                 with contextlib.suppress(MemraError):  # a free on a pipeline that just failed: it still ends
-                    self._finish(s, "abort", error=error)
+                    self._finish(s, "abort", error=error, kind=kind)
 
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                what, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if what == "add":
                 for s in arg:
                     try:
                         self.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
                     except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
                         s.done = True
-                        s.sink(TokenEvent(s.index, "", None, finish_reason="abort", error=str(err)))
+                        s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
                         continue
                     self.seqs[s.rid] = s
             else:
-                for rid in arg:
+                rids, reason = arg
+                for rid in rids:
                     s = self.seqs.get(rid)
                     if s is not None:
-                        self._finish(s, "abort")
+                        if reason is not None and self.metrics is not None:
+                            self.metrics.request_success.labels(finish_reason=reason).inc()
+                        self._finish(s, reason or "abort")
 
     def _step(self, plan) -> None:
         self.backend.before_step()
@@ -476,23 +369,14 @@ class Engine:
             if s.logprobs > 0:
                 vals, ids = torch.topk(logp, s.logprobs)
                 top = tuple(zip(ids.tolist(), vals.tolist()))
-        text = s.stops.push(s.detok.push(token)) if s.detok is not None else ""
-        finish = None
-        if token in s.eos:
-            finish = "stop"
-        elif s.stops.stopped:
-            finish = "stop"
-        elif len(s.out) >= p.max_tokens:
-            finish = "length"
-        if finish is not None and not s.stops.stopped and s.detok is not None:
-            text += s.stops.push(s.detok.flush()) + s.stops.flush()
-        s.sink(TokenEvent(s.index, text, token, lp, top, finish, len(s.prompt), len(s.out)))
+        finish = "stop" if token in s.eos else "length" if len(s.out) >= p.max_tokens else None
+        s.sink(TokenEvent(s.index, token, lp, top, finish, len(s.prompt), len(s.out)))
         if finish is not None:
             s.done = True
             if self.metrics is not None:
                 self.metrics.request_success.labels(finish_reason=finish).inc()
 
-    def _finish(self, s: _Seq, reason: str, error: str | None = None) -> None:
+    def _finish(self, s: _Seq, reason: str, error: str | None = None, kind: str | None = None) -> None:
         """End a sequence from outside the normal flow (cancel, shutdown, engine error)."""
         try:
             if s.rid in self.seqs:
@@ -502,8 +386,8 @@ class Engine:
         finally:  # the sequence ends even when freeing its cache fails (a pipeline rank just died)
             if not s.done:
                 s.done = True
-                s.sink(TokenEvent(s.index, "", None, finish_reason=reason, prompt_tokens=len(s.prompt),
-                                  completion_tokens=len(s.out), error=error))
+                s.sink(TokenEvent(s.index, None, finish_reason=reason, prompt_tokens=len(s.prompt),
+                                  completion_tokens=len(s.out), error=error, error_kind=kind if error else None))
 
     def _release(self, s: _Seq) -> None:
         cache, s.cache, s.swapped = s.cache, None, None
@@ -536,10 +420,12 @@ class Engine:
             self.metrics.batch_size.observe(batch)
 
 
-def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(p, seed=seed)
+def _public(err: BaseException) -> str:
+    """What a client may read about an engine failure: our own errors say what happened in their own
+    words; anything else is a bug whose details belong in the server log, not in a response body."""
+    if isinstance(err, MemraError):
+        return str(err)
+    return "an internal error; the server log has the details"
 
 
 def fresh_seed() -> int:

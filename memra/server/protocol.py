@@ -1,19 +1,54 @@
 """The OpenAI request bodies, validated: a wrong type, a value out of range or an unsupported option
-is an HTTP 400 with an OpenAI-style error body, never a stack trace. Unknown extra fields are ignored
-(clients send vendor extras), known fields are type-checked strictly (no "0.5" for a number)."""
+is an HTTP 400 with an OpenAI-style error body naming the field, never a stack trace. Unknown extra
+fields are ignored (clients send vendor extras), known fields are type-checked strictly (no "0.5" for a
+number, no true for 1), every number must be finite and in its range (so nothing downstream meets an
+overflow), and every string must be Unicode text (JSON can carry a lone surrogate, "\\ud800", which has
+no UTF-8 form and would fail deep in the tokenizer).
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
 from memra.errors import MemraError
 from memra.sampling import MAX_STOP_STRINGS, SamplingParams
 
-Number = Union[StrictInt, StrictFloat]
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 1024  # per stop string; matching is linear anyway, this bounds the held-back text
+MAX_LOGIT_BIAS = 1024  # entries
+INT32 = 2**31 - 1
+INT64 = 2**63 - 1
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+def _as_list(value):
+    """`stop` may be one string or a list of them."""
+    return [value] if isinstance(value, str) else value
+
+
+def _number(lo: float, hi: float, *, above: bool = False):
+    """A finite JSON number (an int is accepted where a float is asked) in [lo, hi], or (lo, hi]."""
+    bound = {"gt": lo} if above else {"ge": lo}
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, le=hi, **bound)]
+
+
+def _integer(lo: int, hi: int):
+    return Annotated[int, Field(strict=True, ge=lo, le=hi)]
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+TokenId = _integer(0, INT32)  # checked against the vocabulary when the request is queued
 
 
 class StreamOptions(BaseModel):
@@ -24,44 +59,41 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None  # vLLM's extension: 0 or -1 = off
-    min_p: Number | None = None
-    n: StrictInt = 1
+    model: Text | None = None
+    temperature: _number(0.0, 100.0) | None = None
+    top_p: _number(0.0, 1.0, above=True) | None = None
+    top_k: _integer(-1, INT32) | None = None  # vLLM's extension: 0 or -1 = off
+    min_p: _number(0.0, 1.0) | None = None
+    n: _integer(1, MAX_N) = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None
-    logit_bias: dict[StrictStr, Number] | None = None
-    user: StrictStr | None = None
+    stop: Annotated[list[StopString], BeforeValidator(_as_list), Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: _integer(0, INT64) | None = None
+    presence_penalty: _number(-2.0, 2.0) | None = None
+    frequency_penalty: _number(-2.0, 2.0) | None = None
+    repetition_penalty: _number(0.0, 10.0, above=True) | None = None
+    logit_bias: Annotated[dict[StrictStr, _number(-100.0, 100.0)], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: Text | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
 
     def sampling(self, max_tokens: int, seed: int) -> SamplingParams:
         """SamplingParams (which validates ranges) from this body; MemraError names the bad field."""
-        if not 1 <= self.n <= MAX_N:
-            raise MemraError(f"n must be in 1..{MAX_N}, got {self.n}")
         if max_tokens <= 0:
             raise MemraError(f"max_tokens must be at least 1, got {max_tokens}")
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if len(stops) > MAX_STOP_STRINGS or any(s == "" for s in stops):
-            raise MemraError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings")
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = float(value)
-            except ValueError:
-                raise MemraError(f"logit_bias keys must be token ids (integers as strings), got {key!r}") from None
+            if not (key.isdigit() and len(key) <= 10):
+                raise MemraError(f"logit_bias keys must be token ids (integers as strings), got {key[:20]!r}")
+            bias[int(key)] = float(value)
         top_k = self.top_k if self.top_k is not None else 0
         if top_k == -1:
             top_k = 0
         return SamplingParams(
             temperature=float(1.0 if self.temperature is None else self.temperature),
             top_k=top_k, top_p=float(1.0 if self.top_p is None else self.top_p),
-            min_p=float(self.min_p or 0.0), seed=seed, max_tokens=max_tokens, stop=stops,
+            min_p=float(self.min_p or 0.0), seed=seed, max_tokens=max_tokens, stop=self.stops(),
             repetition_penalty=float(1.0 if self.repetition_penalty is None else self.repetition_penalty),
             presence_penalty=float(self.presence_penalty or 0.0), frequency_penalty=float(self.frequency_penalty or 0.0),
             logit_bias=bias)
@@ -72,12 +104,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-    logprobs: StrictInt | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: _integer(0, INT32) | None = 16  # OpenAI's default for completions
+    logprobs: _integer(0, MAX_LOGPROBS) | None = None
     echo: StrictBool = False
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    best_of: _integer(1, MAX_N) | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         if self.echo:
@@ -86,8 +118,6 @@ class CompletionRequest(_Sampling):
             raise MemraError("suffix is not supported")
         if self.best_of not in (None, 1, self.n):
             raise MemraError("best_of other than n is not supported")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise MemraError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -103,13 +133,13 @@ class CompletionRequest(_Sampling):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -121,28 +151,28 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: _integer(0, INT32) | None = None
+    max_completion_tokens: _integer(0, INT32) | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: _integer(0, MAX_LOGPROBS) | None = None
 
     def check_supported(self) -> None:
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise MemraError(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.top_logprobs}")
-            if not self.logprobs:
-                raise MemraError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise MemraError("top_logprobs needs logprobs: true")
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
-    tokens: list[StrictInt]
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+AnyRequest = Union[CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest]

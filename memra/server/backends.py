@@ -1,0 +1,157 @@
+"""What the serving engine runs on: the model in this process, or a process-per-stage pipeline in
+its place. Both give the engine the same few operations (new cache, swap out / in, health, close);
+`backend_for` picks one when the engine is built.
+
+`InProcess`: the shared KV pool and recurrent slots, stage-owned under the in-process PP door,
+preemption by swapping to host memory. `ProcessPipeline`: a memra.pp.dist.DistPipeline; see its
+docstring for what a pipeline does not do (preemption, MTP drafting) and how a failed rank ends requests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
+from memra.errors import MemraError
+from memra.graphs import reserve_scratch
+from memra.pp.fence import PipelineError
+
+if TYPE_CHECKING:
+    from memra.server.engine import EngineConfig
+
+
+class InProcess:
+    """The model in this process: the shared KV pool and recurrent slots the scheduler's counts stand
+    for (stage-owned when the in-process PP door is open), and preemption by swapping to host memory."""
+
+    preemption = True
+
+    def __init__(self, model, cfg: "EngineConfig"):
+        from memra.pp.walk import active_runtime
+
+        self.model = model
+        mcfg = model.cfg
+        self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
+        layer_devices = self.rt.layer_devices() if self.rt is not None else None
+        # One block and one slot beyond what the scheduler hands out: the CUDA graphs' inert padding rows.
+        self.kv = kv_pool(mcfg, cfg.blocks + 1, model.dtype, model.device, layer_devices)
+        self.rec = (RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices)
+                    if mcfg.gdn_layers else None)
+        reserve_scratch(model, self.kv, self.rec)
+        self.blocks = cfg.blocks
+        self.slots = cfg.max_batch if self.rec is not None else None
+
+    def new_cache(self, max_ctx: int) -> Cache:
+        slot = self.rec.allocate() if self.rec is not None else None
+        return Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
+
+    def scratch_cache(self, max_ctx: int):
+        """A sequence outside the shared pools (warm-up)."""
+        return (self.rt.new_cache if self.rt is not None else self.model.new_cache)(max_ctx)
+
+    def before_step(self) -> None:
+        if self.rt is not None:
+            from memra.pp.probe import service_runtime_probe
+
+            service_runtime_probe(self.rt, scheduler_idle=False)
+
+    def swap_out(self, c: Cache) -> dict:
+        """Host copies of the sequence's KV blocks and recurrent slot, byte for byte; frees the cache."""
+        blocks = torch.tensor(c.blocks, dtype=torch.long)
+        saved = {
+            "pos": c.pos, "n_blocks": len(c.blocks),
+            "k": {i: self.kv.k[i][blocks.to(self.kv.k[i].device)].cpu() for i in self.kv.layers},
+            "v": {i: self.kv.v[i][blocks.to(self.kv.v[i].device)].cpu() for i in self.kv.layers},
+            # copy=True: on a CPU model .cpu() would return a view of the slot, which the next sequence reuses
+            "conv": {i: c.conv_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
+            "ssm": {i: c.ssm_state(i).to("cpu", copy=True) for i in (self.rec.layers if self.rec else ())},
+        }
+        c.free()
+        return saved
+
+    def swap_in(self, saved: dict, max_ctx: int) -> Cache:
+        c = self.new_cache(max_ctx)
+        c.blocks = self.kv.allocate(saved["n_blocks"])
+        c.pos = saved["pos"]
+        blocks = torch.tensor(c.blocks, dtype=torch.long)
+        for i in self.kv.layers:
+            self.kv.k[i][blocks.to(self.kv.k[i].device)] = saved["k"][i].to(self.kv.k[i].device)
+            self.kv.v[i][blocks.to(self.kv.v[i].device)] = saved["v"][i].to(self.kv.v[i].device)
+        for i in saved["conv"]:
+            c.conv_state(i).copy_(saved["conv"][i])
+            c.ssm_state(i).copy_(saved["ssm"][i])
+        return c
+
+    def problem(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessPipeline:
+    """A process-per-stage pipeline (memra.pp.dist.DistPipeline, rank 0's driver) in the model's place.
+
+    - No shared pools, scratch or CUDA graphs here: every sequence is `pipe.new_cache(prompt + max_tokens)`,
+      a cache of its own layers on every rank, freed on every rank when the sequence ends.
+    - No preemption. Swapping would have to move every rank's state to host and back, which the wire
+      does not carry; so the scheduler counts max_batch x ceil(max_ctx / BLOCK_SIZE) blocks — every
+      admitted sequence fits for its whole life and no step ever needs a victim — and runs with
+      preemption=False, which raises instead of planning a swap (fail closed). The pipeline's memory is
+      bounded by that same product, on every rank. `kv_blocks` (a smaller pool that relies on swapping)
+      is refused.
+    - No speculative drafting: the engine never drafts (on any backend); the pipeline itself refuses the
+      MTP drafter (its head runs on the last rank), so nothing can ask for it by accident.
+    - A failed rank: the pipeline raises PipelineError naming the rank on the step that meets it (every
+      wait is bounded by MEMRA_PP_DIST_TIMEOUT_S); the engine ends every request in flight with that
+      error and refuses later ones (Unavailable, HTTP 503). A local worker found dead between requests is
+      reported the same way before any work is queued. Only a restart brings the pipeline back.
+    - close() (the engine's shutdown) shuts the pipeline down: SHUTDOWN travels down the chain and the
+      workers exit 0 (a broken pipeline's workers are stopped instead).
+    """
+
+    preemption = False
+    rt = None
+
+    def __init__(self, pipe, cfg: "EngineConfig"):
+        if cfg.kv_blocks is not None:
+            raise MemraError(f"kv_blocks={cfg.kv_blocks} sizes the in-process KV pool, which relies on swapping; a "
+                             "process pipeline keeps each sequence on its ranks and never swaps. Leave kv_blocks unset "
+                             "(max_batch x max_ctx bounds the pipeline's memory)")
+        self.pipe = pipe
+        self.blocks = cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)  # the worst case: nobody ever waits for blocks
+        self.slots = None  # each sequence brings its own recurrent state on every rank
+
+    def new_cache(self, max_ctx: int):
+        return self.pipe.new_cache(max_ctx)
+
+    scratch_cache = new_cache
+
+    def before_step(self) -> None:
+        pass
+
+    def swap_out(self, *_) -> dict:
+        raise PipelineError("preemption is off for a process pipeline (its scheduler never plans a swap); "
+                            "this is a bug in the engine's sizing")
+
+    swap_in = swap_out  # never reached either: nothing is ever swapped out
+
+    def problem(self) -> str | None:
+        """Why the pipeline cannot serve (a known failure, or a local worker that exited), or None."""
+        if self.pipe.closed:
+            return "the pipeline has been shut down"
+        if self.pipe.broken is not None:
+            return f"the pipeline is down: {self.pipe.broken}"
+        gone = self.pipe.workers.exited() if self.pipe.workers is not None else None
+        return f"a pipeline rank is gone ({gone})" if gone else None
+
+    def close(self) -> None:
+        self.pipe.shutdown()
+
+
+def backend_for(model, cfg: "EngineConfig"):
+    from memra.pp.dist_driver import DistPipeline
+
+    return ProcessPipeline(model, cfg) if isinstance(model, DistPipeline) else InProcess(model, cfg)
