@@ -1,14 +1,14 @@
 """memra.load(): sniff the checkpoint, build its ModelConfig, map its tensors, place them on the device.
 
 Weights are read lazily (memory-mapped) and converted one layer at a time, so peak host memory is one
-layer beyond what the device holds. A progress bar shows on a terminal and stays quiet when piped or
-under CI.
+layer beyond what the device holds. Each layer's weights are checked for NaN / Inf as they are placed
+(memra.loading.tensor_checks: the small fp32 ones always, all of them with check_tensors=True). A progress
+bar shows on a terminal and stays quiet when piped or under CI.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -79,8 +79,11 @@ def open_checkpoint(path: str | Path):
         raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory or a .gguf file)")
     if p.is_dir():
         return _open_hf(p)
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or e})") from None
     if magic == b"GGUF":
         return _open_gguf(p)
     raise CheckpointError(f"{p}: not a GGUF file (bad magic {magic!r}) and not a model directory")
@@ -88,15 +91,13 @@ def open_checkpoint(path: str | Path):
 
 def _open_hf(d: Path):
     from memra.loading.hf import HfNames
+    from memra.loading.json_file import read_json_object
     from memra.loading.sources import SafetensorsSource
 
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{d}: no config.json; a Hugging Face model directory needs one")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    raw = read_json_object(cfg_path, ConfigError, "fix config.json or re-download the model")
     cfg = from_hf_config(raw, str(cfg_path))
     src = SafetensorsSource(d)
     if cfg.n_mtp and not src.has("mtp.fc.weight"):
@@ -135,10 +136,15 @@ def _open_gguf(path: Path):
     return cfg, names, tokenizer, "gguf"
 
 
-def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None):
+def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None, check_tensors: bool = False):
     """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32.
-    `opened` is open_checkpoint(path)'s result when the caller already has it."""
+    `opened` is open_checkpoint(path)'s result when the caller already has it. The fp32 weights (and GGUF
+    block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
+    it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks)."""
+    from memra.loading.tensor_checks import blame, nonfinite
+
     cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
+    src = names.src
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -149,24 +155,40 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
 
-    weights = place("", names.globals())
+    def load_part(prefix: str, make) -> dict[str, torch.Tensor]:
+        with src.recording() as read:
+            placed = place(prefix, make())
+        scanned = placed if check_tensors else {k: t for k, t in placed.items() if k.rsplit(".", 1)[-1] in FP32_WEIGHTS}
+        if bad := nonfinite(scanned):
+            raise blame(src, read, bad[0], placed[bad[0]].dtype, check_tensors)
+        return placed
+
+    weights = load_part("", names.globals)
     parts = [(f"layers.{i}.", names.layer, i) for i in range(cfg.n_layers)]
     parts += [(f"mtp.{j}.", names.mtp, j) for j in range(cfg.n_mtp)]
     for prefix, fn, idx in progress(parts, len(parts), f"loading {Path(path).name}"):
-        weights.update(place(prefix, fn(idx)))
+        weights.update(load_part(prefix, lambda: fn(idx)))
     return cfg, weights, make_tokenizer
 
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-         tokenizer: bool = True):
-    """Load a model for inference. -> HybridModel (see memra.model.hybrid)."""
+         tokenizer: bool = True, check_tensors: bool = False):
+    """Load a model for inference. -> HybridModel (see memra.model.hybrid).
+
+    Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
+    small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the
+    bundled demo (7.5M values) those default checks cost ~0.4 ms (safetensors) and ~2 ms (its Q8_0 GGUF:
+    1.5 ms of it the scales) of a ~30 / ~50 ms load on one CPU thread, ~1.3 ms on an H200 (one host sync
+    per layer). `check_tensors=True` also scans every weight fully, on its device, after it is converted
+    and placed: NaN / Inf anywhere (and values that overflow a float16 model) are found, for one min/max
+    pass over the weights (demo: ~3 ms on one CPU thread, ~2.7 ms on an H200)."""
     from memra.model.hybrid import HybridModel
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
-    cfg, weights, _ = load_weights(path, dev, dt, opened=opened)
+    cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors)
     return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)))
 
 

@@ -303,6 +303,33 @@ _DECODERS = {
 
 SUPPORTED: frozenset[QType] = frozenset(_DECODERS)
 
+# Byte positions, within one block, of the fp16 fields that scale a block (d, and dmin / m where the type
+# has one), as the decoders above read them. A non-finite scale turns its whole block into NaN / Inf, so
+# checking these few bytes per block finds a corrupt quantized tensor without decoding it.
+SCALE_FIELDS: dict[QType, tuple[int, ...]] = {
+    QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q5_0: (0,), QType.Q4_1: (0, 2), QType.Q5_1: (0, 2),
+    QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
+}
+
+
+def first_bad_scale(raw: torch.Tensor, qtype: QType) -> int | None:
+    """The index of the first block of `raw` (a quantized tensor's bytes) with a NaN / Inf scale, or None.
+
+    An fp16 is non-finite when its 5 exponent bits are all ones: bits 2-6 of its high byte (little-endian:
+    the field's second byte). Only that byte of each field is read; OR-ing in the other bits (0x83) makes a
+    bad byte 0xFF, so one max per field answers "any bad?" without a mask as long as the tensor.
+    """
+    qtype = _as_qtype(qtype)
+    fields = SCALE_FIELDS.get(qtype)
+    if not fields:
+        return None
+    blocks = raw.reshape(-1).view(torch.uint8).view(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    high = [blocks[:, at + 1] for at in fields]
+    if blocks.shape[0] == 0 or all(int((h | 0x83).amax()) != 0xFF for h in high):
+        return None
+    bad = torch.stack([(h & 0x7C) == 0x7C for h in high]).any(0)  # the rare path: find the block
+    return int(bad.nonzero()[0, 0])
+
 
 def _as_qtype(qtype: QType | int) -> QType:
     try:

@@ -13,23 +13,31 @@ A GGUF file stores no tokenizer.json. llama.cpp's converter writes the pieces it
 
 From these we assemble an equivalent HuggingFace `tokenizers` pipeline (which does the actual splitting
 and merging) and reproduce llama.cpp's choices where the file leaves something implicit: the regex for
-each `pre` name, which tokens are matched whole before BPE, the default of `add_bos`, and which tokens
-end generation. The result must tokenize exactly as llama.cpp does; llama.cpp's own test vectors
-(tests/fixtures/vocab) check that.
+each `pre` name (memra.loading.gguf_pretokenizers), which tokens are matched whole before BPE, the
+default of `add_bos`, and which tokens end generation. The result must tokenize exactly as llama.cpp
+does; llama.cpp's own test vectors (tests/fixtures/vocab) check that.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Backend
 
 from memra.errors import TokenizerError
+from memra.loading.gguf_pretokenizers import (  # noqa: F401 - PRE_TOKENIZER_RULES, PRE_TOKENIZERS: re-exported
+    PRE_TOKENIZER_RULES,
+    PRE_TOKENIZERS,
+    PreTokenizerRule,
+    _pre_tokenizer,
+    pre_tokenizer_rule,
+)
 from memra.tokenizer import (
     END_OF_TURN_TEXTS,
     ByteLevelPieces,
@@ -99,84 +107,6 @@ def read_tokenizer_metadata_file(path: str | Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pre-tokenizers: how text is cut into words before BPE runs inside each word
-# ---------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PreTokenizerRule:
-    """What one family of `tokenizer.ggml.pre` names means.
-
-    `patterns` are applied in order, each cutting the pieces the previous one left (text between matches
-    stays a piece of its own), which is how llama.cpp applies its regex lists. Where the model's own
-    tokenizer.json has a single regex we use that regex verbatim, since the reference token ids were made
-    by HF tokenizers with it.
-    """
-
-    names: tuple[str, ...]
-    patterns: tuple[str, ...]
-    ignore_merges: bool = False  # a word that is already a vocab entry is taken whole (Llama 3)
-    add_bos: bool = False        # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
-
-
-# GPT-2's word regex: contractions, letters, digits, other symbols, each with one optional leading space.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-# Llama 3 / Qwen 2 style: case-insensitive contractions, a letter run may take one leading non-letter,
-# numbers cut into groups (of up to 3 digits for Llama 3, single digits for Qwen), newlines grouped.
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen 3.5 keeps combining marks (\p{M}) inside words, so e.g. Devanagari vowel signs stay attached.
-_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-PRE_TOKENIZER_RULES: tuple[PreTokenizerRule, ...] = (
-    # llama.cpp's fallback for files that name no pre-tokenizer: punctuation runs, then GPT-2 words,
-    # then digit runs, then 3-digit groups.
-    PreTokenizerRule(("default",),
-                     (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
-    PreTokenizerRule(("gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0", "mellum", "exaone4",
-                      "trillion", "granite-docling"),
-                     (_GPT2,)),
-    PreTokenizerRule(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-                     (_LLAMA3,), ignore_merges=True, add_bos=True),
-    PreTokenizerRule(("dbrx", "smaug-bpe"), (_LLAMA3,)),
-    PreTokenizerRule(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "solar-open", "kormo",
-                      "f2llmv2"),
-                     (_QWEN2,)),
-    PreTokenizerRule(("qwen35",), (_QWEN35,)),
-    # StarCoder family: every digit alone, then GPT-2 words.
-    PreTokenizerRule(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
-                     (r"\p{N}", _GPT2)),
-)
-
-PRE_TOKENIZERS: dict[str, PreTokenizerRule] = {name: rule for rule in PRE_TOKENIZER_RULES for name in rule.names}
-
-
-def pre_tokenizer_rule(pre: str | None, source: str) -> PreTokenizerRule:
-    """The rule for a `tokenizer.ggml.pre` value; a missing value means llama.cpp's 'default'."""
-    if not pre:
-        return PRE_TOKENIZERS["default"]
-    try:
-        return PRE_TOKENIZERS[pre]
-    except KeyError:
-        known = ", ".join(sorted(PRE_TOKENIZERS))
-        raise TokenizerError(
-            f"{source}: unknown pre-tokenizer tokenizer.ggml.pre = {pre!r}; memra knows: {known}. "
-            "Load the tokenizer from the model's HF directory (tokenizer.json) instead, "
-            "or add the regex for this name to memra/loading/gguf_vocab.py"
-        ) from None
-
-
-def _pre_tokenizer(rule: PreTokenizerRule) -> pre_tokenizers.PreTokenizer:
-    """Regex splits ('isolated': matches and the gaps between them both become pieces), then the
-    byte-level step that spells each UTF-8 byte as one character of the BPE alphabet."""
-    splits = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in rule.patterns]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-# ---------------------------------------------------------------------------------------------------
 # The vocabulary as read from the file
 # ---------------------------------------------------------------------------------------------------
 
@@ -229,10 +159,12 @@ def load_vocab(meta: Mapping[str, Any], source: str) -> GgufVocab:
     types = meta.get("tokenizer.ggml.token_type")
     if types is None:
         types = [NORMAL] * len(tokens)
-    elif not isinstance(types, list) or len(types) < len(tokens):
+    elif (not isinstance(types, list) or len(types) < len(tokens)
+          or not all(isinstance(t, int) and not isinstance(t, bool) for t in types)):
         raise TokenizerError(
-            f"{source}: GGUF key tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else 'no'} "
-            f"entries for {len(tokens)} tokens; the file is corrupt or was converted by a broken tool"
+            f"{source}: GGUF key tokenizer.ggml.token_type must hold an integer per token; it has "
+            f"{len(types) if isinstance(types, list) else 'no'} entries for {len(tokens)} tokens; the file is corrupt "
+            "or was converted by a broken tool"
         )
     return GgufVocab(source=source, model=str(model), tokens=tokens, types=[int(t) for t in types[: len(tokens)]],
                      meta=meta)
@@ -276,10 +208,11 @@ def _byte_level_backend(vocab: GgufVocab, rule: PreTokenizerRule) -> Backend:
 
 def _scores(vocab: GgufVocab) -> list[float]:
     scores = vocab.meta.get("tokenizer.ggml.scores")
-    if not isinstance(scores, list) or len(scores) < len(vocab.tokens):
+    if (not isinstance(scores, list) or len(scores) < len(vocab.tokens)
+            or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores)):
         raise TokenizerError(
-            f"{vocab.source}: GGUF key tokenizer.ggml.scores is missing or shorter than the vocabulary; "
-            "a SentencePiece ('llama') vocabulary needs one score per token"
+            f"{vocab.source}: GGUF key tokenizer.ggml.scores is missing, shorter than the vocabulary or holds a "
+            "non-number; a SentencePiece ('llama') vocabulary needs one finite score per token"
         )
     return [float(s) for s in scores]
 
@@ -389,6 +322,17 @@ def _bos(vocab: GgufVocab, default_id: int | None, add_default: bool) -> tuple[i
 def build_parts(meta: Mapping[str, Any], source: str) -> TokenizerParts:
     """Everything `Tokenizer` needs, from GGUF tokenizer metadata."""
     vocab = load_vocab(meta, source)
+    try:  # the `tokenizers` library raises a bare Exception for a vocabulary it cannot build
+        return _build_parts(vocab, meta, source)
+    except TokenizerError:
+        raise
+    except Exception as e:
+        why = " ".join(str(e).split())
+        raise TokenizerError(f"{source}: the vocabulary in tokenizer.ggml.* cannot be built ({why}); the file's "
+                             "tokenizer metadata is corrupt: re-download or re-convert it") from None
+
+
+def _build_parts(vocab: GgufVocab, meta: Mapping[str, Any], source: str) -> TokenizerParts:
     if vocab.model == "gpt2":
         rule = pre_tokenizer_rule(meta.get("tokenizer.ggml.pre"), source)
         backend = _byte_level_backend(vocab, rule)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
+from memra.errors import CheckpointError
 from memra.loading.sources import TensorSource
 
 
@@ -104,11 +105,24 @@ class HfNames:
         return {
             "w_in": torch.cat((qkv, z, b, a)),
             "conv": self.get(p + "conv1d.weight", (g.conv_dim, 1, g.conv_kernel), why)[:, 0, :],
-            "a_neg": -self.get(p + "A_log", (nv,), why).float().exp(),
+            "a_neg": self._a_neg(p + "A_log", nv, why),
             "dt_bias": self.get(p + "dt_bias", (nv,), why).float(),
             "norm": self.get(p + "norm.weight", (g.v_head_dim,), why).float(),  # gated norm: plain weight
             "wo": self.get(p + "out_proj.weight", (e, g.value_dim), why),
         }
+
+    def _a_neg(self, name: str, nv: int, why: str) -> torch.Tensor:
+        """A = -exp(A_log). A finite A_log above ~88.7 overflows to -inf here, which no stored-value check
+        would see, so this conversion checks itself."""
+        a_log = self.get(name, (nv,), why).float()
+        a_neg = -a_log.exp()
+        if torch.isfinite(a_log).all() and not torch.isfinite(a_neg).all():
+            raise CheckpointError(
+                f"{self.src.file_of(name)}: tensor {name!r} holds values up to {a_log.max().item():g}, whose "
+                "-exp() overflows fp32 (real checkpoints keep A_log within a few units): the file is corrupt; "
+                "re-download or re-convert it"
+            )
+        return a_neg
 
     def _mlp(self, p: str, width: int, why: str) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size

@@ -32,6 +32,9 @@ def _read_json(path: Path, text: str | None = None) -> Any:
             f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
             "the file is corrupt or truncated, download it again"
         ) from None
+    except (ValueError, RecursionError):  # an integer literal too long to convert; nesting past the stack
+        raise TokenizerError(f"{path}: not JSON memra can read (a number too long or nesting too deep); the file is "
+                             "corrupt, download it again") from None
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -119,7 +122,7 @@ def _hf_chat_template(directory: Path, config: Mapping[str, Any]) -> tuple[str |
             raise TokenizerError(f"{jinja_file}: cannot read the chat template ({e})") from None
     value = config.get("chat_template")
     if isinstance(value, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = {t["name"]: t.get("template") for t in value if isinstance(t, dict) and isinstance(t.get("name"), str)}
         value = named.get("default") or next(iter(named.values()), None)
     if isinstance(value, str) and value:
         return value, f"{directory / 'tokenizer_config.json'} (key 'chat_template')"

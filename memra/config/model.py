@@ -1,0 +1,199 @@
+"""The frozen dataclasses that describe a network: ModelConfig and its parts.
+
+One normalized description, whatever file it came from (see memra.config.from_hf / from_gguf, which
+check every value a file supplies before building these). Every architecture is expressed with the same
+few knobs (per-layer mixer and FFN kind, head geometry, norm style, RoPE), so the model code has no
+`if arch == ...` branches. The __post_init__ checks guard configs built in code (random_model, tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memra.errors import ConfigError
+
+# Canonical architecture names (HF model_type spelling) and what each one is made of.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # GDN + gated attention, (1+w) norms
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    dim: int  # rotated channels per head (R); the rest of the head passes through
+    scaling: str | None = None  # None | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.dim <= 0 or self.dim % 2:
+            raise ConfigError(f"rotary dimension must be a positive even number, got {self.dim}")
+        if self.scaling not in (None, "linear", "llama3"):
+            raise ConfigError(
+                f"unsupported RoPE scaling type {self.scaling!r}; memra supports none, 'linear' and 'llama3'"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3 family: RMSNorm over each q/k head
+    output_gate: bool = False  # hybrids: q_proj also yields a per-head sigmoid gate
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"attention heads ({self.n_heads}) must be a multiple of KV heads ({self.n_kv_heads})")
+
+
+@dataclass(frozen=True)
+class GdnConfig:
+    """Gated DeltaNet geometry. Value head h reads key head h // (n_v_heads // n_k_heads)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.n_v_heads % self.n_k_heads:
+            raise ConfigError(f"GDN value heads ({self.n_v_heads}) must be a multiple of key heads ({self.n_k_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0  # 0 = no shared expert
+    norm_topk: bool = True  # renormalise the top-k routing weights to sum to 1
+    shared_gate: bool = False  # shared expert scaled by sigmoid(x . w)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.n_experts:
+            raise ConfigError(f"experts per token ({self.top_k}) must be in 1..{self.n_experts}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    mixers: tuple[str, ...]  # per layer: "attention" | "gdn"
+    ffns: tuple[str, ...]  # per layer: "dense" | "moe"
+    intermediate_size: int
+    attn: AttentionConfig
+    rope: RopeConfig
+    norm_eps: float
+    zero_centered_norm: bool  # hybrids: y = x_hat * (1 + w) computed in fp32 before the cast
+    tie_embeddings: bool
+    max_position: int
+    gdn: GdnConfig | None = None
+    moe: MoeConfig | None = None
+    n_mtp: int = 0  # MTP (NextN) blocks after the trunk; each is a full-attention block
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"unknown architecture {self.arch!r}; memra supports {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "n_layers", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if len(self.mixers) != self.n_layers or len(self.ffns) != self.n_layers:
+            raise ConfigError(
+                f"per-layer types have {len(self.mixers)} mixers / {len(self.ffns)} FFNs for {self.n_layers} layers"
+            )
+        if bad := set(self.mixers) - {"attention", "gdn"}:
+            raise ConfigError(f"unknown layer type(s) {sorted(bad)}")
+        if "gdn" in self.mixers and self.gdn is None:
+            raise ConfigError("layers of type 'gdn' need the linear-attention (GDN) geometry")
+        if "moe" in self.ffns and self.moe is None:
+            raise ConfigError("layers of type 'moe' need the expert geometry (num_experts, experts per token, width)")
+        if self.rope.dim > self.attn.head_dim:
+            raise ConfigError(f"rotary dims ({self.rope.dim}) exceed head_dim ({self.attn.head_dim})")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.mixers) if m == "attention")
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.mixers) if m == "gdn")
+
+    def describe(self) -> str:
+        kinds = "".join("A" if m == "attention" else "G" for m in self.mixers)
+        lines = [
+            f"architecture   {self.arch}",
+            f"layers         {self.n_layers}  [{kinds}]  (A = full attention, G = Gated DeltaNet)"
+            + (f"  + {self.n_mtp} MTP block(s)" if self.n_mtp else ""),
+            f"hidden         {self.hidden_size}   vocab {self.vocab_size}   max positions {self.max_position}",
+            f"attention      {self.attn.n_heads} q heads / {self.attn.n_kv_heads} kv heads x {self.attn.head_dim}"
+            f"  rope dims {self.rope.dim} theta {self.rope.theta:g}"
+            + (f" scaling {self.rope.scaling} x{self.rope.factor:g}" if self.rope.scaling else "")
+            + ("  qk-norm" if self.attn.qk_norm else "")
+            + ("  output-gate" if self.attn.output_gate else "")
+            + ("  qkv-bias" if self.attn.qkv_bias else ""),
+        ]
+        if self.gdn:
+            g = self.gdn
+            lines.append(
+                f"gated deltanet {g.n_k_heads} key heads x {g.k_head_dim} / {g.n_v_heads} value heads x {g.v_head_dim}"
+                f"  conv {g.conv_kernel}"
+            )
+        if self.moe:
+            m = self.moe
+            lines.append(
+                f"experts        {m.n_experts} (top {m.top_k}) width {m.expert_ffn}"
+                + (f"  shared {m.shared_ffn}" if m.shared_ffn else "")
+            )
+        if "dense" in self.ffns:
+            lines.append(f"dense mlp      width {self.intermediate_size}")
+        lines.append(
+            f"norm           eps {self.norm_eps:g}  {'(1+w) zero-centred' if self.zero_centered_norm else 'plain'}"
+            f"   tied embeddings: {'yes' if self.tie_embeddings else 'no'}"
+        )
+        return "\n".join(lines)
+
+
+def rope_inv_freq_scaled(rope: RopeConfig, inv_freq: list[float]) -> list[float]:
+    """Apply Llama-3 style frequency-dependent scaling (the 'llama3' rope type) to inverse frequencies."""
+    if rope.scaling == "linear":
+        return [f / rope.factor for f in inv_freq]
+    if rope.scaling != "llama3":
+        return inv_freq
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / rope.factor)
+        else:
+            smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor
+            )
+            out.append((1 - smooth) * f / rope.factor + smooth * f)
+    return out
