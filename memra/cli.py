@@ -9,14 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memra.cli_common import add_load_args, add_model_args, load_model
 from memra.errors import MemraError
-from memra.server.options import DEFAULT_MAX_BODY_MB
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face model directory or a .gguf file")
-    p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
                      help="a Hugging Face model directory or .gguf file (default: the bundled demo model), "
                           "then the prompt text (with --chat: the user message)")
-    gen.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    gen.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    add_load_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -47,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit")
     chat.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
-    chat.add_argument("--device", default=None)
-    chat.add_argument("--dtype", default=None)
+    add_load_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
@@ -64,39 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0"])
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
-    _add_model_args(ppl)
+    add_model_args(ppl)
     ppl.add_argument("file", help="a UTF-8 text file")
     ppl.add_argument("--ctx", type=int, default=512, help="tokens per scored window (default 512)")
     ppl.add_argument("--mtp", action="store_true", help="also report how often the MTP head's t+2 draft equals the model's own greedy token")
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming, /metrics)")
-    srv.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
-    srv.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    srv.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-batch", type=int, default=32, help="sequences running at once (default 32)")
-    srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
-    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
-    srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
-    srv.add_argument("--api-key", default=None,
-                     help="require Authorization: Bearer KEY on every route but /health and /v1/models "
-                          "(visible in the process list: prefer --api-key-file or $MEMRA_API_KEY)")
-    srv.add_argument("--api-key-file", default=None, help="read the API key from this file")
-    srv.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
-                     help=f"largest request body in MiB; bigger ones get 413 (default {DEFAULT_MAX_BODY_MB:g})")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
-                          "error (default 30)")
-    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
-    srv.add_argument("--pp-size", type=int, default=None,
-                     help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
-                          "this machine; under torchrun every rank runs this command and rank 0 serves HTTP "
-                          "(default: 1, or torchrun's WORLD_SIZE)")
+    from memra.server.serve_command import add_serve_parser
+
+    add_serve_parser(sub)
     from memra.server.bench import add_bench_parser
 
     add_bench_parser(sub)
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
-    _add_model_args(gate)
+    add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
     gate.add_argument("--batch", default=None, help="batch width (default 4); pp mode: a list, e.g. 1,4,8 (default)")
     gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec"])
@@ -111,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    import memra
     from memra.gate import run_battery
 
     pp = args.mode == "pp"
@@ -131,7 +101,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise MemraError("--steps, --batch, --ts, --plen and --reps must be positive")
     if not pp and len(batches) != 1:
         raise MemraError("--batch takes one width outside --mode pp")
-    model = memra.load(args.model, device=args.device, dtype=args.dtype, tokenizer=False)
+    model = load_model(args, args.model, tokenizer=False)
     out = lambda line: print(line, flush=True)
     if pp and dist:
         from memra.gate.pp_battery import run_pp_dist_battery
@@ -153,7 +123,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
     from memra.tokenizer import TextStream
@@ -167,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from memra.spec import SpecConfig, check_model
 
     spec = SpecConfig(args.speculative, k=args.draft_k, dynamic_k=args.dynamic_k) if args.speculative else None
-    model = memra.load(model_path, device=args.device, dtype=args.dtype)
+    model = load_model(args, model_path)
     tok = model.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -204,12 +173,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     """A read-eval-print loop over the chat template. Each turn re-primes the whole conversation (the
     cache is per call here; the server keeps caches across turns)."""
-    import memra
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
     from memra.tokenizer import IncrementalDetokenizer
 
-    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args, args.model)
     tok = model.tokenizer
     if not tok.chat_template:
         raise MemraError(f"{args.model}: the model has no chat template; use `memra generate` instead")
@@ -245,93 +213,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
-def _serving_model(args: argparse.Namespace):
-    """The model, or with --pp-size N >= 2 (or under torchrun) a process-per-stage pipeline in its place
-    (memra.pp.dist). Under torchrun only rank 0 returns: every other rank serves its stage inside this
-    call until rank 0 shuts the pipeline down, then exits with the worker's code."""
-    import memra
-
-    if args.pp_size is not None and args.pp_size < 1:
-        raise MemraError(f"--pp-size must be >= 1, got {args.pp_size}")
-    from memra.pp.dist_launch import launcher_world_size
-
-    if (launcher_world_size() or 1) == 1 and (args.pp_size or 1) == 1:
-        return memra.load(args.model, device=args.device, dtype=args.dtype)
-    from memra.pp.dist import pipeline_for_serving
-
-    return pipeline_for_serving(args.model, args.pp_size or 0, args.device, args.dtype)
-
-
-def _orderly_stop_exits_zero() -> None:
-    """Rank 0 under torchrun: the signal uvicorn re-raises after its orderly stop lands here and is
-    dropped, so the command returns 0. torchrun counts a rank that died by a signal as the whole job
-    failing (and SIGTERMs the other ranks while they are still exiting in order)."""
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from memra import doors
-    from memra.pp.dist_driver import DistPipeline
-    from memra.pp.dist_launch import launcher_rank
-    from memra.server.api import build_app
-    from memra.server.engine import Engine, EngineConfig
-    from memra.server.http import HttpServer, bind
-    from memra.server.metrics import Metrics
-    from memra.server.options import ServerOptions, resolve_api_key
-
-    cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
-                       max_waiting=args.max_waiting)
-    if not 0 < args.port < 65536:
-        raise MemraError(f"--port must be in 1..65535, got {args.port}")
-    if not 0 < args.max_body_mb <= 1024:
-        raise MemraError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb:g}")
-    options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, doors.api_key()),
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout)
-    # The port before the model: a port in use is a one-line error now, not after minutes of loading.
-    # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.
-    sock = bind(args.host, args.port) if launcher_rank() in (None, 0) else None
-    model = _serving_model(args)
-    pipe = model if isinstance(model, DistPipeline) else None  # its workers must be shut down on every exit
-    try:
-        if model.tokenizer is None:
-            raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
-        name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
-        metrics = Metrics(name)
-        engine = Engine(model, cfg, metrics)
-    except BaseException:
-        if pipe is not None:
-            pipe.shutdown()
-        raise
-
-    def done() -> None:
-        workers = f"; pipeline workers exited {pipe.exit_codes}" if pipe is not None and pipe.workers is not None else ""
-        print(f"memra serve: drained and stopped after {engine.steps} engine steps{workers}", file=sys.stderr)
-
-    app = build_app(engine, name, options, metrics=metrics, on_shutdown=done)
-    print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
-    if pipe is not None:
-        print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
-        for line in pipe.description.splitlines():
-            print(f"  {line}", file=sys.stderr)
-    # On SIGINT/SIGTERM the engine drains for --shutdown-timeout (then ends what is left with an error),
-    # the app's shutdown stops it (a pipeline's workers exit 0), and uvicorn re-raises the signal so the
-    # exit status says how the server ended — except on rank 0 under torchrun, where it exits 0.
-    if pipe is not None and pipe.workers is None:
-        _orderly_stop_exits_zero()
-    try:
-        HttpServer(app).run(sockets=[sock])
-    finally:
-        if pipe is not None:
-            pipe.shutdown()  # idempotent; here for exits that skipped the app's shutdown
-    return 0
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     from memra.loading.checkpoint import inspect_checkpoint
 
@@ -351,7 +232,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import memra
     from memra.evaluate import perplexity
 
     path = Path(args.file)
@@ -359,7 +239,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise MemraError(f"cannot read {path} as UTF-8 text ({e})") from None
-    model = memra.load(args.model, device=args.device, dtype=args.dtype)
+    model = load_model(args, args.model)
     if args.ctx > model.cfg.max_position:
         raise MemraError(f"--ctx {args.ctx} exceeds the model's {model.cfg.max_position} positions")
     ids = model.tokenizer.encode(text, add_special=False)
@@ -374,6 +254,12 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from memra.server.serve_command import cmd_serve
+
+    return cmd_serve(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from memra.server.bench import cmd_bench
 
@@ -383,7 +269,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
-                "gate": cmd_gate, "chat": cmd_chat, "serve": cmd_serve, "bench": _cmd_bench}
+                "gate": cmd_gate, "chat": cmd_chat, "serve": _cmd_serve, "bench": _cmd_bench}
     try:
         return commands[args.command](args)
     except MemraError as e:

@@ -110,7 +110,8 @@ def test_api_key_from_a_file():
     try:
         body = {"prompt": "x", "max_tokens": 1}
         assert httpx.post(url + "/v1/completions", json=body).status_code == 401
-        assert httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        lower = {"Authorization": f"bearer {KEY}"}  # the scheme in any case
+        assert httpx.post(url + "/v1/completions", json=body, headers=lower).status_code == 200
         assert KEY not in " ".join(proc.args)  # the key never was on the command line
     finally:
         proc.send_signal(signal.SIGTERM)

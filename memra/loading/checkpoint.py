@@ -173,7 +173,8 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
          tokenizer: bool = True, check_tensors: bool = False):
-    """Load a model for inference. -> HybridModel (see memra.model.hybrid).
+    """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
+    .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
     Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
     small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the
@@ -186,10 +187,27 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if str(path).startswith(RANDOM_PREFIX):
+        return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer)
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
     cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors)
     return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)))
+
+
+RANDOM_PREFIX = "random:"  # random:llama-3-8b -- a named real shape with random weights, no file (memra.random_model)
+
+
+def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool):
+    """A random-weight model of a real shape, built on the device, with a byte-level tokenizer covering its
+    whole vocabulary: what `memra serve random:llama-3-8b` measures at real size with no download."""
+    from memra.random_model import random_model
+    from memra.tokenizer.synthetic import byte_level_tokenizer
+
+    model = random_model(name, device, dtype)
+    if tokenizer:
+        model.tokenizer = byte_level_tokenizer(model.cfg.vocab_size, source=RANDOM_PREFIX + name)
+    return model
 
 
 def inspect_checkpoint(path: str | Path) -> str:

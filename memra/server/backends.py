@@ -9,17 +9,13 @@ docstring for what a pipeline does not do (preemption, MTP drafting) and how a f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
 from memra.errors import MemraError
 from memra.graphs import reserve_scratch
 from memra.pp.fence import PipelineError
-
-if TYPE_CHECKING:
-    from memra.server.engine import EngineConfig
+from memra.server.engine_types import EngineConfig
 
 
 class InProcess:
@@ -28,7 +24,7 @@ class InProcess:
 
     preemption = True
 
-    def __init__(self, model, cfg: "EngineConfig"):
+    def __init__(self, model, cfg: EngineConfig):
         from memra.pp.walk import active_runtime
 
         self.model = model
@@ -115,7 +111,7 @@ class ProcessPipeline:
     preemption = False
     rt = None
 
-    def __init__(self, pipe, cfg: "EngineConfig"):
+    def __init__(self, pipe, cfg: EngineConfig):
         if cfg.kv_blocks is not None:
             raise MemraError(f"kv_blocks={cfg.kv_blocks} sizes the in-process KV pool, which relies on swapping; a "
                              "process pipeline keeps each sequence on its ranks and never swaps. Leave kv_blocks unset "
@@ -151,7 +147,7 @@ class ProcessPipeline:
         self.pipe.shutdown()
 
 
-def backend_for(model, cfg: "EngineConfig"):
+def backend_for(model, cfg: EngineConfig):
     from memra.pp.dist_driver import DistPipeline
 
     return ProcessPipeline(model, cfg) if isinstance(model, DistPipeline) else InProcess(model, cfg)

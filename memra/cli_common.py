@@ -1,0 +1,25 @@
+"""What every command that loads a model shares: the loading flags and the one call that uses them."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--check-tensors", action="store_true",
+                   help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "
+                        "quantization scales are always checked)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a Hugging Face model directory or a .gguf file")
+    add_load_args(p)
+
+
+def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
+    import memra
+
+    return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer,
+                      check_tensors=args.check_tensors)

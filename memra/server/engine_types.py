@@ -1,0 +1,51 @@
+"""What the serving engine takes and gives: its configuration, the events it sends each sequence's
+reader, and the refusal it raises when it cannot take requests. Apart from the engine so that its
+backends (memra.server.backends) can size themselves from the configuration without importing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memra.cache import BLOCK_SIZE
+from memra.errors import MemraError
+from memra.step import EXACT_PIECE
+
+
+class Unavailable(MemraError):
+    """The engine takes no requests now: shutting down, stopped after an error, or a pipeline rank is
+    gone (HTTP 503). The message says which, and what brings the server back."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 32  # sequences running at once
+    max_ctx: int = 4096  # prompt + generated tokens of one sequence
+    token_budget: int = 2048  # tokens per engine step (decode rows + prefill chunk tokens)
+    max_waiting: int = 256  # queued requests beyond which submit() raises QueueFull (HTTP 429)
+    kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx (in-process only)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise MemraError(f"engine {name} must be positive, got {getattr(self, name)}")
+        if self.token_budget < EXACT_PIECE:
+            raise MemraError(f"token_budget must be at least {EXACT_PIECE} (one aligned prefill piece)")
+
+    @property
+    def blocks(self) -> int:
+        return self.kv_blocks or self.max_batch * -(-self.max_ctx // BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a sequence's output, in order: a new token, or (token_id None) its end."""
+
+    index: int  # which choice of the request (n > 1)
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (or cancel's reason) on the last event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None  # why an aborted sequence ended, in words a client may read
+    error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)

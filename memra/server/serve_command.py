@@ -1,0 +1,122 @@
+"""`memra serve`: the flags, and the command that loads the model, builds the engine and runs the
+HTTP server until SIGTERM / SIGINT (or, under torchrun, runs one pipeline rank)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memra.cli_common import add_load_args, load_model
+from memra.errors import MemraError
+from memra.server.options import DEFAULT_MAX_BODY_MB
+
+
+def add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming, /metrics)")
+    srv.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
+    add_load_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=32, help="sequences running at once (default 32)")
+    srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
+    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
+    srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
+    srv.add_argument("--api-key", default=None,
+                     help="require Authorization: Bearer KEY on every route but /health and /v1/models "
+                          "(visible in the process list: prefer --api-key-file or $MEMRA_API_KEY)")
+    srv.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    srv.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                     help=f"largest request body in MiB; bigger ones get 413 (default {DEFAULT_MAX_BODY_MB:g})")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
+                          "error (default 30)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
+    srv.add_argument("--pp-size", type=int, default=None,
+                     help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
+                          "this machine; under torchrun every rank runs this command and rank 0 serves HTTP "
+                          "(default: 1, or torchrun's WORLD_SIZE)")
+
+
+def _serving_model(args: argparse.Namespace):
+    """The model, or with --pp-size N >= 2 (or under torchrun) a process-per-stage pipeline in its place
+    (memra.pp.dist). Under torchrun only rank 0 returns: every other rank serves its stage inside this
+    call until rank 0 shuts the pipeline down, then exits with the worker's code."""
+    if args.pp_size is not None and args.pp_size < 1:
+        raise MemraError(f"--pp-size must be >= 1, got {args.pp_size}")
+    from memra.pp.dist_launch import launcher_world_size
+
+    if (launcher_world_size() or 1) == 1 and (args.pp_size or 1) == 1:
+        return load_model(args, args.model)
+    from memra.pp.dist import pipeline_for_serving
+
+    return pipeline_for_serving(args.model, args.pp_size or 0, args.device, args.dtype)
+
+
+def _orderly_stop_exits_zero() -> None:
+    """Rank 0 under torchrun: the signal uvicorn re-raises after its orderly stop lands here and is
+    dropped, so the command returns 0. torchrun counts a rank that died by a signal as the whole job
+    failing (and SIGTERMs the other ranks while they are still exiting in order)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from memra import doors
+    from memra.pp.dist_driver import DistPipeline
+    from memra.pp.dist_launch import launcher_rank
+    from memra.server.api import build_app
+    from memra.server.engine import Engine, EngineConfig
+    from memra.server.http import HttpServer, bind
+    from memra.server.metrics import Metrics
+    from memra.server.options import ServerOptions, resolve_api_key
+
+    cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
+                       max_waiting=args.max_waiting)
+    if not 0 < args.port < 65536:
+        raise MemraError(f"--port must be in 1..65535, got {args.port}")
+    if not 0 < args.max_body_mb <= 1024:
+        raise MemraError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb:g}")
+    options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, doors.api_key()),
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout)
+    # The port before the model: a port in use is a one-line error now, not after minutes of loading.
+    # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.
+    sock = bind(args.host, args.port) if launcher_rank() in (None, 0) else None
+    model = _serving_model(args)
+    pipe = model if isinstance(model, DistPipeline) else None  # its workers must be shut down on every exit
+    try:
+        if model.tokenizer is None:
+            raise MemraError(f"{args.model}: the server needs a tokenizer and this checkpoint has none")
+        name = args.served_model_name or Path(str(args.model)).name.removesuffix(".gguf")
+        metrics = Metrics(name)
+        engine = Engine(model, cfg, metrics)
+    except BaseException:
+        if pipe is not None:
+            pipe.shutdown()
+        raise
+
+    def done() -> None:
+        workers = f"; pipeline workers exited {pipe.exit_codes}" if pipe is not None and pipe.workers is not None else ""
+        print(f"memra serve: drained and stopped after {engine.steps} engine steps{workers}", file=sys.stderr)
+
+    app = build_app(engine, name, options, metrics=metrics, on_shutdown=done)
+    print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    if pipe is not None:
+        print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
+        for line in pipe.description.splitlines():
+            print(f"  {line}", file=sys.stderr)
+    # On SIGINT/SIGTERM the engine drains for --shutdown-timeout (then ends what is left with an error),
+    # the app's shutdown stops it (a pipeline's workers exit 0), and uvicorn re-raises the signal so the
+    # exit status says how the server ended — except on rank 0 under torchrun, where it exits 0.
+    if pipe is not None and pipe.workers is None:
+        _orderly_stop_exits_zero()
+    try:
+        HttpServer(app).run(sockets=[sock])
+    finally:
+        if pipe is not None:
+            pipe.shutdown()  # idempotent; here for exits that skipped the app's shutdown
+    return 0
