@@ -819,7 +819,7 @@ def _environment(device: torch.device) -> dict:
 
 def _shape_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes random_model allocates for a config (MTP included): fp32 norms/gates, the rest in dtype."""
-    from memra.loading.checkpoint import FP32_WEIGHTS
+    from memra.config import FP32_WEIGHTS
 
     item = torch.empty((), dtype=dtype).element_size()
     return sum(math.prod(s) * (4 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else item)

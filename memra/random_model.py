@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from memra.config import AttentionConfig, GdnConfig, ModelConfig, MoeConfig, RopeConfig
+from memra.config import FP32_WEIGHTS, AttentionConfig, GdnConfig, ModelConfig, MoeConfig, RopeConfig
 from memra.errors import MemraError
 
 
@@ -100,7 +100,6 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
     quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
     (memra.kernels.quant.QuantWeight), as a quantized checkpoint would be served; embeddings, norms,
     the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
-    from memra.loading.checkpoint import FP32_WEIGHTS
     from memra.model.hybrid import HybridModel
 
     if name not in SHAPES:

@@ -17,7 +17,7 @@ from memra import benchmark as B
 from memra.benchmark import BenchConfig, BenchReport, run_bench
 from memra.config import MoeConfig
 from memra.errors import MemraError
-from memra.loading.checkpoint import FP32_WEIGHTS
+from memra.config import FP32_WEIGHTS
 from memra.model.hybrid import HybridModel
 from memra.random_model import SHAPES, _hybrid, _llama, canonical_shapes
 

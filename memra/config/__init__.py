@@ -15,6 +15,7 @@ from memra.config.from_gguf import GGUF_ARCHITECTURES, from_gguf_metadata
 from memra.config.from_hf import from_hf_config
 from memra.config.model import (
     ARCHITECTURES,
+    FP32_WEIGHTS,
     HYBRID,
     AttentionConfig,
     GdnConfig,
@@ -25,6 +26,6 @@ from memra.config.model import (
 )
 
 __all__ = [
-    "ARCHITECTURES", "GGUF_ARCHITECTURES", "HYBRID", "AttentionConfig", "GdnConfig", "ModelConfig", "MoeConfig",
+    "ARCHITECTURES", "FP32_WEIGHTS", "GGUF_ARCHITECTURES", "HYBRID", "AttentionConfig", "GdnConfig", "ModelConfig", "MoeConfig",
     "RopeConfig", "from_gguf_metadata", "from_hf_config", "rope_inv_freq_scaled",
 ]

@@ -19,6 +19,11 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5"
 
 HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # GDN + gated attention, (1+w) norms
 
+# Canonical weights kept in fp32 whatever the model dtype: norm multipliers and the GDN gate parameters
+# (the reference implementations compute all of these in fp32).
+FP32_WEIGHTS = frozenset({"attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "norm", "enorm", "hnorm",
+                          "a_neg", "dt_bias", "rope_freqs"})
+
 
 @dataclass(frozen=True)
 class RopeConfig:

@@ -15,13 +15,8 @@ from pathlib import Path
 
 import torch
 
-from memra.config import from_gguf_metadata, from_hf_config
+from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
-
-# Canonical weights kept in fp32 whatever the model dtype: norm multipliers and the GDN gate parameters
-# (the reference implementations compute all of these in fp32).
-FP32_WEIGHTS = frozenset({"attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "norm", "enorm", "hnorm",
-                          "a_neg", "dt_bias", "rope_freqs"})
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
