@@ -93,21 +93,12 @@ def _qtype(name: str):
 
 
 @torch.inference_mode()
-def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 n_layers: int | None = None, seed: int = 0, quant: str | None = None):
-    """A HybridModel of a named real shape with seeded random weights, built on `device`.
-
-    quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
-    (memra.kernels.quant.QuantWeight), as a quantized checkpoint would be served; embeddings, norms,
-    the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
-    from memra.model.hybrid import HybridModel
-
-    if name not in SHAPES:
-        raise MemraError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+def random_weights(cfg: ModelConfig, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                   seed: int = 0, quant: str | None = None) -> dict[str, torch.Tensor]:
+    """Seeded random canonical weights for `cfg` on `device` (see random_model)."""
     if quant is not None and quant not in QUANT_FORMATS:
         raise MemraError(f"unknown weight format {quant!r}; known: {', '.join(QUANT_FORMATS)} (or None for {dtype})")
     from memra.kernels.quant import quantize
-    cfg = SHAPES[name](n_layers)
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     weights = {}
@@ -127,4 +118,20 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
         weights[k] = t.to(torch.float32 if leaf in FP32_WEIGHTS else dtype)
         if quant is not None and leaf in QUANTIZED_LEAVES and t.dim() == 2:
             weights[k] = quantize(weights[k], _qtype(quant), dtype)
-    return HybridModel(cfg, weights, dev, dtype, source=f"random:{name}")
+    return weights
+
+
+def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 n_layers: int | None = None, seed: int = 0, quant: str | None = None):
+    """A HybridModel of a named real shape with seeded random weights, built on `device`.
+
+    quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
+    (memra.kernels.quant.QuantWeight), as a quantized checkpoint would be served; embeddings, norms,
+    the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
+    from memra.model.hybrid import HybridModel
+
+    if name not in SHAPES:
+        raise MemraError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    cfg = SHAPES[name](n_layers)
+    weights = random_weights(cfg, device, dtype, seed, quant)
+    return HybridModel(cfg, weights, torch.device(device), dtype, source=f"random:{name}")
