@@ -138,11 +138,14 @@ def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(demo):
     srv = ServerThread(build_app(engine, "demo", ServerOptions(api_key=KEY, max_body_bytes=64 << 20),
                                  metrics=metrics)).start()
     try:
+        words = "word " * 4_000_000  # 20 MB; serialized before the clock starts (the client is this process)
+        bodies = [(path, json.dumps(body)) for path, body in (
+            ("/v1/completions", {"prompt": words, "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}]}),
+            ("/tokenize", {"prompt": words}))]
         watch = StreamWatch(srv.url)
         t0 = time.monotonic()
-        for path, body in (("/v1/completions", {"prompt": "word " * 4_000_000, "max_tokens": 4}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 4_000_000}]}),
-                           ("/tokenize", {"prompt": "word " * 4_000_000})):
+        for path, body in bodies:
             assert_openai_error(post(srv.url, path, body), 400, "maximum context length")
         t1 = time.monotonic()
         watch.assert_no_stall(t0, t1)
@@ -153,7 +156,7 @@ def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(demo):
 
 def test_stop_strings_are_bounded_and_cheap(demo, server):
     srv, _ = server
-    huge = {"prompt": "ROMEO:", "max_tokens": 8, "stop": ["x" * 100_000] * 16}  # 1.6 MB of stop strings
+    huge = json.dumps({"prompt": "ROMEO:", "max_tokens": 8, "stop": ["x" * 100_000] * 16})  # 1.6 MB of stop strings
     assert_openai_error(post(srv.url, "/v1/completions", huge), 400, "stop")
     assert_openai_error(post(srv.url, "/v1/completions", {"prompt": "x", "stop": ["a"] * 17}), 400, "stop")
     # The largest allowed (16 strings of 1,024 characters that almost match everything the model writes)

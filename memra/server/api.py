@@ -6,8 +6,8 @@
 What each request costs the others is bounded (memra.server.options): the body is read within its size
 limit and parsed strictly (memra.server.bodies); a prompt whose text is too long for the context is
 refused before it is tokenized; tokenizing, chat templates and detokenizing run on a worker pool (the
-tokenizer releases the GIL while it works), never on the event loop or the engine thread; text and stop
-strings are produced per request on the event loop in time linear in the text (memra.server.choices).
+tokenizer releases the GIL while it works), never on the event loop or the engine thread; generated text
+and stop strings are made on one text thread in time linear in the text (memra.server.choices).
 Errors have OpenAI's shape on every route and status (memra.server.errors); the key check and which
 routes stay open are in memra.server.auth.
 """
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from memra.errors import ContextOverflowError, MemraError
 from memra.server.auth import install_api_key
 from memra.server.bodies import read_json, validate
-from memra.server.choices import ReplyHeader, RequestOutputs
+from memra.server.choices import ReplyHeader, RequestOutputs, TextWorker
 from memra.server.engine import Engine, QueueFull, Unavailable, fresh_seed
 from memra.server.errors import ApiError, error_response, install_error_handlers, model_not_found, too_many_requests
 from memra.server.options import ServerOptions
@@ -43,6 +43,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     tok = engine.model.tokenizer
     max_len = engine.max_len
     pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="memra-tokenize")
+    text = TextWorker()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,6 +54,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, options.shutdown_timeout)
         pool.shutdown(wait=False, cancel_futures=True)
+        text.close()
         if on_shutdown is not None:
             on_shutdown()
 
@@ -153,7 +155,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
                     max_tokens: int):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
-        out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n)
+        out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text)
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,

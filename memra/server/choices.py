@@ -1,10 +1,14 @@
 """One HTTP request's choices: the engine's token events turned into OpenAI response bodies.
 
-The engine thread hands each sequence's events to `RequestOutputs.sink`, which only moves them onto
-the request's event loop. There each choice's `TextStream` turns token ids into text and watches for
-stop strings (linear in the text, memra.tokenizer.stops); a choice whose text reached one ends with
-finish_reason "stop" and its sequence is cancelled at the engine's next step (later events for it are
-dropped). So the engine thread never touches text.
+    engine thread --events--> TextWorker thread --deltas--> the request's event loop --> bodies
+                               (detokenize, stop strings)
+
+The engine thread hands each event to the server's one `TextWorker` and goes on. That thread turns
+token ids into text with each choice's `TextStream` (whole characters; stop strings matched in time
+linear in the text, memra.tokenizer.stops) and hands the finished delta to the request's event loop,
+which only formats and sends it. A choice whose text reached a stop string ends with finish_reason
+"stop" and its sequence is cancelled at the engine's next step (later events for it are dropped). So
+neither the engine thread nor the event loop spends time on text.
 
 A request ends one of four ways, and each gives the client a complete answer:
 - every choice finished: a JSON body, or the stream's last chunks, usage and `data: [DONE]`;
@@ -19,6 +23,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import queue
+import sys
+import threading
+import traceback
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -54,49 +62,86 @@ class ReplyHeader:
     logprobs: bool  # the client asked for logprobs
 
 
-class RequestOutputs:
-    """Events from the engine thread in, per-choice deltas out, on the request's event loop."""
+class TextWorker:
+    """The one thread that makes every request's text (module docstring). Events of one request are
+    handled in the order the engine sent them, so each TextStream sees its tokens in order."""
 
-    def __init__(self, engine, tok, stops: tuple[str, ...], choices: int):
-        self.engine, self.tok = engine, tok
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="memra-text", daemon=True)
+        self._thread.start()
+
+    def put(self, outputs: "RequestOutputs", ev: TokenEvent) -> None:  # called on the engine thread
+        self._jobs.put((outputs, ev))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            outputs, ev = job
+            try:
+                delta = outputs.process(ev)
+            except Exception:  # a bug in one request's text must not end the others': its client gets a 500
+                print("memra serve: text worker failed on one event:", file=sys.stderr)
+                traceback.print_exc()
+                failed = dataclasses.replace(ev, token_id=None, finish_reason="abort", error_kind="engine",
+                                             error="internal error making the text; the server log has the details")
+                delta = Delta(ev.index, "", failed, "abort")
+            if delta is not None:
+                try:
+                    outputs.loop.call_soon_threadsafe(outputs.queue.put_nowait, delta)
+                except RuntimeError:  # that request's event loop has closed: nobody is left to read it
+                    pass
+
+
+class RequestOutputs:
+    """Events from the engine thread in, per-choice deltas out on the request's event loop; the text is
+    made on the TextWorker's thread (`process`)."""
+
+    def __init__(self, engine, tok, stops: tuple[str, ...], choices: int, worker: TextWorker):
+        self.engine, self.tok, self.worker = engine, tok, worker
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.streams = [TextStream(tok, stops) for _ in range(choices)]
-        self.ended = [False] * choices
+        self.ended = [False] * choices  # the text thread's view: no more deltas for this choice
         self.tokens = [0] * choices  # completion tokens each choice delivered
         self.rids: list[str] = []  # the engine's sequence of choice i is rids[i]
+        self.open = choices  # the event loop's view: choices whose last delta has not arrived
 
     def sink_for(self, offset: int):
         """The sink of one prompt's choices, which the engine numbers from 0: ours start at `offset`."""
         def sink(ev: TokenEvent) -> None:  # called on the engine thread: hand over, nothing else
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev if not offset else _shift(ev, offset))
+            self.worker.put(self, ev if not offset else _shift(ev, offset))
         return sink
 
-    @property
-    def open(self) -> int:
-        return self.ended.count(False)
+    def process(self, ev: TokenEvent) -> Delta | None:
+        """One event -> what it adds to its choice (None: nothing). Runs on the text thread."""
+        i = ev.index
+        if self.ended[i]:  # after a stop string: what the engine sent before our cancel reached it
+            return None
+        stream = self.streams[i]
+        if ev.token_id is None:  # ended without a token: an abort, with or without an error
+            self.ended[i] = True
+            return Delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
+        self.tokens[i] += 1
+        text, finish = stream.push(ev.token_id), ev.finish_reason
+        if stream.stopped:
+            if finish is None:
+                self.engine.cancel([self.rids[i]], finish_reason="stop")
+            finish = "stop"
+        if finish is not None:
+            text += stream.finish()
+            self.ended[i] = True
+        return Delta(i, text, ev, finish)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:
-            ev = await self.queue.get()
-            i = ev.index
-            if self.ended[i]:  # after a stop string: what the engine sent before our cancel reached it
-                continue
-            stream = self.streams[i]
-            if ev.token_id is None:  # ended without a token: an abort, with or without an error
-                self.ended[i] = True
-                yield Delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
-                continue
-            self.tokens[i] += 1
-            text, finish = stream.push(ev.token_id), ev.finish_reason
-            if stream.stopped:
-                if finish is None:
-                    self.engine.cancel([self.rids[i]], finish_reason="stop")
-                finish = "stop"
-            if finish is not None:
-                text += stream.finish()
-                self.ended[i] = True
-            yield Delta(i, text, ev, finish)
+            d = await self.queue.get()
+            if d.finish_reason is not None:
+                self.open -= 1
+            yield d
 
     def cancel_open(self) -> None:
         """The client is gone (or the answer is complete): nothing more runs for the choices left."""
