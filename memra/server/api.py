@@ -43,7 +43,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     tok = engine.model.tokenizer
     max_len = engine.max_len
     pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="memra-tokenize")
-    text = TextWorker()
+    text_worker = TextWorker()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,7 +54,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, options.shutdown_timeout)
         pool.shutdown(wait=False, cancel_futures=True)
-        text.close()
+        text_worker.close()
         if on_shutdown is not None:
             on_shutdown()
 
@@ -155,7 +155,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
                     max_tokens: int):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
-        out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text)
+        out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text_worker)
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,
