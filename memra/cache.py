@@ -13,6 +13,7 @@ recovered by truncation: KV beyond the snapshot's position is simply overwritten
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,28 +26,41 @@ PRIME_CHUNK_MAX_TOKENS = 4096  # the largest prefill chunk a single forward may 
 
 
 class KvPool:
-    """Fixed-size KV blocks for a set of attention layers, with a free list."""
+    """KV blocks for a set of attention layers, with a free list. With `max_blocks` above `n_blocks`
+    the pool grows on demand (doubling, up to max_blocks) instead of refusing an allocation."""
 
     def __init__(self, layers: tuple[int, ...], n_blocks: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, layer_devices: dict[int, torch.device] | None = None):
+                 dtype: torch.dtype, device: torch.device | str, layer_devices: dict[int, torch.device] | None = None,
+                 max_blocks: int | None = None):
         shape = (n_blocks, BLOCK_SIZE, n_kv_heads, head_dim)
         self.layers = layers
         dev = lambda i: (layer_devices or {}).get(i, device)  # a pipeline stage owns its layers' KV
         self.k = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
         self.n_blocks = n_blocks
+        self.max_blocks = max(n_blocks, max_blocks or n_blocks)
         self.free: list[int] = list(range(n_blocks))
         self.version = 0  # bumped when the tensors are replaced (enlarge): captured graphs hold their addresses
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes over every layer, K and V."""
+        return sum(2 * t[0].numel() * t.element_size() for t in self.k.values())
+
     def allocate(self, n: int) -> list[int]:
+        if n > len(self.free) and self.n_blocks < self.max_blocks:
+            self.enlarge(min(self.max_blocks, max(2 * self.n_blocks, self.n_blocks + n - len(self.free))))
         if n > len(self.free):
-            raise ContextOverflowError(f"KV pool exhausted: need {n} more blocks, {len(self.free)} free")
+            raise ContextOverflowError(
+                f"KV pool exhausted: need {n} more blocks of {BLOCK_SIZE} tokens, {len(self.free)} free of "
+                f"{self.n_blocks} (the memory budget's limit); free finished sequences or raise the KV budget")
         taken, self.free = self.free[:n], self.free[n:]
         return taken
 
     def release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
 
+    @torch.inference_mode(False)  # a pool grown inside a step must not become an inference tensor
     def enlarge(self, n_blocks: int) -> None:
         """Grow the pool to `n_blocks` blocks, keeping every existing block's contents and index."""
         extra = n_blocks - self.n_blocks
@@ -57,14 +71,16 @@ class KvPool:
                 table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
         self.free.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
+        self.max_blocks = max(self.max_blocks, n_blocks)
         self.version += 1
 
 
 class RecurrentPool:
-    """Per-sequence recurrent state slots for the GDN layers."""
+    """Per-sequence recurrent state slots for the GDN layers. With `max_slots` above `n_slots` the pool
+    grows on demand (doubling, up to max_slots)."""
 
     def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 layer_devices: dict[int, torch.device] | None = None):
+                 layer_devices: dict[int, torch.device] | None = None, max_slots: int | None = None):
         g = cfg.gdn
         assert g is not None
         self.layers = cfg.gdn_layers
@@ -72,14 +88,37 @@ class RecurrentPool:
         self.conv = {i: torch.zeros(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
         self.ssm = {i: torch.zeros(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
                     for i in self.layers}
+        self.n_slots = n_slots
+        self.max_slots = max(n_slots, max_slots or n_slots)
         self.free: list[int] = list(range(n_slots))
+        self.version = 0  # bumped when the tensors are replaced (enlarge), as KvPool's
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for table in (self.conv, self.ssm) for t in table.values())
 
     def allocate(self) -> int:
+        if not self.free and self.n_slots < self.max_slots:
+            self.enlarge(min(self.max_slots, 2 * self.n_slots))
         if not self.free:
-            raise MemraError("no free recurrent-state slot: too many sequences for this pool")
+            raise MemraError(f"no free recurrent-state slot: {self.n_slots} sequences hold them all (the memory "
+                             "budget's limit); free finished sequences or raise the KV budget")
         slot = self.free.pop(0)
         self.zero(slot)
         return slot
+
+    @torch.inference_mode(False)
+    def enlarge(self, n_slots: int) -> None:
+        """Grow to `n_slots` slots, keeping every existing slot's state and index."""
+        extra = n_slots - self.n_slots
+        if extra <= 0:
+            return
+        for table in (self.conv, self.ssm):
+            for i, t in table.items():
+                table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
+        self.free.extend(range(self.n_slots, n_slots))
+        self.n_slots = n_slots
+        self.version += 1
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
@@ -155,6 +194,7 @@ class Cache:
     slot: int | None = None
     last_logits_dev: torch.Tensor | None = None  # parked device logits (lean sampling; later issues)
     _tables: dict = field(default_factory=dict, repr=False)  # device -> (blocks it was made from, block table)
+    _on_free: weakref.finalize | None = field(default=None, repr=False)  # a model pool's give-back (once)
 
     def read_rows(self, stop: int, device: torch.device) -> torch.Tensor:
         """Flat KV-pool rows of positions 0..stop-1 in order, on `device`. The block table is uploaded
@@ -229,29 +269,140 @@ class Cache:
         self.last_logits_dev = None
 
     def grow(self, new_max_ctx: int) -> None:
-        """Let this sequence run longer. A private pool is enlarged in place; state is untouched."""
+        """Let this sequence run longer; its state is untouched. A pool too small for the longer run is
+        enlarged now (a growable pool would also grow when the blocks are taken)."""
         if new_max_ctx < self.max_ctx:
             raise MemraError(f"grow() cannot shrink a cache ({self.max_ctx} -> {new_max_ctx})")
-        need_blocks = -(-new_max_ctx // BLOCK_SIZE)
-        short = need_blocks - len(self.blocks) - len(self.kv.free)
-        if short > 0:
+        short = -(-new_max_ctx // BLOCK_SIZE) - len(self.blocks) - len(self.kv.free)
+        if short > 0 and self.kv.n_blocks + short > self.kv.max_blocks:
             self.kv.enlarge(self.kv.n_blocks + short)
         self.max_ctx = new_max_ctx
 
     def free(self) -> None:
-        """Give blocks and the recurrent slot back to their pools."""
+        """Give blocks and the recurrent slot back to their pools. A cache of the model's pools does this
+        once, through the same give-back that runs if it is dropped without being freed."""
+        if self._on_free is not None:
+            self._on_free()  # a no-op the second time
+            self.slot = None
+            return
         self.kv.release(self.blocks)
-        self.blocks = []
+        self.blocks.clear()  # in place: a finalizer may hold this very list
         if self.rec is not None and self.slot is not None:
             self.rec.release(self.slot)
             self.slot = None
 
 
+@dataclass(frozen=True)
+class KvBudget:
+    """How much memory a model's cache pools may take (KV blocks and recurrent slots together): `gib`
+    GiB, or else `fraction` of the device's free memory when the pools are made (on CPU: of available
+    RAM). The pools start small and grow on demand up to it; nothing is reserved up front unless
+    asked for (ModelPools.reserve: a server sizing its scheduler)."""
+
+    gib: float | None = None
+    fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.gib is not None and not 0 < self.gib < 1 << 20:
+            raise MemraError(f"the KV memory budget must be a positive number of GiB, got {self.gib}")
+        if not 0 < self.fraction <= 1:
+            raise MemraError(f"the KV memory fraction must be in (0, 1], got {self.fraction}")
+
+    def bytes_on(self, device: torch.device) -> int:
+        if self.gib is not None:
+            return int(self.gib * (1 << 30))
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = _available_ram()
+        return int(self.fraction * free)
+
+
+def _available_ram() -> int:
+    """MemAvailable of /proc/meminfo where there is one, else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelPools:
+    """One model's KV pool and recurrent-state pool, shared by every cache it hands out: so any caches of
+    one model can decode as one batch, and take the CUDA-graphed step (memra.graphs needs them in one
+    pool). Both start small (`first_tokens` worth of blocks, a few slots) and double as caches ask for
+    more, up to limits that keep KV + recurrent bytes within `budget_bytes`: at most `max_slots`
+    sequences (default: as many as an eighth of the budget holds, up to 1024) and the blocks the rest
+    holds (at most `max_blocks`)."""
+
+    @torch.inference_mode(False)  # pools made during a step are still updated in place outside one
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, budget_bytes: int,
+                 layer_devices: dict[int, torch.device] | None = None, *, max_slots: int | None = None,
+                 max_blocks: int | None = None, first_tokens: int = 4096):
+        self.budget_bytes = budget_bytes
+        probe_kv = kv_pool(cfg, 1, dtype, "meta")
+        probe_rec = RecurrentPool(cfg, 1, dtype, "meta") if cfg.gdn_layers else None
+        block, slot = probe_kv.block_bytes, (probe_rec.slot_bytes if probe_rec is not None else 0)
+        if probe_rec is None:
+            slots = 0
+        else:
+            slots = max_slots if max_slots is not None else max(1, min(1024, budget_bytes // (8 * slot)))
+        blocks = (budget_bytes - slots * slot) // max(block, 1)
+        if max_blocks is not None:
+            blocks = min(blocks, max_blocks)
+        if blocks < 1:
+            raise MemraError(f"a KV budget of {budget_bytes / (1 << 30):.3g} GiB holds no {BLOCK_SIZE}-token block "
+                             f"beside {slots} recurrent slots of {slot / (1 << 20):.1f} MiB; raise it (--kv-memory)")
+        self.kv = kv_pool(cfg, min(blocks, -(-first_tokens // BLOCK_SIZE)), dtype, device, layer_devices,
+                          max_blocks=blocks)
+        self.rec = (RecurrentPool(cfg, min(4, slots), dtype, device, layer_devices, max_slots=slots)
+                    if probe_rec is not None else None)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the pools may grow to."""
+        return self.kv.max_blocks * self.kv.block_bytes + (self.rec.max_slots * self.rec.slot_bytes if self.rec else 0)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the pools hold now."""
+        return self.kv.n_blocks * self.kv.block_bytes + (self.rec.n_slots * self.rec.slot_bytes if self.rec else 0)
+
+    def reserve_all(self) -> None:
+        """Grow both pools to their limits now (a server on a GPU: its captured graphs keep their addresses)."""
+        self.kv.enlarge(self.kv.max_blocks)
+        if self.rec is not None:
+            self.rec.enlarge(self.rec.max_slots)
+
+    def new_cache(self, max_ctx: int) -> Cache:
+        """A cache drawing from these pools; its blocks and slot come back when it is freed or dropped."""
+        slot = self.rec.allocate() if self.rec is not None else None
+        cache = Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
+        # `cache.blocks` is only ever changed in place, so the give-back sees the blocks held at the time
+        cache._on_free = weakref.finalize(cache, _give_back, self.kv, cache.blocks, self.rec, slot)
+        cache._on_free.atexit = False  # the process is ending: nothing to give back to
+        return cache
+
+
+def _give_back(kv: KvPool, blocks: list[int], rec: RecurrentPool | None, slot: int | None) -> None:
+    """What a cache held, back to its pools: when it is freed, or dropped unfreed (weakref.finalize runs
+    this at most once)."""
+    kv.release(list(blocks))
+    blocks.clear()
+    if rec is not None and slot is not None:
+        rec.release(slot)
+
+
 def kv_pool(cfg: ModelConfig, n_blocks: int, dtype: torch.dtype, device: torch.device | str,
-            layer_devices: dict[int, torch.device] | None = None) -> KvPool:
+            layer_devices: dict[int, torch.device] | None = None, max_blocks: int | None = None) -> KvPool:
     """A KV pool for every attention layer of the model, the MTP blocks' included."""
     layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
-    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices)
+    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks)
 
 
 def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str,

@@ -11,6 +11,11 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tensors", action="store_true",
                    help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "
                         "quantization scales are always checked)")
+    p.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                   help="memory the KV cache and recurrent state may take, in GiB (default: --kv-fraction)")
+    p.add_argument("--kv-fraction", type=float, default=0.9,
+                   help="share of the device's free memory (after the weights) the caches may take when "
+                        "--kv-memory is not given (default 0.9; on CPU, of the available RAM)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -21,5 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
     import memra
 
-    return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer,
-                      check_tensors=args.check_tensors)
+    from memra.cache import KvBudget
+
+    return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer, check_tensors=args.check_tensors,
+                      kv_budget=KvBudget(args.kv_memory, args.kv_fraction))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from memra.cache import KvBudget
 from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
 
@@ -167,7 +168,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
 
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-         tokenizer: bool = True, check_tensors: bool = False):
+         tokenizer: bool = True, check_tensors: bool = False, kv_budget: KvBudget | None = None):
     """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
     .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
@@ -182,24 +183,26 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    budget = kv_budget if kv_budget is not None else KvBudget()
     if str(path).startswith(RANDOM_PREFIX):
-        return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer)
+        return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer, budget)
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
     cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors)
-    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)))
+    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)), kv_budget=budget)
 
 
 RANDOM_PREFIX = "random:"  # random:llama-3-8b -- a named real shape with random weights, no file (memra.random_model)
 
 
-def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool):
+def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool, kv_budget: KvBudget):
     """A random-weight model of a real shape, built on the device, with a byte-level tokenizer covering its
     whole vocabulary: what `memra serve random:llama-3-8b` measures at real size with no download."""
     from memra.random_model import random_model
     from memra.tokenizer.synthetic import byte_level_tokenizer
 
     model = random_model(name, device, dtype)
+    model.kv_budget = kv_budget
     if tokenizer:
         model.tokenizer = byte_level_tokenizer(model.cfg.vocab_size, source=RANDOM_PREFIX + name)
     return model

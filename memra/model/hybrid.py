@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from memra.cache import Cache, CacheSnapshot, StateTrail, new_cache
+from memra.cache import Cache, CacheSnapshot, KvBudget, ModelPools, StateTrail
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels import ops
@@ -41,7 +41,7 @@ def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) ->
 
 class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 tokenizer=None, source: str = ""):
+                 tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget()):
         self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.embed = weights["embed"]  # [V, E]
         self.final_norm = weights["final_norm"]  # [E] fp32
@@ -56,6 +56,8 @@ class HybridModel:
         self.pp_runtimes: dict = {}  # memra.pp: one runtime per placement the doors have asked for
         self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
         self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
+        self.kv_budget = kv_budget  # how much memory the cache pools may grow to (memra.cache.KvBudget)
+        self._pools: dict[tuple, ModelPools] = {}  # by placement: the pools every new_cache draws from
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
 
@@ -98,10 +100,24 @@ class HybridModel:
         return ops.linear(h_normed, self.lm_head).float()
 
     # --- the public step API (bodies in memra.step) ---
+    def pools(self, layer_devices: dict[int, torch.device] | None = None) -> ModelPools:
+        """The model's cache pools for a placement (None: every layer on the model's device), made on first
+        use with the model's KV budget."""
+        key = tuple(sorted((i, str(d)) for i, d in (layer_devices or {}).items()))
+        pools = self._pools.get(key)
+        if pools is None:
+            pools = self._pools[key] = ModelPools(self.cfg, self.dtype, self.device,
+                                                  self.kv_budget.bytes_on(self.device), layer_devices)
+        return pools
+
     def new_cache(self, max_ctx: int) -> Cache:
+        """A sequence's cache, drawn from the model's pools: any caches of one model decode as one batch
+        (decode_step_batch), on the CUDA-graphed step where it applies."""
         if max_ctx > self.cfg.max_position:
             raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.cfg.max_position} positions")
-        return new_cache(self.cfg, max_ctx, self.dtype, self.device)
+        if max_ctx <= 0:
+            raise MemraError(f"max_ctx must be positive, got {max_ctx}")
+        return self.pools().new_cache(max_ctx)
 
     def prime(self, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
         from memra.step import prime

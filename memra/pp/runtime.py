@@ -254,14 +254,13 @@ class PpRuntime:
         return out
 
     def new_cache(self, max_ctx: int):
-        """A cache whose layer state lives on the stage that owns the layer."""
-        from memra.cache import new_cache
-
+        """A cache whose layer state lives on the stage that owns the layer, drawn from the model's pools
+        for this placement."""
         if max_ctx > self.model.cfg.max_position:
             from memra.errors import MemraError
 
             raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.model.cfg.max_position} positions")
-        return new_cache(self.model.cfg, max_ctx, self.model.dtype, self.model.device, self.layer_devices())
+        return self.model.pools(self.layer_devices()).new_cache(max_ctx)
 
     # --- the boundary ---
     def _grow(self, slot: BoundarySlot, dst: StageRt, n: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from memra.cache import BLOCK_SIZE, Cache, RecurrentPool, kv_pool
+from memra.cache import BLOCK_SIZE, Cache, ModelPools
 from memra.errors import MemraError
 from memra.graphs import reserve_scratch
 from memra.pp.fence import PipelineError
@@ -19,8 +19,14 @@ from memra.server.engine_types import EngineConfig
 
 
 class InProcess:
-    """The model in this process: the shared KV pool and recurrent slots the scheduler's counts stand
-    for (stage-owned when the in-process PP door is open), and preemption by swapping to host memory."""
+    """The model in this process: KV and recurrent pools of the engine's own, stage-owned when the
+    in-process PP door is open, that the scheduler's counts stand for; preemption by swapping to host.
+
+    The pools are sized by the model's KV budget (memra.cache.KvBudget: --kv-memory / --kv-fraction),
+    and never beyond what the running set can use: max_batch sequences of max_ctx tokens (or
+    `kv_blocks`). On a GPU they are reserved at start, so the captured decode graphs keep their
+    addresses; on a CPU they grow as sequences need them. One block and one slot beyond what the
+    scheduler hands out are the CUDA graphs' inert padding rows."""
 
     preemption = True
 
@@ -28,16 +34,28 @@ class InProcess:
         from memra.pp.walk import active_runtime
 
         self.model = model
-        mcfg = model.cfg
         self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
-        # One block and one slot beyond what the scheduler hands out: the CUDA graphs' inert padding rows.
-        self.kv = kv_pool(mcfg, cfg.blocks + 1, model.dtype, model.device, layer_devices)
-        self.rec = (RecurrentPool(mcfg, cfg.max_batch + 1, model.dtype, model.device, layer_devices)
-                    if mcfg.gdn_layers else None)
+        want = cfg.kv_blocks or cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)
+        self.pools = ModelPools(model.cfg, model.dtype, model.device, model.kv_budget.bytes_on(model.device),
+                                layer_devices, max_slots=cfg.max_batch + 1, max_blocks=want + 1)
+        self.kv, self.rec = self.pools.kv, self.pools.rec
+        self.blocks = self.kv.max_blocks - 1
+        if self.blocks < -(-cfg.max_ctx // BLOCK_SIZE):
+            raise MemraError(f"the KV budget ({self.pools.budget_bytes / (1 << 30):.2f} GiB) holds {self.blocks * BLOCK_SIZE} "
+                             f"tokens, less than one sequence of --max-ctx {cfg.max_ctx}; raise --kv-memory / "
+                             "--kv-fraction or lower --max-ctx")
+        if model.device.type == "cuda":
+            self.pools.reserve_all()
         reserve_scratch(model, self.kv, self.rec)
-        self.blocks = cfg.blocks
         self.slots = cfg.max_batch if self.rec is not None else None
+
+    def describe(self) -> str:
+        """One line for the server's log: what the pools may hold and hold now."""
+        p = self.pools
+        return (f"KV cache: {p.capacity_bytes / (1 << 30):.2f} GiB budgeted ({self.blocks * BLOCK_SIZE:,} tokens in "
+                f"{self.blocks:,} blocks, {self.slots or 0} recurrent slots), {p.reserved_bytes / (1 << 30):.2f} GiB "
+                f"held now{'' if self.model.device.type == 'cuda' else ', growing as sequences need it'}")
 
     def new_cache(self, max_ctx: int) -> Cache:
         slot = self.rec.allocate() if self.rec is not None else None
@@ -69,7 +87,7 @@ class InProcess:
 
     def swap_in(self, saved: dict, max_ctx: int) -> Cache:
         c = self.new_cache(max_ctx)
-        c.blocks = self.kv.allocate(saved["n_blocks"])
+        c.blocks += self.kv.allocate(saved["n_blocks"])
         c.pos = saved["pos"]
         blocks = torch.tensor(c.blocks, dtype=torch.long)
         for i in self.kv.layers:
@@ -133,6 +151,9 @@ class ProcessPipeline:
                             "this is a bug in the engine's sizing")
 
     swap_in = swap_out  # never reached either: nothing is ever swapped out
+
+    def describe(self) -> str:
+        return "KV cache: each rank's own, for max_batch sequences of max_ctx tokens"
 
     def problem(self) -> str | None:
         """Why the pipeline cannot serve (a known failure, or a local worker that exited), or None."""

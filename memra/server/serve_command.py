@@ -105,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, name, options, metrics=metrics, on_shutdown=done)
     print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
           file=sys.stderr)
+    print(f"memra serve: {engine.backend.describe()}", file=sys.stderr)
     if pipe is not None:
         print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
         for line in pipe.description.splitlines():

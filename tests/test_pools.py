@@ -1,0 +1,89 @@
+"""The model owns its cache pools (memra.cache.ModelPools): every `new_cache` draws from them, they grow
+as sequences need them up to the KV budget, what a cache held comes back when it is freed or dropped,
+and any caches of one model decode as one batch — on the GPU, as the CUDA-graphed step."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import memra
+from conftest import DEVICE, hf_dir
+from memra import counters
+from memra.cache import BLOCK_SIZE, KvBudget, ModelPools
+from memra.errors import ContextOverflowError, MemraError
+
+
+@pytest.fixture
+def model():
+    return memra.load(hf_dir("qwen3_5"), device=DEVICE, dtype="float32" if DEVICE == "cpu" else "bfloat16",
+                      tokenizer=False)
+
+
+def test_caches_share_the_models_pools_which_grow_on_demand(model):
+    caches = [model.new_cache(512) for _ in range(6)]  # more slots than the pool starts with
+    pools = model.pools()
+    assert all(c.kv is pools.kv and c.rec is pools.rec for c in caches)
+    assert len({c.slot for c in caches}) == 6 and pools.rec.n_slots >= 6
+    for c in caches:
+        model.prime(list(range(1, 500)), c)
+    held = sum(len(c.blocks) for c in caches)
+    assert held == 6 * -(-499 // BLOCK_SIZE)
+    caches[0].free()
+    caches[0].free()  # twice is harmless
+    del caches[1]
+    gc.collect()  # a dropped cache gives back what it held
+    assert len(pools.kv.free) == pools.kv.n_blocks - 4 * -(-499 // BLOCK_SIZE) - _scratch(model, pools)
+    assert len(pools.rec.free) == pools.rec.n_slots - 4 - (1 if model.graph_scratch else 0)
+
+
+def _scratch(model, pools) -> int:
+    return 1 if (id(pools.kv), id(pools.rec)) in model.graph_scratch else 0
+
+
+def test_the_budget_bounds_the_pools():
+    cfg = memra.load(hf_dir("llama"), tokenizer=False).cfg
+    block = 2 * BLOCK_SIZE * cfg.attn.n_kv_heads * cfg.attn.head_dim * 4 * len(cfg.attention_layers)
+    pools = ModelPools(cfg, torch.float32, torch.device("cpu"), budget_bytes=10 * block, first_tokens=BLOCK_SIZE)
+    assert pools.kv.n_blocks == 1 and pools.kv.max_blocks == 10 and pools.capacity_bytes == 10 * block
+    c = pools.new_cache(10_000)
+    c.reserve(3 * BLOCK_SIZE)  # grows by doubling: 1 -> 3 (what was asked) -> ...
+    assert pools.kv.n_blocks >= 3 and pools.kv.version >= 1
+    c.reserve(10 * BLOCK_SIZE)
+    assert pools.kv.n_blocks == 10
+    c.pos = 10 * BLOCK_SIZE  # as if those tokens had run
+    with pytest.raises(ContextOverflowError, match="KV pool exhausted"):
+        c.reserve(1)
+    with pytest.raises(MemraError, match="raise it"):
+        ModelPools(cfg, torch.float32, torch.device("cpu"), budget_bytes=block - 1)
+    with pytest.raises(MemraError, match="GiB"):
+        KvBudget(gib=-1)
+    assert KvBudget(gib=0.5).bytes_on(torch.device("cpu")) == 1 << 29
+
+
+def test_a_batch_of_new_cache_caches_equals_each_alone(model):
+    """E1 over the model's pools: rows decoded together equal each sequence decoded alone."""
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79], [43, 38, 32, 7, 7, 7, 1]]
+    alone = []
+    for p in prompts:
+        c = model.new_cache(64)
+        tok, rows = int(model.prime(p, c).argmax()), []
+        for _ in range(6):
+            rows.append(model.decode_step_batch([tok], [c])[0])
+            tok = int(rows[-1].argmax())
+        alone.append(torch.stack(rows))
+    caches = [model.new_cache(64) for _ in prompts]
+    toks = [int(model.prime(p, c).argmax()) for p, c in zip(prompts, caches)]
+    before = counters.snapshot()
+    rows = []
+    for _ in range(6):
+        out = model.decode_step_batch(toks, caches)
+        rows.append(out)
+        toks = out.argmax(-1).tolist()
+    together = torch.stack(rows, 1)
+    for i in range(len(prompts)):
+        assert torch.equal(together[i], alone[i])
+    if DEVICE == "cuda":  # the pooled caches took the graphed step
+        assert counters.delta(before)["graph_replays"] > 0
