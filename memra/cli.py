@@ -122,7 +122,19 @@ def cmd_gate(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _fit(params, prompt_tokens: int, max_position: int):
+    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops
+    at the end of the context), or a one-line refusal when the prompt alone fills it."""
+    import dataclasses
+
+    room = max_position - prompt_tokens
+    if room < 1:
+        raise MemraError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_position}")
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from memra.engine.llm import LLM
     from memra.generate import GenerationStats, generate_tokens
     from memra.sampling import SamplingParams
     from memra.tokenizer import TextStream
@@ -144,20 +156,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special=False)
     else:
         ids = tok.encode(prompt, add_special=True)
-    if spec is not None:
-        check_model(model, spec)
     stats = GenerationStats()
-    text = TextStream(tok, params.stop)
     out = sys.stdout
     if not args.chat:
         out.write(prompt)
-    for token in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids, speculative=spec):
-        out.write(text.push(token))
+    if spec is not None:  # draft-and-verify runs one sequence on its own loop (memra.spec): the same tokens
+        check_model(model, spec)
+        text = TextStream(tok, params.stop)
+        pieces = (text.push(t) for t in generate_tokens(model, ids, params, stats, eos_ids=tok.eos_ids,
+                                                        speculative=spec) if not text.stopped)
+    else:
+        params = _fit(params, len(ids), model.cfg.max_position)
+        pieces = LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens).stream(ids, params, stats)
+    for piece in pieces:
+        out.write(piece)
         out.flush()
-        if text.stopped:
-            stats.finish_reason = "stop"
-            break
-    out.write(text.finish())
+    if spec is not None:
+        stats.finish_reason = "stop" if text.stopped else stats.finish_reason
+        out.write(text.finish())
     out.write("\n")
     out.flush()
     print(
@@ -171,11 +187,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """A read-eval-print loop over the chat template. Each turn re-primes the whole conversation (the
-    cache is per call here; the server keeps caches across turns)."""
-    from memra.generate import GenerationStats, generate_tokens
+    """A read-eval-print loop over the chat template, each turn a request to the engine. Each turn re-primes
+    the whole conversation (nothing is cached across turns yet)."""
+    from memra.engine.llm import LLM
     from memra.sampling import SamplingParams
-    from memra.tokenizer import IncrementalDetokenizer
 
     model = load_model(args, args.model)
     tok = model.tokenizer
@@ -200,15 +215,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": text})
         prompt = tok.apply_chat_template(system + history, add_generation_prompt=True)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
-                                max_tokens=args.max_tokens)
-        detok, stats, reply = IncrementalDetokenizer(tok, skip_special=True), GenerationStats(), []
-        for token in generate_tokens(model, tok.encode(prompt), params, stats, eos_ids=tok.eos_ids):
-            piece = detok.push(token)
+        ids = tok.encode(prompt)
+        params = _fit(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
+                                     max_tokens=args.max_tokens), len(ids), model.cfg.max_position)
+        reply = []
+        for piece in LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens).stream(ids, params):
             reply.append(piece)
             print(piece, end="", flush=True)
-        reply.append(detok.flush())
-        print(reply[-1])
+        print()
         history.append({"role": "assistant", "content": "".join(reply).strip()})
         turn += 1
 

@@ -26,7 +26,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
     import memra
 
-    from memra.cache import KvBudget
+    from memra.pools import KvBudget
 
     return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer, check_tensors=args.check_tensors,
                       kv_budget=KvBudget(args.kv_memory, args.kv_fraction))

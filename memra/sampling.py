@@ -10,6 +10,7 @@ to those tokens (the Gumbel-max trick).
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ def uniform_noise(seed: int, ctr: int, n: int, device: torch.device | str = "cpu
 
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per prompt
+MAX_LOGPROBS = 20  # top logprobs per token
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # ((token id, bias), ...)
+    n: int = 1  # choices per prompt; choice i samples with seed + i
+    logprobs: int | None = None  # the chosen token's logprob and this many top ones (0: the chosen only)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +105,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and -2.0 <= v <= 2.0):
                 raise MemraError(f"{name} must be in [-2, 2], got {v!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise MemraError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise MemraError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         for tok, bias in self.logit_bias:
             if tok < 0 or not -100.0 <= bias <= 100.0 or not math.isfinite(bias):
                 raise MemraError(f"logit_bias entry {tok}: {bias} invalid; ids must be >= 0 and biases in [-100, 100]")
@@ -185,3 +194,8 @@ def device_sample(logits: torch.Tensor, s: DevSamp) -> torch.Tensor:
 def sample(logits: torch.Tensor, p: SamplingParams, ctr: int) -> int:
     """Pick the next token from logits [V] (fp32) at step counter `ctr` (the same choice device_sample makes)."""
     return int(device_sample(logits, p.dev_samp(ctr)))
+
+
+def fresh_seed() -> int:
+    """A seed for a request that gave none (OpenAI: unseeded sampling is not reproducible)."""
+    return secrets.randbits(62)

@@ -12,7 +12,8 @@ import torch
 import memra
 from conftest import DEVICE, hf_dir
 from memra import counters
-from memra.cache import BLOCK_SIZE, KvBudget, ModelPools
+from memra.cache import BLOCK_SIZE
+from memra.pools import KvBudget, ModelPools
 from memra.errors import ContextOverflowError, MemraError
 
 

@@ -38,9 +38,9 @@ from memra.pp.dist import PipelineError, launch_local
 from memra.sampling import SamplingParams
 from memra.server.api import build_app
 from memra.server.http import ServerThread
-from memra.server.engine import Engine, EngineConfig
+from memra.engine.engine import Engine, EngineConfig
 from memra.server.metrics import Metrics
-from memra.server.scheduler import Scheduler, SchedulerConfig
+from memra.engine.scheduler import Scheduler, SchedulerConfig
 from memra.spec import SpecConfig
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo,", "First Citizen:\nBefore we proceed any further, hear me speak.",

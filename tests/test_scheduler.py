@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig, Status, StepPlan
+from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, Status, StepPlan
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -6,7 +6,6 @@ to host and back) must not change a single token."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import threading
 import time
 
@@ -21,7 +20,7 @@ from memra.sampling import SamplingParams  # noqa: E402
 from memra.server.api import build_app  # noqa: E402
 from memra.server.http import ServerThread  # noqa: E402
 from memra.server.options import ServerOptions  # noqa: E402
-from memra.server.engine import Engine, EngineConfig  # noqa: E402
+from memra.engine.engine import Engine, EngineConfig  # noqa: E402
 from memra.server.metrics import Metrics  # noqa: E402
 
 KEY = "sk-memra-test"
@@ -184,6 +183,7 @@ def test_bad_requests_get_400_with_an_openai_error(server, body, needle):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and needle in err["message"] + str(err["param"]), err
     assert "Traceback" not in r.text
+    assert engine.steps == before  # refused before anything ran
 
 
 def test_bad_chat_bodies(server):

@@ -27,7 +27,7 @@ from memra.generate import generate_tokens
 from memra.sampling import SamplingParams
 from memra.server.api import build_app
 from memra.server.auth import presented_key
-from memra.server.engine import Engine, EngineConfig
+from memra.engine.engine import Engine, EngineConfig
 from memra.server.http import ServerThread
 from memra.server.metrics import Metrics
 from memra.server.options import ServerOptions, resolve_api_key

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from memra.cache import KvBudget
+from memra.pools import KvBudget
 from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
 

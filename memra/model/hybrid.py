@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from memra.cache import Cache, CacheSnapshot, KvBudget, ModelPools, StateTrail
+from memra.cache import Cache, CacheSnapshot, StateTrail
+from memra.pools import KvBudget, ModelPools
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels import ops

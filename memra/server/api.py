@@ -28,9 +28,10 @@ from memra.errors import ContextOverflowError, MemraError
 from memra.server.auth import install_api_key
 from memra.server.bodies import read_json, validate
 from memra.server.choices import ReplyHeader, RequestOutputs, TextWorker
-from memra.server.engine import Engine, QueueFull, Unavailable, fresh_seed
+from memra.engine.engine import Engine, QueueFull, Unavailable
 from memra.server.errors import ApiError, error_response, install_error_handlers, model_not_found, too_many_requests
 from memra.server.options import ServerOptions
+from memra.sampling import fresh_seed
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of

@@ -614,7 +614,7 @@ def _launch(args):
     """An in-process memra server on a free port: (ServerThread, url)."""
     import memra
     from memra.server.api import build_app
-    from memra.server.engine import Engine, EngineConfig
+    from memra.engine.engine import Engine, EngineConfig
     from memra.server.http import ServerThread
     from memra.server.metrics import Metrics
     from memra.server.options import ServerOptions

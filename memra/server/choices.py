@@ -33,7 +33,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from memra.server.engine import TokenEvent
+from memra.engine.engine import TokenEvent
 from memra.server.errors import error_response
 from memra.tokenizer import TextStream
 

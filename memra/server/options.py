@@ -1,4 +1,4 @@
-"""The HTTP server's own settings (the engine's are memra.server.engine.EngineConfig), fixed at start.
+"""The HTTP server's own settings (the engine's are memra.engine.engine.EngineConfig), fixed at start.
 
 Limits keep one request from costing the others: a body is refused (413) before it is read past
 `max_body_bytes`, JSON nested deeper than `max_json_depth` is refused (400) before anything walks it,

@@ -13,10 +13,8 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
 from memra.errors import MemraError
-from memra.sampling import MAX_STOP_STRINGS, SamplingParams
+from memra.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
 
-MAX_N = 16
-MAX_LOGPROBS = 20
 MAX_STOP_CHARS = 1024  # per stop string; matching is linear anyway, this bounds the held-back text
 MAX_LOGIT_BIAS = 1024  # entries
 INT32 = 2**31 - 1

@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from memra.pp.dist_driver import DistPipeline
     from memra.pp.dist_launch import launcher_rank
     from memra.server.api import build_app
-    from memra.server.engine import Engine, EngineConfig
+    from memra.engine.engine import Engine, EngineConfig
     from memra.server.http import HttpServer, bind
     from memra.server.metrics import Metrics
     from memra.server.options import ServerOptions, resolve_api_key

@@ -1,6 +1,6 @@
 """What the serving engine takes and gives: its configuration, the events it sends each sequence's
 reader, and the refusal it raises when it cannot take requests. Apart from the engine so that its
-backends (memra.server.backends) can size themselves from the configuration without importing it."""
+backends (memra.engine.backends) can size themselves from the configuration without importing it."""
 
 from __future__ import annotations
 
@@ -38,7 +38,16 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One step of a sequence's output, in order: a new token, or (token_id None) its end."""
+    """One step of a sequence's output, in order: a new token, or (token_id None) its end.
+
+    How a sequence ends: EOS or max_tokens (the last event's finish_reason "stop" / "length"); cancel
+    (its reader went away or saw a stop string: "abort", or the reason given); or an abort carrying an
+    error, whose `error_kind` tells the reader what to answer:
+        "shutdown"  the server is shutting down and its drain deadline passed (HTTP 503)
+        "refused"   the request cannot run here, e.g. it can never fit the KV pool (HTTP 400)
+        "engine"    the engine failed; the message is ours (a pipeline rank gone, ...), never a Python
+                    internal, which goes to the server log instead (HTTP 500)
+    """
 
     index: int  # which choice of the request (n > 1)
     token_id: int | None

@@ -1,33 +1,27 @@
-"""The serving engine: one thread owns the model and runs the scheduler's plans, step after step.
+"""The engine: the one loop that decides every next token, for the server, `memra generate`,
+`memra chat` and memra.LLM alike.
 
-    submit() --> [commands] --> engine thread: schedule -> swap out/in -> prefill chunks -> one batched
-                                decode -> sample per request -> token events to each request's sink
+    submit() --> [commands] --> step(): schedule -> swap out/in -> prefill chunks -> one batched decode
+                                        -> every row's token on the device (memra.engine.sampler)
+                                        -> token events to each request's sink
 
-Every request's tokens are the ones offline `generate_tokens` produces for it, bit for bit:
+step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
+
+Every request's tokens are the ones the reference loop (memra.generate.generate_tokens) produces for
+it alone, bit for bit:
 - prefill chunks are cut at absolute multiples of 64 (the scheduler's alignment), which is the very
   set of forwards a one-shot prime runs (E5);
 - a decode row is bit-identical to that sequence decoded alone (E1: decode_step_batch);
-- each token is chosen by the offline rule: penalties over its own prompt and output, step counter =
-  its output index, noise = f(seed, counter, id) (E3), so what else runs cannot change it;
+- each token is chosen by the reference rule: penalties over its own prompt and output, step counter
+  = its output index, noise = f(seed, counter, id) (E3), so what else runs cannot change it;
 - preemption swaps the KV blocks and the recurrent slot out to host memory and back, byte for byte
   (recomputing would re-run generated tokens through the chunked GDN form and change the bits).
 
-The engine thread does model work only; other threads enqueue commands and read sinks. Text is the
-reader's business: an event carries token ids (and logprobs when asked), and the reader turns them into
-text and watches for stop strings (memra.tokenizer.TextStream) on its own thread, then ends a sequence
-whose text hit a stop string with cancel(rids, finish_reason="stop"). So nothing about one request's
-text (a long stop string, a slow detokenizer) can lengthen another request's step.
-
-How a sequence ends: EOS or max_tokens (the last event's finish_reason "stop" / "length"); cancel (its
-reader went away or saw a stop string: "abort", or the reason given); or an abort carrying an error,
-whose `error_kind` tells the reader what to answer:
-    "shutdown"  the server is shutting down and its drain deadline passed (HTTP 503)
-    "refused"   the request cannot run here, e.g. it can never fit the KV pool (HTTP 400)
-    "engine"    the engine failed; the message is ours (a pipeline rank gone, ...), never a Python
-                internal, which goes to the server log instead (HTTP 500)
-
-What the engine runs on is a backend (memra.server.backends): the model in this process, or a
-process-per-stage pipeline in its place.
+The engine does model work only. Text is the reader's business: an event carries token ids (and
+logprobs when asked); the reader turns them into text, watches for stop strings (memra.tokenizer
+.TextStream) and ends a sequence that hit one with cancel(rids, finish_reason="stop"). How a sequence
+ends, and the error kinds an abort carries, are in memra.engine.types.TokenEvent. What the engine runs
+on is a backend (memra.engine.backends): the model in this process, or a process pipeline.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import secrets
 import sys
 import threading
 import time
@@ -46,11 +39,12 @@ from typing import Callable
 import torch
 
 from memra.cache import BLOCK_SIZE, Cache
+from memra.engine.backends import backend_for
+from memra.engine.sampler import Picked, RowSpec, pick
+from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from memra.engine.types import EngineConfig, TokenEvent, Unavailable
 from memra.errors import ContextOverflowError, MemraError
-from memra.sampling import SamplingParams, apply_penalties, sample
-from memra.server.backends import backend_for
-from memra.server.engine_types import EngineConfig, TokenEvent, Unavailable
-from memra.server.scheduler import QueueFull, Scheduler, SchedulerConfig
+from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
@@ -75,6 +69,10 @@ class _Seq:
     swapped: dict | None = None  # host copies while preempted
     last_token_at: float | None = None
     done: bool = False
+    row: RowSpec | None = None  # what the sampler needs (shares `prompt` and `out`)
+
+    def __post_init__(self) -> None:
+        self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)
 
 
 class Engine:
@@ -209,20 +207,33 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.seqs) or not self._commands.empty()
 
-    # --- the engine thread ---
+    # --- stepping: the offline caller's thread, or the serving thread ---
+    def step(self) -> bool:
+        """Take the queued commands, then schedule and run one plan. -> whether anything ran. Offline
+        callers (memra.LLM, `memra generate`) call it in a loop; the serving thread between waits."""
+        self._drain_commands()
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
+            self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            self._publish_gauges(0)
+            return False
+        self._step(plan)
+        return True
+
+    def run_until_idle(self) -> None:
+        """Step until nothing is queued or running (offline use, on the caller's thread)."""
+        while self.busy():
+            if not self.step() and self.seqs:
+                raise MemraError("the engine has requests but can schedule none of them; this is a bug in its "
+                                 "sizing (report it with the model and the request lengths)")
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands()
-                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
-                    self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
-                plan = self.scheduler.schedule()
-                if plan.empty:
-                    self._publish_gauges(0)
+                if not self.step():
                     self._wake.wait(0.05)
                     self._wake.clear()
-                    continue
-                self._step(plan)
         except MemraError as err:  # a failed pipeline rank (PipelineError names it): clear message, no traceback
             self.error = err
             print(f"memra engine: stopped: {err}", file=sys.stderr, flush=True)
@@ -281,26 +292,30 @@ class Engine:
         for rid in plan.swap_in:
             self._swap_in(self.seqs[rid])
         prefilled: dict[str, int] = {}
-        sampled: list[str] = []
+        ready: list[_Seq] = []  # sequences that get a token this step, in the order of `logits`' rows
+        logits: list[torch.Tensor] = []
         for rid, start, n in plan.prefill:
             s = self.seqs[rid]
             if s.cache is None:
                 s.cache = self._new_cache(s)
             assert s.cache.pos == start, f"{rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
-            logits = self.model.prime(s.prompt[start : start + n], s.cache)
+            last = self.model.prime(s.prompt[start : start + n], s.cache)
             prefilled[rid] = n
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(n)
-            if start + n == len(s.prompt):
-                self._emit(s, logits)
-                sampled.append(rid)
+            if start + n == len(s.prompt):  # its first token comes from the last prompt position
+                ready.append(s)
+                logits.append(last[None])
         if plan.decode:
             rows = [self.seqs[rid] for rid in plan.decode]
-            logits = self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows])
-            for s, row in zip(rows, logits):
-                self._emit(s, row)
-                sampled.append(s.rid)
-        finished = [rid for rid in sampled if self.seqs[rid].done]
+            logits.append(self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows]))
+            ready += rows
+        if ready:
+            batch = logits[0] if len(logits) == 1 else torch.cat(logits)
+            for s, picked in zip(ready, pick(batch, [s.row for s in ready])):
+                self._emit(s, picked)
+        sampled = [s.rid for s in ready]
+        finished = [s.rid for s in ready if s.done]
         self.scheduler.step_done(prefilled, sampled, finished)
         for rid in finished:
             self._release(self.seqs.pop(rid))
@@ -310,10 +325,9 @@ class Engine:
     def _new_cache(self, s: _Seq):
         return self.backend.new_cache(len(s.prompt) + s.params.max_tokens)
 
-    def _emit(self, s: _Seq, logits: torch.Tensor) -> None:
-        """Choose the next token exactly as offline generation does, and send it out."""
-        p = s.params
-        token = sample(apply_penalties(logits, p, s.prompt, s.out), p, ctr=len(s.out))
+    def _emit(self, s: _Seq, picked: Picked) -> None:
+        """Record the token the sampler chose for `s` and send it out."""
+        token = picked.token
         s.out.append(token)
         now = time.perf_counter()
         if self.metrics is not None:
@@ -323,15 +337,8 @@ class Engine:
             else:
                 self.metrics.inter_token.observe(now - s.last_token_at)
         s.last_token_at = now
-        lp, top = None, ()
-        if s.logprobs is not None:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            lp = float(logp[token])
-            if s.logprobs > 0:
-                vals, ids = torch.topk(logp, s.logprobs)
-                top = tuple(zip(ids.tolist(), vals.tolist()))
-        finish = "stop" if token in s.eos else "length" if len(s.out) >= p.max_tokens else None
-        s.sink(TokenEvent(s.index, token, lp, top, finish, len(s.prompt), len(s.out)))
+        finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
+        s.sink(TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt), len(s.out)))
         if finish is not None:
             s.done = True
             if self.metrics is not None:
@@ -387,8 +394,3 @@ def _public(err: BaseException) -> str:
     if isinstance(err, MemraError):
         return str(err)
     return "an internal error; the server log has the details"
-
-
-def fresh_seed() -> int:
-    """A seed for a request that gave none (OpenAI: unseeded sampling is not reproducible)."""
-    return secrets.randbits(62)

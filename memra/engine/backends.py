@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from memra.cache import BLOCK_SIZE, Cache, ModelPools
+from memra.cache import BLOCK_SIZE, Cache
+from memra.pools import ModelPools
 from memra.errors import MemraError
 from memra.graphs import reserve_scratch
 from memra.pp.fence import PipelineError
-from memra.server.engine_types import EngineConfig
+from memra.engine.types import EngineConfig
 
 
 class InProcess:

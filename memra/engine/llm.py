@@ -1,0 +1,192 @@
+"""memra.LLM: batches of prompts in, one output per prompt out — the convention of vLLM's LLM.generate.
+
+    llm = memra.LLM("model.gguf", device="cuda")
+    outs = llm.generate(["prompt a", "prompt b"], memra.SamplingParams(max_tokens=64, seed=1))
+    outs[0].outputs[0].text, .token_ids, .finish_reason, .logprobs
+
+It runs the same engine as the server (memra.engine.engine): every prompt is a request, they run as one
+continuous batch on the caller's thread, and each answer is the one the prompt gets alone — the engine's
+promise (batched rows = B=1 rows, chunked prefill = one-shot prefill, seeded sampling = f(seed, step)).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from memra.engine.engine import Engine
+from memra.engine.types import EngineConfig, TokenEvent
+from memra.errors import MemraError
+from memra.generate import GenerationStats
+from memra.sampling import SamplingParams
+from memra.tokenizer import TextStream
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int  # which of the prompt's n choices
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens)
+    logprobs: list[float] | None = None  # each generated token's logprob, where asked
+    top_logprobs: list[dict[int, float]] | None = None  # the top n of each position, where asked
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt: str | None  # the text, when the prompt was given as text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+@dataclass
+class _Choice:
+    """One choice while it runs: its text stream and what it has produced."""
+
+    text: TextStream
+    pieces: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+
+
+class LLM:
+    """A model and an engine over it, for offline batches.
+
+    model: a path (HF directory, .gguf, "demo", "random:SHAPE") or a model memra.load returned.
+    max_batch: sequences decoded together; max_ctx: prompt + completion tokens per sequence (default the
+    model's context). The engine's caches take at most the model's KV budget (memra.load's kv_budget).
+    """
+
+    def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
+                 max_ctx: int | None = None, **load_options):
+        if isinstance(model, (str, Path)):
+            from memra.loading.checkpoint import load
+
+            model = load(model, device=device, dtype=dtype, **load_options)
+        if model.tokenizer is None:
+            raise MemraError("memra.LLM needs a model with its tokenizer (load it with tokenizer=True)")
+        self.model, self.tokenizer = model, model.tokenizer
+        ctx = min(max_ctx or model.cfg.max_position, model.cfg.max_position)
+        self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30))
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in order. A prompt is text (encoded with the model's special tokens,
+        e.g. bos) or a list of token ids; `params` is one SamplingParams for all or one per prompt."""
+        batch = _prompt_list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise MemraError(f"generate got {len(plist)} SamplingParams for {len(batch)} prompts")
+        ids = [self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p) for p in batch]
+        for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
+            self.engine.check_request(prompt_ids, p)
+        runs = []
+        for prompt_ids, p in zip(ids, plist):
+            choices, rids = [_Choice(TextStream(self.tokenizer, p.stop)) for _ in range(p.n)], []
+            rids += self.engine.submit(prompt_ids, p, self._sink(choices, rids), n=p.n, logprobs=p.logprobs,
+                                       eos_ids=self.tokenizer.eos_ids)
+            runs.append(choices)
+        self.engine.run_until_idle()
+        failed = next((c.error for choices in runs for c in choices if c.error), None)
+        if failed:
+            raise MemraError(failed)
+        return [RequestOutput(p if isinstance(p, str) else None, i, [_output(k, c) for k, c in enumerate(choices)])
+                for p, i, choices in zip(batch, ids, runs)]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               stats: GenerationStats | None = None) -> Iterator[str]:
+        """One prompt's text as it is generated (what `memra generate` prints), through the same engine.
+        Stops at EOS, max_tokens or a stop string (not printed); `stats` gets the counts and timings."""
+        p = params or SamplingParams()
+        if p.n != 1:
+            raise MemraError("stream() runs one choice; use generate() for n > 1")
+        ids = self.tokenizer.encode(prompt, add_special=True) if isinstance(prompt, str) else list(prompt)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(ids)
+        events: deque[TokenEvent] = deque()
+        text = TextStream(self.tokenizer, p.stop)
+        start = time.perf_counter()
+        rids = self.engine.submit(ids, p, events.append, logprobs=p.logprobs, eos_ids=self.tokenizer.eos_ids)
+        first = last = None
+        try:
+            while stats.finish_reason == "":
+                if not events and not self.engine.step():
+                    break
+                while events and stats.finish_reason == "":
+                    ev = events.popleft()
+                    if ev.error:
+                        raise MemraError(ev.error)
+                    if ev.token_id is not None:
+                        last = time.perf_counter()
+                        first = first or last
+                        stats.token_ids.append(ev.token_id)
+                        stats.generated_tokens += 1
+                        piece = text.push(ev.token_id)
+                        if text.stopped:
+                            stats.finish_reason = "stop"
+                        if piece:
+                            yield piece
+                    if ev.finish_reason is not None and stats.finish_reason == "":
+                        stats.finish_reason = ev.finish_reason
+                        yield text.finish()
+        finally:  # done, or the reader stopped early: nothing more runs for this prompt
+            if first is not None:
+                stats.prefill_seconds, stats.decode_seconds = first - start, last - first
+            self.engine.cancel(rids)
+            self.engine.run_until_idle()
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """generate() over conversations ([{"role", "content"}, ...]) rendered with the chat template."""
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)
+        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True))
+               for c in convs]
+        return self.generate(ids, params)
+
+    def _sink(self, choices: list[_Choice], rids: list[str]):
+        """Events of one prompt's choices -> their text; runs on this thread inside run_until_idle, after
+        `rids` has been filled in by submit."""
+        def sink(ev: TokenEvent) -> None:
+            c = choices[ev.index]
+            if c.finish is not None:
+                return  # after a stop string: the step that was already running
+            if ev.error:
+                c.error, c.finish = ev.error, "abort"
+                return
+            if ev.token_id is not None:
+                c.tokens.append(ev.token_id)
+                c.pieces.append(c.text.push(ev.token_id))
+                if ev.logprob is not None:
+                    c.logprobs.append(ev.logprob)
+                    c.tops.append(dict(ev.top_logprobs))
+                if c.text.stopped:
+                    c.finish = "stop"
+                    self.engine.cancel([rids[ev.index]], finish_reason="stop")
+                    return
+            if ev.finish_reason is not None:
+                c.finish = ev.finish_reason
+                c.pieces.append(c.text.finish())
+        return sink
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise MemraError("generate needs at least one prompt")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _output(index: int, c: _Choice) -> CompletionOutput:
+    asked = bool(c.logprobs)
+    return CompletionOutput(index, "".join(c.pieces), c.tokens, c.finish or "length",
+                            c.logprobs if asked else None, c.tops if asked else None)

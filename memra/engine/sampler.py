@@ -1,0 +1,120 @@
+"""One engine step's next tokens for the whole batch, chosen on the device, one copy to the host.
+
+    logits [B, V] --(penalized rows only: repetition / presence / frequency / logit_bias)-->
+        --ops.sample_batch (one launch on CUDA: temperature, top-k/p, min-p, seeded noise)--> tokens [B]
+        --(rows that asked: log-softmax, the chosen token's logprob, the top n)--> one .tolist()
+
+Each row's token is the one offline generation picks for that sequence (memra.sampling.sample after
+apply_penalties), bit for bit: the penalties are the same elementwise fp32 operations, applied from
+per-sequence state kept on the device (the tokens seen, the output counts) instead of Python lists
+rebuilt every step; the batch sampler gives device_sample's token in every row (memra.kernels
+.sample_triton, tested against it). Logprobs are of the raw logits, as before penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memra.errors import MemraError
+from memra.kernels import ops
+from memra.sampling import SamplingParams
+
+
+@dataclass
+class PenaltyState:
+    """One penalized sequence's history on the device: which tokens it has seen (prompt and output:
+    repetition) and how often each came out (presence / frequency), and its logit_bias as a scatter."""
+
+    seen: torch.Tensor  # [V] bool
+    counts: torch.Tensor  # [V] fp32 (whole numbers: exact)
+    bias_ids: torch.Tensor | None = None  # [n] int64
+    bias_vals: torch.Tensor | None = None  # [n] fp32
+    produced: int = 0  # output tokens already counted
+
+    @classmethod
+    def start(cls, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> "PenaltyState":
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        state = cls(seen, torch.zeros(vocab, dtype=torch.float32, device=device))
+        if params.logit_bias:
+            if max(t for t, _ in params.logit_bias) >= vocab:
+                raise MemraError(f"logit_bias names a token outside the vocabulary (0..{vocab - 1})")
+            state.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+            state.bias_vals = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        return state
+
+    def observe(self, out: list[int]) -> None:
+        """Count the output tokens not yet counted (the last step's, usually one)."""
+        if len(out) > self.produced:
+            new = torch.tensor(out[self.produced:], dtype=torch.long, device=self.counts.device)
+            self.seen[new] = True
+            self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
+            self.produced = len(out)
+
+    def apply(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """apply_penalties' result for this sequence, as a new [V] tensor: the same fp32 operations."""
+        out = logits.clone()
+        if p.repetition_penalty != 1.0:
+            out = torch.where(self.seen, torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty),
+                              out)
+        if self.produced and (p.presence_penalty or p.frequency_penalty):
+            out -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).to(out.dtype)
+        if self.bias_ids is not None:
+            out[self.bias_ids] += self.bias_vals
+        return out
+
+
+@dataclass
+class RowSpec:
+    """What the sampler needs of one row: the sequence's params, prompt and output so far."""
+
+    params: SamplingParams
+    prompt: list[int]
+    out: list[int]
+    logprobs: int | None  # top-n asked for (0 = the chosen token's only), None = off
+    penalty: PenaltyState | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class Picked:
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def pick(logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
+    """Every row's next token (and logprobs where asked) from logits [B, V]; one device-to-host copy."""
+    vocab = logits.shape[-1]
+    chosen_from = logits
+    penalized = [i for i, r in enumerate(rows) if r.params.penalized]
+    if penalized:
+        chosen_from = logits.clone()
+        for i in penalized:
+            r = rows[i]
+            if r.penalty is None:
+                r.penalty = PenaltyState.start(r.params, r.prompt, vocab, logits.device)
+            r.penalty.observe(r.out)
+            chosen_from[i] = r.penalty.apply(logits[i], r.params)
+    tokens = ops.sample_batch(chosen_from, [r.params.dev_samp(len(r.out)) for r in rows])  # [B] int64 on device
+    asked = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    if not asked:
+        return [Picked(t) for t in tokens.tolist()]
+    pieces = [tokens.double()]
+    for i in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
+        logp = torch.log_softmax(logits[i].float(), dim=-1)
+        pieces.append(logp[tokens[i]].double().reshape(1))
+        if rows[i].logprobs:
+            vals, ids = torch.topk(logp, rows[i].logprobs)
+            pieces += [ids.double(), vals.double()]
+    host = torch.cat(pieces).tolist()  # the one copy: tokens, then each asking row's numbers
+    out = [Picked(int(t)) for t in host[: len(rows)]]
+    at = len(rows)
+    for i in asked:
+        n = rows[i].logprobs
+        lp, at = host[at], at + 1
+        top = tuple(zip((int(x) for x in host[at : at + n]), host[at + n : at + 2 * n])) if n else ()
+        at += 2 * n
+        out[i] = Picked(out[i].token, lp, top)
+    return out

@@ -1,0 +1,85 @@
+"""memra.LLM and the engine under it, against the reference loop (memra.generate.generate_tokens: one
+sequence, prime then decode_step, the host picking each token): a batch of prompts with every kind of
+sampling gives each prompt the very tokens it gets alone, bit for bit — the same tokens `memra generate`
+printed before it ran on the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memra
+from conftest import DEVICE
+from memra.generate import GenerationStats, generate_tokens
+from memra.sampling import SamplingParams
+
+PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo,", "First Citizen:\nBefore we proceed any further, hear me speak.",
+           "KING LEAR:\nBlow, winds,", "HAMLET:\nTo be, or not to be"]
+PARAMS = [
+    SamplingParams(max_tokens=24),
+    SamplingParams(max_tokens=30, temperature=0.8, seed=7),
+    SamplingParams(max_tokens=20, temperature=1.1, top_k=40, top_p=0.9, seed=3),
+    SamplingParams(max_tokens=28, temperature=0.7, min_p=0.05, seed=11, repetition_penalty=1.3,
+                   presence_penalty=0.5, frequency_penalty=0.4, logit_bias={17: 3.0, 99: -100.0}),
+    SamplingParams(max_tokens=16, repetition_penalty=0.8, logit_bias={5: 2.5}),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return memra.LLM("demo", device=DEVICE, max_batch=8, max_ctx=256)  # GPU: MEMRA_TEST_DEVICE=cuda
+
+
+def reference(model, prompt: str, p: SamplingParams) -> list[int]:
+    ids = model.tokenizer.encode(prompt, add_special=True)
+    return list(generate_tokens(model, ids, p, eos_ids=model.tokenizer.eos_ids))
+
+
+def test_a_batch_gives_each_prompt_its_tokens_alone(llm):
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.prompt for o in outs] == PROMPTS
+    for prompt, p, o in zip(PROMPTS, PARAMS, outs):
+        want = reference(llm.model, prompt, p)
+        got = o.outputs[0]
+        assert got.token_ids == want, prompt
+        assert got.text == llm.tokenizer.decode(want, skip_special=True)
+        assert got.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_ids else "length")
+
+
+def test_choices_stops_logprobs_and_streaming(llm):
+    p = SamplingParams(max_tokens=20, temperature=0.9, seed=5, n=3)
+    out = llm.generate("ROMEO:", p).pop().outputs
+    for i, choice in enumerate(out):
+        assert choice.index == i
+        assert choice.token_ids == reference(llm.model, "ROMEO:", SamplingParams(max_tokens=20, temperature=0.9,
+                                                                                 seed=5 + i))
+    whole = llm.generate("ROMEO:", SamplingParams(max_tokens=40)).pop().outputs[0].text
+    stop = whole.strip()[4:9]
+    cut = llm.generate("ROMEO:", SamplingParams(max_tokens=40, stop=(stop,))).pop().outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == whole[: whole.index(stop)]
+    lp = llm.generate("ROMEO:", SamplingParams(max_tokens=6, logprobs=3)).pop().outputs[0]
+    assert len(lp.logprobs) == len(lp.top_logprobs) == 6
+    for tok, chosen, top in zip(lp.token_ids, lp.logprobs, lp.top_logprobs):
+        assert chosen <= 0 and len(top) == 3 and top[tok] == chosen  # greedy: the chosen one is the best
+    stats = GenerationStats()
+    streamed = "".join(llm.stream("ROMEO:", SamplingParams(max_tokens=40), stats))
+    assert streamed == whole and stats.generated_tokens == 40 and stats.finish_reason == "length"
+
+
+def test_token_id_prompts_and_refusals(llm):
+    ids = llm.tokenizer.encode("JULIET:", add_special=True)
+    a = llm.generate(ids, SamplingParams(max_tokens=8)).pop()
+    b = llm.generate(["JULIET:"], SamplingParams(max_tokens=8)).pop()
+    assert a.prompt is None and a.prompt_token_ids == ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    with pytest.raises(memra.MemraError, match="maximum context length"):
+        llm.generate(["ROMEO:", "x " * 300], SamplingParams(max_tokens=8))
+    assert not llm.engine.busy()  # the refusal came before anything was queued
+    with pytest.raises(memra.MemraError, match="SamplingParams"):
+        llm.generate(PROMPTS, PARAMS[:2])
+
+
+def test_the_engine_step_is_the_pooled_batch(llm):
+    """The engine's caches come from one pool, so its decode rows run as one batch (graphed on CUDA)."""
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4))
+    backend = llm.engine.backend
+    assert backend.kv is backend.pools.kv and isinstance(backend.kv.k[3], torch.Tensor)
