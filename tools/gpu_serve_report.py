@@ -29,7 +29,7 @@ from memra.server.api import build_app  # noqa: E402
 from memra.server.http import ServerThread  # noqa: E402
 from memra.server.bench import (ServeBenchConfig, check_against_offline, check_metrics, memra_offline,  # noqa: E402
                                 run_serve_bench, scrape_metrics)
-from memra.server.engine import Engine, EngineConfig  # noqa: E402
+from memra.engine.engine import Engine, EngineConfig  # noqa: E402
 from memra.server.metrics import Metrics  # noqa: E402
 
 GPU_GROWTH_BOUND = 64 << 20  # bytes of torch-allocated GPU memory the soak may add (caches are pooled up front)
