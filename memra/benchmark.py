@@ -51,6 +51,7 @@ from memra.random_model import SHAPES, canonical_shapes
 # name -> (activation dtype, packed format for random_model(quant=...) or None)
 WEIGHT_FORMATS = {"bf16": (torch.bfloat16, None), "q8_0": (torch.bfloat16, "q8_0"), "q4_k": (torch.bfloat16, "q4_k")}
 MODES = ("exact", "fast")  # memra's exact path, and the non-exact stacked path (MEMRA_EXACT=0)
+PATHS = ("engine", "newcache")  # the paths users run, timed beside the pooled step (memra.bench.user_paths)
 GIB = 2**30
 
 
@@ -115,8 +116,8 @@ class BenchConfig:
                 raise MemraError(f"layer count for {name!r} must be positive, got {n}")
         if not self.batches or min(self.batches) <= 0:
             raise MemraError(f"batch widths must be positive, got {self.batches}")
-        if bad := [m for m in self.exact_modes if m not in MODES]:
-            raise MemraError(f"unknown mode(s) {bad}; modes are {', '.join(MODES)}")
+        if bad := [m for m in self.exact_modes if m not in MODES + PATHS]:
+            raise MemraError(f"unknown mode(s) {bad}; modes are {', '.join(MODES + PATHS)}")
         if not 1 <= self.prefill_chunk <= PRIME_CHUNK_MAX_TOKENS:
             raise MemraError(f"prefill_chunk must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {self.prefill_chunk}")
         for name in ("ttft_tokens", "prompt_tokens", "decode_steps", "repeats"):
@@ -685,6 +686,7 @@ class BenchResult:
     vs_roofline: float | None = None  # tokens_per_s / roofline_tokens_per_s (<= 1 unless the model is wrong)
     vs_hf: float | None = None  # tokens_per_s / the HF peer's, same phase and batch
     vs_fast: float | None = None  # exact rows: exact / fast tokens/s (the exactness overhead target: >= 0.9)
+    vs_pooled: float | None = None  # engine / newcache rows: tokens/s / the exact pooled step's, same B
     context: int = 0  # decode: mean context length the roofline assumes
     note: str = ""
 
@@ -753,7 +755,8 @@ class BenchReport:
             lines.append(f"{m.name}: {m.arch}, {layers} layers, {_si(m.params)} trunk params, "
                          f"{_si(m.weight_bytes)}B; HF peer: {m.hf_peer}")
             lines += [f"  note: {n}" for n in m.notes]
-        head = ("model", "mode", "phase", "B", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "exact/fast", "notes")
+        head = ("model", "mode", "phase", "B", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "exact/fast",
+                "of pooled", "notes")
         body = [head]
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
         for r in self.rows:
@@ -762,7 +765,7 @@ class BenchReport:
                          fmt(None if r.seconds is None else r.seconds * 1e3, ".2f"),
                          fmt(r.roofline_tokens_per_s, ".1f"), fmt(r.vs_roofline, ".1%"),
                          fmt(r.vs_hf, ".2f") + ("x" if r.vs_hf else ""),
-                         fmt(r.vs_fast, ".3f"), r.note))
+                         fmt(r.vs_fast, ".3f"), fmt(r.vs_pooled, ".3f"), r.note))
         widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]
         lines.append("")
         for row in body:
@@ -792,8 +795,10 @@ def link_ratios(rows: Sequence[BenchResult]) -> tuple[BenchResult, ...]:
     for r in rows:
         if r.status == "ok" and r.tokens_per_s and r.mode != "hf":
             hf, fast = by.get(("hf", *r.key)), by.get(("fast", *r.key))
+            pooled = by.get(("exact", *r.key)) if r.mode in PATHS else None
             r = dataclasses.replace(r, vs_hf=r.tokens_per_s / hf.tokens_per_s if hf else None,
-                                    vs_fast=r.tokens_per_s / fast.tokens_per_s if fast and r.mode == "exact" else None)
+                                    vs_fast=r.tokens_per_s / fast.tokens_per_s if fast and r.mode == "exact" else None,
+                                    vs_pooled=r.tokens_per_s / pooled.tokens_per_s if pooled else None)
         out.append(r)
     return tuple(out)
 
@@ -877,9 +882,10 @@ class _Progress:
 
 def planned_cells(cfg: BenchConfig, model: str) -> list[tuple[str, str, int]]:
     """Every (mode, phase, batch) cell of one model, in run order: memra modes first, then the peer."""
-    modes = list(cfg.exact_modes) + (["hf"] if cfg.peer_hf else [])
-    return [(mode, phase, b) for mode in modes
-            for phase, batches in (("decode", cfg.batches), ("prefill", (1,)), ("ttft", (1,))) for b in batches]
+    modes = [m for m in cfg.exact_modes if m in MODES] + (["hf"] if cfg.peer_hf else [])
+    cells = [(mode, phase, b) for mode in modes
+             for phase, batches in (("decode", cfg.batches), ("prefill", (1,)), ("ttft", (1,))) for b in batches]
+    return cells + [(mode, "decode", b) for mode in cfg.exact_modes if mode in PATHS for b in cfg.batches]
 
 
 class _Run:
@@ -1008,7 +1014,7 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
     roofs[("prefill", 1)] = roofline_prefill_tokens_per_s(model, cfg.prefill_chunk, bw, peak)
     roofs[("ttft", 1)] = roofline_prefill_tokens_per_s(model, cfg.ttft_tokens, bw, peak)
 
-    for mode in cfg.exact_modes:
+    for mode in (m for m in cfg.exact_modes if m in MODES):
         for b in cfg.batches:
             with exact_door(mode):
                 run.cell(name, mode, "decode", b,
@@ -1020,6 +1026,7 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
             run.cell(name, mode, "ttft", 1, lambda: time_ttft(model, cfg.ttft_tokens, cfg.repeats, cfg.seed),
                      prefill_roof)
 
+    _bench_paths(run, name, model, decode_roof)
     if any(r.model == name and r.mode == "exact" and r.phase == "decode" and r.status == "ok" for r in run.rows):
         notes.append(f"exact decode plan: {_exact_plan(model)}")  # already resolved (and cached) by those cells
     hf_how = "off (--no-hf)"
@@ -1030,6 +1037,20 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
     run.models.append(ModelInfo(name, mcfg.arch, mcfg.n_layers, full, sum(tensor_numel(t) for t in trunk.values()),
                                 sum(tensor_bytes(t) for t in trunk.values()), build_s, hf_how,
                                 tuple(notes)))
+
+
+def _bench_paths(run: _Run, name: str, model, decode_roof) -> None:
+    """The engine and new_cache cells (memra.bench.user_paths), in the exact mode."""
+    from memra.bench.user_paths import time_engine_decode, time_new_cache_decode
+
+    cfg = run.cfg
+    timers = {"engine": time_engine_decode, "newcache": time_new_cache_decode}
+    for mode in (m for m in cfg.exact_modes if m in PATHS):
+        for b in cfg.batches:
+            prompts = [prompt_ids(model.cfg.vocab_size, cfg.prompt_tokens, i, cfg.seed) for i in range(b)]
+            with exact_door("exact"):
+                run.cell(name, mode, "decode", b,
+                         lambda: timers[mode](model, b, cfg.decode_steps, cfg.warmup, prompts), decode_roof)
 
 
 def _exact_plan(model) -> str:
@@ -1107,7 +1128,9 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--layers", default=None, help="build with fewer layers: N for every model, or name=N,...")
     p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     p.add_argument("--weights", default=d.weights, help="weight format: bf16 | q8_0 | q4_k (projections packed, fused dequant kernels)")
-    p.add_argument("--modes", default=",".join(d.exact_modes), help="exact and/or fast (MEMRA_EXACT=0)")
+    p.add_argument("--modes", default=",".join(d.exact_modes),
+                   help="exact and/or fast (MEMRA_EXACT=0); engine (the loop memra generate / memra.LLM / the server "
+                        "run) and newcache (decode_step_batch over model.new_cache caches), timed beside exact")
     p.add_argument("--steps", type=int, default=d.decode_steps, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed decode steps first")
     p.add_argument("--repeats", type=int, default=d.repeats, help="prefill/TTFT/probe repeats (best of)")

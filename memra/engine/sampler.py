@@ -1,7 +1,8 @@
 """One engine step's next tokens for the whole batch, chosen on the device, one copy to the host.
 
     logits [B, V] --(penalized rows only: repetition / presence / frequency / logit_bias)-->
-        --ops.sample_batch (one launch on CUDA: temperature, top-k/p, min-p, seeded noise)--> tokens [B]
+        --argmax for greedy rows; ops.sample_batch for the others (one launch on CUDA: temperature,
+          top-k/p, min-p, seeded noise)--> tokens [B]
         --(rows that asked: log-softmax, the chosen token's logprob, the top n)--> one .tolist()
 
 Each row's token is the one offline generation picks for that sequence (memra.sampling.sample after
@@ -97,10 +98,14 @@ def pick(logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
                 r.penalty = PenaltyState.start(r.params, r.prompt, vocab, logits.device)
             r.penalty.observe(r.out)
             chosen_from[i] = r.penalty.apply(logits[i], r.params)
-    tokens = ops.sample_batch(chosen_from, [r.params.dev_samp(len(r.out)) for r in rows])  # [B] int64 on device
+    tokens = chosen_from.argmax(-1)  # [B] int64 on the device: every greedy row's token (device_sample's rule)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)
+        idx = sampled if len(sampled) < len(rows) else slice(None)
+        tokens[idx] = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
     asked = [i for i, r in enumerate(rows) if r.logprobs is not None]
     if not asked:
-        return [Picked(t) for t in tokens.tolist()]
+        return [Picked(t) for t in _to_host(tokens)]
     pieces = [tokens.double()]
     for i in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
         logp = torch.log_softmax(logits[i].float(), dim=-1)
@@ -108,7 +113,7 @@ def pick(logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
         if rows[i].logprobs:
             vals, ids = torch.topk(logp, rows[i].logprobs)
             pieces += [ids.double(), vals.double()]
-    host = torch.cat(pieces).tolist()  # the one copy: tokens, then each asking row's numbers
+    host = _to_host(torch.cat(pieces))  # the one copy: tokens, then each asking row's numbers
     out = [Picked(int(t)) for t in host[: len(rows)]]
     at = len(rows)
     for i in asked:
@@ -118,3 +123,13 @@ def pick(logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
         at += 2 * n
         out[i] = Picked(out[i].token, lp, top)
     return out
+
+
+def _to_host(t: torch.Tensor) -> list:
+    """t as a list, after waiting for the device on an event: the wait releases the GIL, so a server's
+    other threads (the event loop, the text thread) run while the step finishes on the GPU."""
+    if t.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return t.tolist()

@@ -583,6 +583,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--metrics-prefix", default="memra:", help="counter prefix, e.g. vllm: (default %(default)s)")
     p.add_argument("--offline-check", metavar="MODEL", default=None,
                    help="afterwards, generate every completed prompt offline with this model and compare")
+    p.add_argument("--no-offline-check", action="store_true",
+                   help="with --launch: skip comparing every completed answer with offline generation")
     p.add_argument("--device", default=None, help="device for --offline-check")
     p.add_argument("--dtype", default=None, help="dtype for --offline-check")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report (per request too) as JSON")
@@ -640,7 +642,7 @@ def _bench(args, cfg: ServeBenchConfig, server) -> int:
     problems = []
     if before is not None:
         problems += check_metrics(before, scrape_metrics(args.url, args.api_key), report, prefix=args.metrics_prefix)
-    if args.offline_check or server is not None:
+    if args.offline_check or (server is not None and not args.no_offline_check):
         target = server.model if server is not None else args.offline_check
         problems += check_against_offline(report, memra_offline(target, args.device, args.dtype))
     for p in problems:

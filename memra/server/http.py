@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 import threading
 import time
 
@@ -22,6 +23,7 @@ from fastapi import FastAPI
 from memra.errors import MemraError
 
 GRACE_S = 10  # after the drain deadline: time for the aborted answers to reach their clients
+SWITCH_INTERVAL_S = 0.0002  # how soon the GIL goes to a waiting thread (the process's setting; see HttpServer)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -47,6 +49,10 @@ class HttpServer(uvicorn.Server):
     """uvicorn for an app made by memra.server.api.build_app (its engine and options are on app.state)."""
 
     def __init__(self, app: FastAPI, log_level: str = "warning"):
+        # Python hands the GIL to a waiting thread only every switch interval (5 ms by default): the engine
+        # thread, back from the GPU, would wait that long behind the event loop's formatting of the
+        # previous step's tokens, several times a step. A short interval keeps the engine fed.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         drain = app.state.options.shutdown_timeout
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain) + GRACE_S))
         self.engine, self.drain_s = app.state.engine, drain
