@@ -62,10 +62,6 @@ class InProcess:
         slot = self.rec.allocate() if self.rec is not None else None
         return Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
 
-    def scratch_cache(self, max_ctx: int):
-        """A sequence outside the shared pools (warm-up)."""
-        return (self.rt.new_cache if self.rt is not None else self.model.new_cache)(max_ctx)
-
     def before_step(self) -> None:
         if self.rt is not None:
             from memra.pp.probe import service_runtime_probe
@@ -141,8 +137,6 @@ class ProcessPipeline:
 
     def new_cache(self, max_ctx: int):
         return self.pipe.new_cache(max_ctx)
-
-    scratch_cache = new_cache
 
     def before_step(self) -> None:
         pass

@@ -165,11 +165,13 @@ class Engine:
         self._wake.set()
 
     def warm_up(self) -> None:
-        """Pay the first-use costs before the first request does: the decode plan's on-model check,
-        kernel compilation, allocator growth (a scratch sequence, outside the shared pools)."""
-        c = self.backend.scratch_cache(2 * EXACT_PIECE)
+        """Pay the first-use costs before the first request does: kernel compilation, the decode plan's
+        on-model check, the B=1 decode graph of the engine's own pool (a scratch sequence as long as
+        the longest request, so the graph's table width is the one requests use), allocator growth."""
+        c = self.backend.new_cache(self.cfg.max_ctx)
+        n = min(EXACT_PIECE + 2, self.cfg.max_ctx - 1)  # a piece boundary crossed, where the context allows
         try:
-            logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(EXACT_PIECE + 2)], c)
+            logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(n)], c)
             self.model.decode_step_batch([int(logits.argmax())], [c])
         finally:
             c.free()
