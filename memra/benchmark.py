@@ -27,24 +27,24 @@ peer runs only for bf16 (it has no kernels for these packed formats).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
 import math
-import os
 import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from memra.cache import PRIME_CHUNK_MAX_TOKENS
 from memra.config import ModelConfig
 from memra.errors import MemraError
+from memra.bench.timing import Timing
 from memra.random_model import SHAPES, canonical_shapes
+from memra.settings import process_env, show_progress
 
 # --- configuration -------------------------------------------------------------------------------
 
@@ -365,18 +365,11 @@ def roofline_prefill_tokens_per_s(model, tokens: int, bandwidth: float, matmul_f
 # --- memra timings -------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def exact_door(mode: str) -> Iterator[None]:
-    """MEMRA_EXACT for one measurement (doors are read per call), restored afterwards."""
-    old = os.environ.get("MEMRA_EXACT")
-    os.environ["MEMRA_EXACT"] = "1" if mode == "exact" else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MEMRA_EXACT", None)
-        else:
-            os.environ["MEMRA_EXACT"] = old
+def mode_view(model, mode: str):
+    """The model as one mode runs it: the exact path, or the fast one (MEMRA_EXACT=0) — a view with
+    other settings over the same weights (HybridModel.with_settings), not a change to the environment."""
+    exact = mode != "fast"
+    return model if model.settings.exact == exact else model.with_settings(model.settings.replace(exact=exact))
 
 
 def prompt_ids(vocab: int, n: int, row: int = 0, seed: int = 0) -> list[int]:
@@ -384,14 +377,6 @@ def prompt_ids(vocab: int, n: int, row: int = 0, seed: int = 0) -> list[int]:
     every sequence a real one)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + row)
     return torch.randint(vocab, (n,), generator=gen).tolist()
-
-
-@dataclass(frozen=True)
-class Timing:
-    seconds: float  # one operation: a decode step of the whole batch, one prefill chunk, one TTFT
-    tokens: int  # tokens that operation produces or consumes (B, the chunk, the prompt)
-    repeats: int  # operations timed
-    context: int = 0  # decode: mean context length over the timed steps (the roofline's KV read)
 
 
 def shared_caches(model, batch: int, max_ctx: int) -> list:
@@ -412,10 +397,9 @@ def time_decode(model, batch: int, steps: int, warmup: int, prompt_tokens: int, 
     """B sequences primed with their own prompts, then `warmup` untimed and `steps` timed decode steps
     of all B rows through decode_step_batch, each fed the previous step's greedy tokens (the host
     round-trip a real decode loop pays)."""
-    from memra import doors
     from memra.decode_plan import decode_plan
 
-    if doors.exact_mode():
+    if model.settings.exact:
         decode_plan(model)  # resolve (and on-model verify, once per model) the exact plan before any timing
     vocab = model.cfg.vocab_size
     caches = shared_caches(model, batch, prompt_tokens + warmup + steps + 1)
@@ -818,8 +802,8 @@ def _environment(device: torch.device) -> dict:
 
     return {"device": str(device), "device_name": name, "torch": torch.__version__, "transformers": tf,
             "memra": __version__, "python": platform.python_version(), "cuda": torch.version.cuda,
-            # the MEMRA_* doors set for this run (MEMRA_EXACT is set per cell by the benchmark itself)
-            "doors": {k: v for k, v in os.environ.items() if k.startswith("MEMRA_") and k != "MEMRA_EXACT"}}
+            # the MEMRA_* doors set for this run (each cell's mode sets MEMRA_EXACT for its own view)
+            "doors": {k: v for k, v in process_env().items() if k.startswith("MEMRA_") and k != "MEMRA_EXACT"}}
 
 
 def _shape_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -863,7 +847,7 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool | None):
         if enabled is None:
-            enabled = sys.stderr.isatty() and not os.environ.get("CI")
+            enabled = show_progress()
         self.bar = None
         if enabled:
             from tqdm import tqdm
@@ -1015,16 +999,15 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
     roofs[("ttft", 1)] = roofline_prefill_tokens_per_s(model, cfg.ttft_tokens, bw, peak)
 
     for mode in (m for m in cfg.exact_modes if m in MODES):
+        view = mode_view(model, mode)
         for b in cfg.batches:
-            with exact_door(mode):
-                run.cell(name, mode, "decode", b,
-                         lambda: time_decode(model, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, cfg.seed),
-                         decode_roof)
-        with exact_door(mode):
-            run.cell(name, mode, "prefill", 1, lambda: time_prefill(model, cfg.prefill_chunk, cfg.repeats, cfg.seed),
-                     prefill_roof)
-            run.cell(name, mode, "ttft", 1, lambda: time_ttft(model, cfg.ttft_tokens, cfg.repeats, cfg.seed),
-                     prefill_roof)
+            run.cell(name, mode, "decode", b,
+                     lambda: time_decode(view, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, cfg.seed),
+                     decode_roof)
+        run.cell(name, mode, "prefill", 1, lambda: time_prefill(view, cfg.prefill_chunk, cfg.repeats, cfg.seed),
+                 prefill_roof)
+        run.cell(name, mode, "ttft", 1, lambda: time_ttft(view, cfg.ttft_tokens, cfg.repeats, cfg.seed),
+                 prefill_roof)
 
     _bench_paths(run, name, model, decode_roof)
     if any(r.model == name and r.mode == "exact" and r.phase == "decode" and r.status == "ok" for r in run.rows):
@@ -1043,14 +1026,13 @@ def _bench_paths(run: _Run, name: str, model, decode_roof) -> None:
     """The engine and new_cache cells (memra.bench.user_paths), in the exact mode."""
     from memra.bench.user_paths import time_engine_decode, time_new_cache_decode
 
-    cfg = run.cfg
+    cfg, model = run.cfg, mode_view(model, "exact")
     timers = {"engine": time_engine_decode, "newcache": time_new_cache_decode}
     for mode in (m for m in cfg.exact_modes if m in PATHS):
         for b in cfg.batches:
             prompts = [prompt_ids(model.cfg.vocab_size, cfg.prompt_tokens, i, cfg.seed) for i in range(b)]
-            with exact_door("exact"):
-                run.cell(name, mode, "decode", b,
-                         lambda: timers[mode](model, b, cfg.decode_steps, cfg.warmup, prompts), decode_roof)
+            run.cell(name, mode, "decode", b,
+                     lambda: timers[mode](model, b, cfg.decode_steps, cfg.warmup, prompts), decode_roof)
 
 
 def _exact_plan(model) -> str:
@@ -1058,8 +1040,7 @@ def _exact_plan(model) -> str:
     from memra.decode_plan import decode_plan
 
     try:
-        with exact_door("exact"):
-            return decode_plan(model)
+        return decode_plan(mode_view(model, "exact"))
     except MemraError as e:
         return f"refused ({e})"
 

@@ -4,7 +4,7 @@
              B rows cost B forwards. The default wherever the batch-invariant kernels are not live.
     stacked  all rows in one forward, every op a batch-invariant kernel (memra.kernels.triton_ops: frozen
              tiles, one program per row), so a row's bits cannot depend on B or on its neighbours. Only
-             where those kernels run (CUDA + Triton, memra.kernels.ops.invariant_kernels), and only after
+             where those kernels run (CUDA + Triton, memra.kernels.table.KernelTable.invariant), and only after
              the self-test's kernel probes and an on-model check (`verify_plan`) pass. B=1 uses it too.
     bucket   rows run stacked in fixed buckets of BUCKET rows, padded with inert rows (scratch caches at
              position 0, never seen by a real sequence), so a row's bits come from calls of one fixed
@@ -18,36 +18,25 @@ back to row with a one-time warning, because row is exact everywhere — only sl
 
 from __future__ import annotations
 
-import os
 import random
 import warnings
 
 import torch
 
-from memra.errors import MemraError
-from memra.kernels import ops
 from memra.kernels.exact import ExactnessError, platform_report
 
 BUCKET = 64
-PLANS = ("auto", "row", "stacked", "bucket")
-
-
-def requested_plan() -> str:
-    raw = os.environ.get("MEMRA_DECODE_PLAN", "auto").strip().lower() or "auto"
-    if raw not in PLANS:
-        raise MemraError(f"MEMRA_DECODE_PLAN={raw!r} is not one of {', '.join(PLANS)}")
-    return raw
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:
     """Is `plan` usable on this model now? (verdict, why not). The on-model check runs once per model."""
     if plan == "stacked":
-        if not ops.invariant_kernels(model.device):
+        if not model.ops.invariant:
             return False, "the batch-invariant kernels are not live here (they need CUDA, Triton and MEMRA_TRITON=1)"
         broken = [f for f in platform_report(model.dtype, model.device) if f.startswith("triton")]
         if broken:
             return False, f"the kernel self-test found rows that change with the batch: {', '.join(broken[:3])}"
-    key = (plan, str(model.device), ops.invariant_kernels(model.device))
+    key = (plan, str(model.device), model.ops.invariant)
     if key not in model.plan_verified:
         model.plan_verified[key] = verify_plan(model, plan)
     if not model.plan_verified[key]:
@@ -57,11 +46,11 @@ def _plan_ok(model, plan: str) -> tuple[bool, str]:
 
 def decode_plan(model) -> str:
     """The plan for this model now: the door, resolved and verified."""
-    want = requested_plan()
+    want = model.settings.decode_plan  # MEMRA_DECODE_PLAN, checked when the settings were read
     if want == "row":
         return "row"
     if want == "auto":
-        if not ops.invariant_kernels(model.device):
+        if not model.ops.invariant:
             return "row"
         ok, why = _plan_ok(model, "stacked")
         if not ok:

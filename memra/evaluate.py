@@ -5,13 +5,12 @@ implementation must score to compare numbers."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from memra.errors import MemraError
+from memra.settings import show_progress as show_bars
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def perplexity(model, ids: list[int], ctx: int = 512, show_progress: bool = True
     if not pieces:
         raise MemraError("the text has fewer than 2 tokens; nothing to score")
     bar = None
-    if show_progress and sys.stderr.isatty() and not os.environ.get("CI"):
+    if show_progress and show_bars():
         from tqdm import tqdm
 
         bar = tqdm(total=sum(len(p) - 1 for p in pieces), unit="tok", desc="perplexity")

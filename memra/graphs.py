@@ -41,18 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
-from memra.kernels import ops
 from memra.model.context import RowGroup, StackedStep
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE_BLOCKS = 16  # NB never below this (256 positions), so short contexts share one graph
-
-
-def enabled() -> bool:
-    """MEMRA_CUDA_GRAPHS (default 1): replay decode steps from captured graphs where they apply."""
-    return doors.flag("MEMRA_CUDA_GRAPHS", True)
 
 
 def bucket_for(batch: int) -> int | None:
@@ -92,7 +86,7 @@ class StaticDecode:
         ids, pos, slots, table = self.args[:, 0], self.args[:, 1], self.args[:, 2], self.args[:, 3:]
         flat = (table[:, :, None] * BLOCK_SIZE + self.offsets).reshape(self.bucket, -1)  # [Bp, NB*BLOCK]
         write_rows = flat.gather(1, pos[:, None])[:, 0]  # [Bp] where each row's new K/V goes
-        cos, sin = ops.rope_cos_sin(pos, m.inv_freq, m.dtype)  # [Bp, R]
+        cos, sin = m.ops.rope_cos_sin(pos, m.inv_freq, m.dtype)  # [Bp, R]
         group = RowGroup(self.kv, slice(None), write_rows, flat.reshape(-1), self.starts, pos + 1, flat.shape[1])
         step = StackedStep([], cos, sin, (group,), rec=self.rec, slots=slots if self.rec is not None else None)
         h = m.embed_tokens(ids)
@@ -147,9 +141,9 @@ class StaticDecode:
 
 
 def _eligible(model, caches: list[Cache]) -> bool:
-    if model.device.type != "cuda" or not enabled():
+    if model.device.type != "cuda" or not model.settings.cuda_graphs:  # MEMRA_CUDA_GRAPHS
         return False
-    if any(f == "moe" for f in model.cfg.ffns) and not ops.grouped_moe(model.device):
+    if any(f == "moe" for f in model.cfg.ffns) and not model.ops.grouped_moe():
         return False  # the per-expert loop asks the host which experts were chosen: not capturable
     kv, rec = caches[0].kv, caches[0].rec
     return all(c.kv is kv and c.rec is rec for c in caches)

@@ -122,7 +122,7 @@ def random_weights(cfg: ModelConfig, device: str | torch.device = "cuda", dtype:
 
 
 def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 n_layers: int | None = None, seed: int = 0, quant: str | None = None):
+                 n_layers: int | None = None, seed: int = 0, quant: str | None = None, settings=None):
     """A HybridModel of a named real shape with seeded random weights, built on `device`.
 
     quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
@@ -134,4 +134,4 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
         raise MemraError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     cfg = SHAPES[name](n_layers)
     weights = random_weights(cfg, device, dtype, seed, quant)
-    return HybridModel(cfg, weights, torch.device(device), dtype, source=f"random:{name}")
+    return HybridModel(cfg, weights, torch.device(device), dtype, source=f"random:{name}", settings=settings)

@@ -25,10 +25,9 @@ from typing import Sequence
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
 from memra.errors import MemraError
-from memra.kernels import ops
 from memra.kernels.exact import TILE, aligned_cuts, platform_report, require_exact
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
@@ -74,7 +73,7 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
     if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
-    exact = doors.exact_mode()
+    exact = model.settings.exact
     if exact:
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, ids)
@@ -114,10 +113,11 @@ def exact_piece(model) -> int:
     kernels run and the self-test found nothing a token's bits could take from the size of its forward
     (a kernel row that changes with the call, an elementwise op whose result depends on where a value
     sits in the tensor, a softmax row — MoE routing — that changes with its neighbours), else EXACT_PIECE."""
-    if not ops.invariant_kernels(model.device):
+    if not model.ops.invariant:
         return EXACT_PIECE
     broken = [f for f in platform_report(model.dtype, model.device)
-              if f.startswith(("triton", "row softmax")) or " at offset " in f]
+              if (f.startswith(("triton", "row softmax")) or " at offset " in f)
+              and (model.ops.gdn_kernel or not f.startswith("triton gdn"))]  # a kernel this model does not run
     return EXACT_PIECE if broken else INVARIANT_PIECE
 
 
@@ -172,7 +172,7 @@ def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None, dual: b
 @torch.inference_mode()
 def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     """Feed one generated token at cache.pos; returns next-token logits [V] (fp32)."""
-    exact = doors.exact_mode()
+    exact = model.settings.exact
     if exact:
         require_exact(model.dtype, model.device)
     tokens = _as_ids(model, [int(token)])
@@ -229,7 +229,7 @@ def decode_step_t(model, chunk, pos0: int, cache: Cache, trail: StateTrail | Non
     The cache advances by T; `Cache.rollback(pos0, keep, trail)` drops a rejected suffix.
     Under an open PP door the forward takes the stage split (MEMRA_SPEC_PP, default on).
     """
-    exact = doors.exact_mode()
+    exact = model.settings.exact
     if exact:
         require_exact(model.dtype, model.device)
     ids = _as_ids(model, chunk)
@@ -285,7 +285,7 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     computed with exactly its B=1 shapes, or in a fixed-shape bucket verified on this model
     (memra.decode_plan).
     """
-    exact = doors.exact_mode()
+    exact = model.settings.exact
     if exact:
         require_exact(model.dtype, model.device)
     rt, dual = _pp_runtime(model), False
@@ -331,7 +331,7 @@ def decode_step_batch_sampled(model, tokens, caches, samp, lean: bool = False):
     next_tokens[i] is the device-chosen token, or None for host rows.
     """
     check_samp(samp, caches)
-    return sample_rows(decode_step_batch(model, tokens, caches), caches, samp, lean)
+    return sample_rows(model.ops, decode_step_batch(model, tokens, caches), caches, samp, lean)
 
 
 def check_samp(samp, caches) -> None:
@@ -350,7 +350,7 @@ def _rows(logits: torch.Tensor, idx: list[int]) -> torch.Tensor:
     return logits if idx == list(range(logits.shape[0])) else logits[idx]
 
 
-def sample_rows(logits: torch.Tensor, caches, samp, lean: bool):
+def sample_rows(ops, logits: torch.Tensor, caches, samp, lean: bool):
     """The device-side choice after a batched step's logits [B, V] -> (rows, next_tokens), as
     decode_step_batch_sampled documents (shared by the pipeline driver across processes). Each row's
     token is its own device_sample choice (it cannot see its batchmates; ops.sample_batch); what the

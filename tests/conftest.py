@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import contextlib
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +95,24 @@ def load_model():
         return _MODELS[key]
 
     return get
+
+
+@contextlib.contextmanager
+def process_doors(**values: str | None):
+    """Set (or, with None, unset) environment variables while a process pipeline is launched: its worker
+    processes read their doors from their environment when they load, as any process does. (memra code
+    never changes the environment; a test launching processes is the one place that must.)"""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -153,7 +153,7 @@ def test_self_test_reports_what_cpu_breaks():
 
 
 @pytest.mark.parametrize("arch", HF_ARCHS)
-def test_fast_stacked_path_is_right_but_not_exact_and_the_gate_sees_it(arch, load_model, monkeypatch):
+def test_fast_stacked_path_is_right_but_not_exact_and_the_gate_sees_it(arch, load_model):
     """MEMRA_EXACT=0 runs the batch as one stacked forward: the same math (within 1e-4), different bits
     (so it is never the default) — and the gate must FAIL on it, which proves gate2 has teeth."""
     from conftest import rel_err
@@ -171,7 +171,7 @@ def test_fast_stacked_path_is_right_but_not_exact_and_the_gate_sees_it(arch, loa
         return model.decode_step_batch(list(range(4, 12)), caches)
 
     exact = step()
-    monkeypatch.setenv("MEMRA_EXACT", "0")
+    model = model.with_doors(MEMRA_EXACT="0")  # the same weights, the fast path
     fast = step()
     assert rel_err(fast, exact) <= 1e-4  # fp32 sums reordered in every layer: a few ulps of the max logit
     assert not torch.equal(fast, exact)
@@ -180,11 +180,19 @@ def test_fast_stacked_path_is_right_but_not_exact_and_the_gate_sees_it(arch, loa
     assert any(l.startswith("gate2 (") and l.endswith("FAIL") for l in lines)
 
 
-def test_bad_door_values_are_refused(load_model, monkeypatch):
-    model = load_model(hf_dir("llama"))
+def test_bad_door_values_are_refused_when_the_settings_are_read(load_model, monkeypatch):
+    """The doors are read once, at load: a bad value is refused there, before anything runs."""
+    import memra
+
     monkeypatch.setenv("MEMRA_EXACT", "maybe")
     with pytest.raises(MemraError, match="MEMRA_EXACT='maybe'"):
-        model.prime([1, 2, 3], model.new_cache(8))
+        memra.load(hf_dir("llama"), tokenizer=False)
+    monkeypatch.setenv("MEMRA_EXACT", "1")
+    monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
+    with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
+        memra.load(hf_dir("llama"), tokenizer=False)
+    with pytest.raises(MemraError, match="MEMRA_TRITON='2'"):
+        load_model(hf_dir("llama")).with_doors(MEMRA_TRITON="2")
 
 
 def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monkeypatch):
@@ -198,22 +206,22 @@ def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monk
     with pytest.raises(exact.ExactnessError):
         model.decode_step_batch([1], [c])
     assert c.pos == 0 and not c.blocks
-    monkeypatch.setenv("MEMRA_EXACT", "0")  # the door lets a user run anyway, knowingly
-    model.prime([1, 2, 3], c)
+    fast = model.with_doors(MEMRA_EXACT="0")  # the door lets a user run anyway, knowingly
+    c = fast.new_cache(16)
+    fast.prime([1, 2, 3], c)
     assert c.pos == 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_moe", "qwen3_next"])
-def test_bucket_plan_is_exact_where_verified_and_refused_elsewhere(arch, dtype, load_model, monkeypatch):
+def test_bucket_plan_is_exact_where_verified_and_refused_elsewhere(arch, dtype, load_model):
     """MEMRA_DECODE_PLAN=bucket stacks rows in fixed 64-row buckets. Where the on-model check passes,
     E1 holds through it (and gate2 sees the same bits); where it fails (measured on this CPU: the fp32
     MoE and qwen3_next fixtures), decoding is refused before any cache moves."""
     from memra.decode_plan import verify_bucket
     from memra.kernels.exact import ExactnessError
 
-    model = load_model(hf_dir(arch), dtype=dtype)
-    monkeypatch.setenv("MEMRA_DECODE_PLAN", "bucket")
+    model = load_model(hf_dir(arch), dtype=dtype).with_doors(MEMRA_DECODE_PLAN="bucket")
     c = model.new_cache(64)
     model.prime([5, 6, 7], c)
     if not verify_bucket(model):
@@ -238,25 +246,20 @@ def run_battery_quick(model, lines):
     return run_battery(model, steps=3, batch=5, plen=8, out=lines.append)
 
 
-def test_decode_plan_door(load_model, monkeypatch):
+def test_decode_plan_door(load_model):
     from memra.decode_plan import decode_plan
-
-    from memra.kernels import ops
     from memra.kernels.exact import ExactnessError
 
     model = load_model(hf_dir("llama"))
-    live = ops.invariant_kernels(model.device)  # CUDA + Triton: the batch-invariant kernels run
+    live = model.ops.invariant  # CUDA + Triton: the batch-invariant kernels run
     assert decode_plan(model) == ("stacked" if live else "row")
     if not live:  # an explicit stacked plan where its kernels do not run: refused before the cache moves
-        monkeypatch.setenv("MEMRA_DECODE_PLAN", "stacked")
-        c = model.new_cache(8)
-        model.prime([1, 2], c)
+        stacked = model.with_doors(MEMRA_DECODE_PLAN="stacked")
+        c = stacked.new_cache(8)
+        stacked.prime([1, 2], c)
         with pytest.raises(ExactnessError, match="not live here.*MEMRA_DECODE_PLAN=row"):
-            model.decode_step_batch([1], [c])
+            stacked.decode_step_batch([1], [c])
         assert c.pos == 2
-    monkeypatch.setenv("MEMRA_DECODE_PLAN", "sideways")
-    with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
-        model.decode_step_batch([1], [model.new_cache(8)])
 
 
 def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_model, monkeypatch):
@@ -265,11 +268,14 @@ def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_mo
     report are substituted, so the decision is what is under test on CPU and GPU alike.)"""
     from memra import step
 
-    model = load_model(hf_dir("qwen3_5"))
-    monkeypatch.setattr(step.ops, "invariant_kernels", lambda device: False)
+    import dataclasses
+
+    base = load_model(hf_dir("qwen3_5"))
     monkeypatch.setattr(step, "platform_report", lambda dtype, device: [])
+    model = base.with_settings(base.settings)  # a view whose kernel table this test may swap
+    model.ops = dataclasses.replace(base.ops, invariant=False)
     assert step.exact_piece(model) == step.EXACT_PIECE  # no invariant kernels (torch's ops)
-    monkeypatch.setattr(step.ops, "invariant_kernels", lambda device: True)
+    model.ops = dataclasses.replace(base.ops, invariant=True, gdn_kernel=True)
     for failures, piece in (([], step.INVARIANT_PIECE),
                             (["linear[64x256] row 7"], step.INVARIANT_PIECE),  # torch's matmul: not on this path
                             (["triton prefill attention[300] queries 0:64 as a piece"], step.EXACT_PIECE),
@@ -277,6 +283,10 @@ def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_mo
                             (["row softmax [64x256] row 5 vs alone"], step.EXACT_PIECE)):
         monkeypatch.setattr(step, "platform_report", lambda dtype, device, f=failures: f)
         assert step.exact_piece(model) == piece, failures
+    model.ops = dataclasses.replace(base.ops, invariant=True, gdn_kernel=False)  # a GDN probe it does not run
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device: ["triton gdn prefill[300] in 64-aligned pieces"])
+    assert step.exact_piece(model) == step.INVARIANT_PIECE
     monkeypatch.setattr(step, "platform_report", lambda dtype, device: [])
+    model.ops = dataclasses.replace(base.ops, invariant=True)
     assert step.forward_cuts(model, 5000, 100, exact=True) == [(0, 3996), (3996, 5000)]  # cut at 4096
     assert step.forward_cuts(model, 5000, 100, exact=False) == [(0, 5000)]

@@ -20,10 +20,10 @@ def test_gate_all_green(arch, mode, load_model):
 
 
 @pytest.mark.parametrize("mode", ["config", "strict"])
-def test_canary_must_fail(mode, load_model, monkeypatch):
-    monkeypatch.setenv("MEMRA_GATE_CANARY", "1")
+def test_canary_must_fail(mode, load_model):
     lines = []
-    assert not run_battery(load_model(hf_dir("qwen3_5_moe")), steps=6, batch=3, mode=mode, plen=12, out=lines.append)
+    model = load_model(hf_dir("qwen3_5_moe")).with_doors(MEMRA_GATE_CANARY="1")
+    assert not run_battery(model, steps=6, batch=3, mode=mode, plen=12, out=lines.append)
     assert "gate1 (" in "\n".join(lines) and any(l.startswith("gate1 (") and l.endswith("FAIL") for l in lines)
     assert any(l.startswith("gate2 (") and l.endswith("FAIL") for l in lines)
     assert any(l.startswith("gate4 (") and l.endswith("FAIL") for l in lines)  # the verify arm sees it too

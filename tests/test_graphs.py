@@ -55,11 +55,10 @@ def test_buckets_and_table_widths():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
-def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch, monkeypatch):
+def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch):
     """The graph's body (block tables, slots by index, flat prefix rows) against _decode_stacked,
     from identical states, several steps: logits and every KV / recurrent byte equal."""
-    monkeypatch.setenv("MEMRA_CUDA_GRAPHS", "0")  # the eager step, on any device
-    model = load_model(hf_dir(arch))
+    model = load_model(hf_dir(arch)).with_doors(MEMRA_CUDA_GRAPHS="0")  # the eager step, on any device
     eager, toks = _shared_caches(model, 3)
     static_caches, toks_s = _shared_caches(model, 3)
     assert toks == toks_s
@@ -78,11 +77,11 @@ def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch, monkeypat
 
 @cuda_only
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
-def test_graphed_b1_decode_equals_eager(load_model, arch, monkeypatch):
-    model = load_model(hf_dir(arch))
+def test_graphed_b1_decode_equals_eager(load_model, arch):
+    base = load_model(hf_dir(arch))
     streams = {}
-    for graphs in ("0", "1"):
-        monkeypatch.setenv("MEMRA_CUDA_GRAPHS", graphs)
+    for flag in ("0", "1"):
+        model = base.with_doors(MEMRA_CUDA_GRAPHS=flag)
         before = counters.snapshot()
         cache = model.new_cache(64)
         tok = int(model.prime(PROMPTS[0], cache).argmax())
@@ -91,27 +90,27 @@ def test_graphed_b1_decode_equals_eager(load_model, arch, monkeypatch):
             row = model.decode_step(tok, cache)
             rows.append(row)
             tok = int(row.argmax())
-        streams[graphs] = torch.stack(rows)
+        streams[flag] = torch.stack(rows)
         d = counters.delta(before)
-        assert (d["graph_replays"] > 0) == (graphs == "1")  # liveness: the graph path really ran
+        assert (d["graph_replays"] > 0) == (flag == "1")  # liveness: the graph path really ran
     assert _bits(streams["0"], streams["1"])
 
 
 @cuda_only
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
-def test_graphed_batch_with_padding_rows_equals_eager(load_model, arch, monkeypatch):
+def test_graphed_batch_with_padding_rows_equals_eager(load_model, arch):
     """3 live rows in a bucket of 4 (one inert row on the pools' scratch block and slot)."""
-    model = load_model(hf_dir(arch))
+    base = load_model(hf_dir(arch))
     out = {}
-    for graphs in ("0", "1"):
-        monkeypatch.setenv("MEMRA_CUDA_GRAPHS", graphs)
+    for flag in ("0", "1"):
+        model = base.with_doors(MEMRA_CUDA_GRAPHS=flag)
         caches, toks = _shared_caches(model, 3, spare=1)
         rows = []
         for _ in range(10):
             logits = model.decode_step_batch(toks, caches)
             rows.append(logits)
             toks = logits.argmax(-1).tolist()
-        out[graphs] = (torch.stack(rows), _state(model, caches))
+        out[flag] = (torch.stack(rows), _state(model, caches))
     assert _bits(out["0"][0], out["1"][0])
     assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))  # the padding row touched only scratch
 
@@ -139,16 +138,15 @@ def test_a_bucket_first_run_by_a_full_batch_pads_a_smaller_one(load_model, arch,
     static step runs eagerly (graphs._eligible forced). CPU BLAS rounds a [4, E] product differently from
     a [3, E] one, so here only the first (unpadded) step is held to the stacked step's bits and the
     rest within fp32 rounding (max |a - b| <= 1e-5 max |b|); the CUDA test below holds every step to the bit."""
-    model = load_model(hf_dir(arch))
+    model = load_model(hf_dir(arch)).with_doors(MEMRA_CUDA_GRAPHS="0")
     widths = [4, 3, 4, 1, 2]  # bucket 4 full, then padded; then buckets 1 and 2
-    monkeypatch.setenv("MEMRA_CUDA_GRAPHS", "0")
     eager, toks = _shared_caches(model, 4, spare=1)
     want, t = [], list(toks)
     for w in widths:
         logits = _decode_stacked(model, torch.tensor(t[:w], device=model.device), eager[:w])
         want.append(logits)
         t = logits.argmax(-1).tolist() + t[w:]
-    monkeypatch.setenv("MEMRA_CUDA_GRAPHS", "1")
+    model = model.with_doors(MEMRA_CUDA_GRAPHS="1")
     monkeypatch.setattr(graphs, "_eligible", lambda m, c: True)
     static_caches, toks_s = _shared_caches(model, 4, spare=1)
     assert toks_s == toks
@@ -164,13 +162,12 @@ def test_a_bucket_first_run_by_a_full_batch_pads_a_smaller_one(load_model, arch,
 
 @cuda_only
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-def test_graphed_full_bucket_then_smaller_batch_equals_eager(load_model, arch, monkeypatch):
+def test_graphed_full_bucket_then_smaller_batch_equals_eager(load_model, arch):
     """The same on the GPU with real graphs: bucket 4 captured by 4 rows, replayed for 3."""
-    model = load_model(hf_dir(arch))
+    base = load_model(hf_dir(arch))
     out = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("MEMRA_CUDA_GRAPHS", flag)
-        model.decode_graphs.clear()
+        model = base.with_doors(MEMRA_CUDA_GRAPHS=flag)
         caches, toks = _shared_caches(model, 4, spare=1)
         before = counters.snapshot()
         out[flag] = (torch.stack(_rows_then_fewer(model, caches, toks, [4, 3, 3, 4])[1:3]), _state(model, caches))

@@ -13,7 +13,7 @@ import torch
 
 from conftest import HF_ARCHS, hf_dir
 from memra import counters
-from memra.gate.pp_battery import env, run_pp_battery
+from memra.gate.pp_battery import run_pp_battery
 from memra.pp import fence as pf
 from memra.pp import probe, probe_policy
 from memra.pp.walk import active_runtime
@@ -23,8 +23,7 @@ FAST = dict(batches=(1, 3), steps=3, reps=1, plen=6)
 
 def battery(model, stages: int, **doors) -> tuple[bool, list[str]]:
     lines: list[str] = []
-    with env(**doors):
-        ok = run_pp_battery(model, stages=stages, out=lines.append, **FAST)
+    ok = run_pp_battery(model.with_doors(**doors), stages=stages, out=lines.append, **FAST)
     return ok, lines
 
 
@@ -71,12 +70,11 @@ def test_dual_modes(mode, load_model):
 def test_host_bounce_transport_is_exact(load_model):
     """Host bounce only replaces cross-device boundaries; to run its code path on one device the
     boundary is switched to it explicitly (the runtime probe's latch does the same)."""
-    model = load_model(hf_dir("qwen3_next"))
-    with env(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="0"):
-        rt = active_runtime(model)
-        rt.set_transport(0, pf.BoundaryTransport.HOST_BOUNCE)
-        ok, lines = battery(model, 2, MEMRA_DUAL_PP="0")
-        rt.set_transport(0, pf.BoundaryTransport.LOCAL)
+    model = load_model(hf_dir("qwen3_next")).with_doors(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="0")
+    rt = active_runtime(model)
+    rt.set_transport(0, pf.BoundaryTransport.HOST_BOUNCE)
+    ok, lines = battery(model, 2, MEMRA_DUAL_PP="0")  # the same view: the battery's split arm is this runtime
+    rt.set_transport(0, pf.BoundaryTransport.LOCAL)
     assert ok, "\n".join(lines)
     assert "transports=host_bounce" in lines[0]
 
@@ -87,17 +85,15 @@ def test_canary_fails_the_pp_gate(load_model):
     assert any(line.startswith("arm1") and line.endswith("FAIL") for line in lines)
 
 
-def test_unsplit_arm_refusal_and_bad_placements(load_model, monkeypatch):
-    model = load_model(hf_dir("llama"))
-    monkeypatch.setenv("MEMRA_PP_STAGES", "2")
-    monkeypatch.setenv("MEMRA_PP_DEVICES", "0,1")
+def test_unsplit_arm_refusal_and_bad_placements(load_model):
+    base = load_model(hf_dir("llama"))
+    model = base.with_doors(MEMRA_PP_STAGES="2", MEMRA_PP_DEVICES="0,1")
     c = model.new_cache(16)
     with pytest.raises(pf.PipelineError, match="names CUDA devices"):
         model.prime([1, 2, 3], c)
     assert c.pos == 0
-    monkeypatch.delenv("MEMRA_PP_DEVICES")
-    monkeypatch.setenv("MEMRA_DECODE_PLAN", "bucket")
-    monkeypatch.setenv("MEMRA_PRIME_PP", "1")
+    model = base.with_doors(MEMRA_PP_STAGES="2", MEMRA_DECODE_PLAN="bucket", MEMRA_PRIME_PP="1")
+    c = model.new_cache(16)
     model.prime([1, 2, 3], c)
     with pytest.raises(Exception, match="no stage split"):
         model.decode_step_batch([4], [c])
@@ -105,16 +101,16 @@ def test_unsplit_arm_refusal_and_bad_placements(load_model, monkeypatch):
 
 
 def test_prime_pipeline_matches_serial_and_unsplit(load_model):
-    model = load_model(hf_dir("qwen3_5"))
-    prompt = [(7 * i) % model.cfg.vocab_size for i in range(150)]  # three 64-token pieces
+    base = load_model(hf_dir("qwen3_5"))
+    prompt = [(7 * i) % base.cfg.vocab_size for i in range(150)]  # three 64-token pieces
     results = {}
     for name, doors in {"unsplit": dict(MEMRA_PP_STAGES=None), "serial": dict(MEMRA_PP_STAGES="2", MEMRA_PRIME_PIPE="0"),
                         "pipe": dict(MEMRA_PP_STAGES="2")}.items():
         before = counters.snapshot()
-        with env(**doors):
-            c = active_runtime(model).new_cache(256) if doors["MEMRA_PP_STAGES"] else model.new_cache(256)
-            logits = model.prime(prompt, c, all_logits=True)
-            nxt = model.decode_step(3, c)
+        model = base.with_doors(**doors)
+        c = active_runtime(model).new_cache(256) if doors["MEMRA_PP_STAGES"] else model.new_cache(256)
+        logits = model.prime(prompt, c, all_logits=True)
+        nxt = model.decode_step(3, c)
         results[name] = (logits, nxt, counters.delta(before))
     for name in ("serial", "pipe"):
         assert torch.equal(results[name][0], results["unsplit"][0]), name
@@ -142,9 +138,7 @@ class Corrupting:
 
 
 def test_probe_catches_every_corrupted_copy(load_model):
-    model = load_model(hf_dir("qwen3"))
-    with env(MEMRA_PP_STAGES="2"):
-        rt = active_runtime(model)
+    rt = active_runtime(load_model(hf_dir("qwen3")).with_doors(MEMRA_PP_STAGES="2"))
     assert probe.probe_boundary(rt, 0).verdict is probe_policy.ProbeVerdict.CLEAN
     clean = rt.boundaries[0].transport
     try:
@@ -163,46 +157,45 @@ def test_probe_catches_every_corrupted_copy(load_model):
 def test_runtime_reprobe_latches_to_validated_host_bounce(load_model):
     """A peer boundary that starts corrupting mid-run: the due re-probe catches it and the boundary
     moves to host bounce for good; decoding then continues bit-identical to the unsplit model."""
-    model = load_model(hf_dir("qwen3"))
-    with env(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="0"):
-        rt = active_runtime(model)
-        rt.set_transport(0, pf.BoundaryTransport.PEER)
-        rt.boundaries[0].transport = Corrupting(rt.boundaries[0].transport)
-        rt.reprobe = probe_policy.ReprobeState(next_probe_copy=(0, 1 << 40, 1 << 40, 1 << 40))  # rung 0 due now
-        status = probe.service_runtime_probe(rt, scheduler_idle=False)
-        assert status is probe_policy.RuntimeProbeStatus.DEGRADED_TO_HOST_BOUNCE
-        assert rt.latch.native_failed and rt.latch.host_bounce
-        assert rt.boundaries[0].transport.kind is pf.BoundaryTransport.HOST_BOUNCE
-        c = rt.new_cache(32)
-        model.prime([5, 6, 7], c)
-        split = model.decode_step(8, c)
-        rt.set_transport(0, pf.BoundaryTransport.LOCAL)
-        rt.latch = probe_policy.TransportLatch()
-    ref_c = model.new_cache(32)
-    model.prime([5, 6, 7], ref_c)
-    assert torch.equal(split, model.decode_step(8, ref_c))
+    base = load_model(hf_dir("qwen3"))
+    model = base.with_doors(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="0")
+    rt = active_runtime(model)
+    rt.set_transport(0, pf.BoundaryTransport.PEER)
+    rt.boundaries[0].transport = Corrupting(rt.boundaries[0].transport)
+    rt.reprobe = probe_policy.ReprobeState(next_probe_copy=(0, 1 << 40, 1 << 40, 1 << 40))  # rung 0 due now
+    status = probe.service_runtime_probe(rt, scheduler_idle=False)
+    assert status is probe_policy.RuntimeProbeStatus.DEGRADED_TO_HOST_BOUNCE
+    assert rt.latch.native_failed and rt.latch.host_bounce
+    assert rt.boundaries[0].transport.kind is pf.BoundaryTransport.HOST_BOUNCE
+    c = rt.new_cache(32)
+    model.prime([5, 6, 7], c)
+    split = model.decode_step(8, c)
+    rt.set_transport(0, pf.BoundaryTransport.LOCAL)
+    rt.latch = probe_policy.TransportLatch()
+    ref_c = base.new_cache(32)
+    base.prime([5, 6, 7], ref_c)
+    assert torch.equal(split, base.decode_step(8, ref_c))
 
 
 def test_deferred_readback_and_stage_owned_caches(load_model):
-    model = load_model(hf_dir("qwen3_next"))
-    with env(MEMRA_PP_STAGES="3"):
-        rt = active_runtime(model)
-        c = rt.new_cache(32)
-        layer_dev = rt.layer_devices()
-        assert set(layer_dev) == set(range(model.cfg.n_layers + model.cfg.n_mtp))
-        model.prime([1, 2, 3, 4], c)
-        logits = model.decode_step(5, c)
-        assert torch.equal(rt.defer(logits.clone()).wait(), logits.cpu())
+    model = load_model(hf_dir("qwen3_next")).with_doors(MEMRA_PP_STAGES="3")
+    rt = active_runtime(model)
+    c = rt.new_cache(32)
+    layer_dev = rt.layer_devices()
+    assert set(layer_dev) == set(range(model.cfg.n_layers + model.cfg.n_mtp))
+    model.prime([1, 2, 3, 4], c)
+    logits = model.decode_step(5, c)
+    assert torch.equal(rt.defer(logits.clone()).wait(), logits.cpu())
 
 
 def test_dual_pp_timing_records_every_wave_stage(load_model):
-    model = load_model(hf_dir("qwen3"))
-    with env(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="1", MEMRA_PP_OVERLAP="1", MEMRA_DUAL_PP_TIMING="1"):
-        caches = [active_runtime(model).new_cache(16) for _ in range(3)]
-        for i, c in enumerate(caches):
-            model.prime([1, 2 + i], c)
-        before = counters.snapshot()
-        model.decode_step_batch([3, 4, 5], caches)
+    model = load_model(hf_dir("qwen3")).with_doors(MEMRA_PP_STAGES="2", MEMRA_DUAL_PP="1", MEMRA_PP_OVERLAP="1",
+                                                    MEMRA_DUAL_PP_TIMING="1")
+    caches = [active_runtime(model).new_cache(16) for _ in range(3)]
+    for i, c in enumerate(caches):
+        model.prime([1, 2 + i], c)
+    before = counters.snapshot()
+    model.decode_step_batch([3, 4, 5], caches)
     d = counters.delta(before)
     for name in ("wave_a_stage0", "wave_b_stage0", "wave_a_stage1", "wave_b_stage1"):
         assert d[f"dual_pp_stage_samples_{name}"] == 1 and d[f"dual_pp_stage_ns_{name}"] > 0

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import hf_dir
+from conftest import hf_dir, process_doors
 from memra import counters
 from memra.errors import ContextOverflowError, MemraError
-from memra.gate.pp_battery import env, run_pp_dist_battery
+from memra.gate.pp_battery import run_pp_dist_battery
 from memra.pp import dist_wire as wire
 from memra.pp import fence as pf
 from memra.pp.dist import DistCache, PipelineError, launch_local
@@ -38,7 +38,7 @@ def _close_live() -> None:
 
 def _launch(model, stages: int, **doors):
     _close_live()
-    with env(**doors):
+    with process_doors(**doors):
         pipe = launch_local(model, stages, keep_full_model=True)
     _LIVE.append(pipe)
     return pipe
@@ -117,8 +117,8 @@ def test_gate_all_green_two_ranks(llama2, load_model):
 
 def test_canary_fails_the_gate(llama2, load_model):
     lines: list[str] = []
-    with env(MEMRA_GATE_CANARY="1"):
-        ok = run_pp_dist_battery(load_model(hf_dir("llama"), device="cpu"), 2, out=lines.append, pipeline=llama2, **FAST)
+    canary = load_model(hf_dir("llama"), device="cpu").with_doors(MEMRA_GATE_CANARY="1")
+    ok = run_pp_dist_battery(canary, 2, out=lines.append, pipeline=llama2, **FAST)
     assert not ok
     assert any(line.startswith("decode (") and line.endswith("FAIL") for line in lines), "\n".join(lines)
     assert any(line.startswith("prime (") and line.endswith("PASS") for line in lines)  # only the canary's arm
@@ -132,8 +132,7 @@ def test_generate_loop_takes_the_pipeline_in_place_of_the_model(llama2, load_mod
     model = load_model(hf_dir("llama"), device="cpu")
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12)
     prompt = [(11 * i + 5) % model.cfg.vocab_size for i in range(70)]  # two aligned prime pieces
-    with env(MEMRA_PP_STAGES=None):
-        want = list(generate_tokens(model, prompt, params))
+    want = list(generate_tokens(model, prompt, params))  # the model itself: its PP door is shut
     assert list(generate_tokens(llama2, prompt, params)) == want
 
 
@@ -153,10 +152,9 @@ def test_refusals_move_no_rank(llama2, load_model):
         llama2.decode_step_t([1, 2], 3, c)
     assert c.pos == 0
     logits = llama2.prime([5, 6, 7], c)
-    with env(MEMRA_PP_STAGES=None):
-        ref_c = model.new_cache(24)
-        assert torch.equal(logits, model.prime([5, 6, 7], ref_c))
-        assert torch.equal(llama2.decode_step(8, c), model.decode_step(8, ref_c))
+    ref_c = model.new_cache(24)  # the model itself: its PP door is shut
+    assert torch.equal(logits, model.prime([5, 6, 7], ref_c))
+    assert torch.equal(llama2.decode_step(8, c), model.decode_step(8, ref_c))
     c.free()
     assert llama2.stats()[1]["sequences"] == 0
 

@@ -31,8 +31,8 @@ import pytest
 import torch.distributed as dist
 
 import memra
+from conftest import process_doors
 from memra.errors import MemraError
-from memra.gate.pp_battery import env
 from memra.generate import generate_tokens
 from memra.pp.dist import PipelineError, launch_local
 from memra.sampling import SamplingParams
@@ -65,7 +65,7 @@ def _serve_pipeline(**doors) -> tuple[ServerThread, Engine]:
     """This process as rank 0 of a 2-rank demo pipeline, serving HTTP on a free port."""
     while _LIVE:
         _LIVE.pop().stop()
-    with env(**doors):
+    with process_doors(**doors):
         pipe = launch_local("demo", 2, device="cpu")
     try:
         engine = Engine(pipe, EngineConfig(max_batch=4, max_ctx=256), Metrics("demo"))

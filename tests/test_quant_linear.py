@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from memra.errors import MemraError
-from memra.kernels import ops, quant
+from memra.kernels import quant, reference
+from memra.kernels.table import KernelTable
+from memra.settings import Settings
 from memra.kernels.quant import QType, QuantWeight
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
@@ -194,19 +196,22 @@ def test_fused_linear_takes_leading_dims_and_refuses_other_formats():
 
 
 def test_ops_linear_runs_the_twin_on_cpu():
+    ops = KernelTable.build("cpu", Settings())
     qw = quant.quantize_q4_k(weight(24, 256))
     x, b = rnd(5, 256, seed=7), rnd(24, seed=8)
     same_bits(ops.linear(x, qw, b), quant.reference_linear(x, qw, b))
     w = qw.dequantize()
-    same_bits(ops.linear(x, w, b), ops.reference.linear(x, w, b))  # dense weights: unchanged
+    same_bits(ops.linear(x, w, b), reference.linear(x, w, b))  # dense weights: unchanged
 
 
 @needs_triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="dispatch is checked on CPU tensors, in Triton's interpreter")
 def test_ops_linear_runs_the_fused_kernel_where_invariant_kernels_live(monkeypatch):
-    from memra.kernels import quant_triton
+    from memra.kernels import quant_triton, table
 
-    monkeypatch.setattr(ops, "_impl", lambda x: ops._triton())  # as on CUDA in exact mode
+    # the table of a CUDA model in exact mode, held to CPU tensors (the interpreter runs the kernels)
+    ops = KernelTable(invariant=True, triton=True, exact=True, gdn_kernel=False, sample_kernel=False)
+    monkeypatch.setattr(KernelTable, "_impl", lambda self, x: table.triton_ops())
     qw = quant.quantize_q8_0(weight(40, 96))
     x = rnd(3, 96, seed=9)
     calls = []

@@ -341,14 +341,13 @@ def test_memra_serve_command_answers_and_exits_cleanly_on_sigterm():
     assert bad.returncode == 2 and "--port must be" in bad.stderr
 
 
-def test_engine_serves_through_the_pipeline_split(demo, monkeypatch):
+def test_engine_serves_through_the_pipeline_split(demo):
     """With the PP door open the engine's pools are stage-owned and every step walks the split;
     answers still equal offline generation with the door shut."""
     from memra import counters
 
     want = [offline(demo, p, max_tokens=12) for p in PROMPTS[:2]]
-    monkeypatch.setenv("MEMRA_PP_STAGES", "2")
-    engine = Engine(demo, EngineConfig(max_batch=2, max_ctx=128), Metrics("demo"))
+    engine = Engine(demo.with_doors(MEMRA_PP_STAGES="2"), EngineConfig(max_batch=2, max_ctx=128), Metrics("demo"))
     assert engine.rt is not None
     before = counters.snapshot()
     engine.start()

@@ -4,7 +4,6 @@ any K, greedy or seeded sampling) emits exactly the plain stream."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEVICE, HF_ARCHS, HYBRID_ARCHS, hf_dir
+from conftest import DEVICE, HF_ARCHS, hf_dir
 from memra import counters
 from memra.cache import StateTrail
 from memra.errors import ContextOverflowError, MemraError
@@ -101,12 +100,8 @@ def test_verify_refuses_before_anything_moves(load_model):
         model.decode_step_t([1, model.cfg.vocab_size], pos, c)
     with pytest.raises(MemraError, match="keeps"):
         c.rollback(pos, 1, StateTrail())  # nothing was verified from pos
-    os.environ["MEMRA_DECODE_PLAN"] = "bucket"
-    try:
-        with pytest.raises(MemraError, match="no verify body"):
-            model.decode_step_t([1], pos, c)
-    finally:
-        del os.environ["MEMRA_DECODE_PLAN"]
+    with pytest.raises(MemraError, match="no verify body"):
+        model.with_doors(MEMRA_DECODE_PLAN="bucket").decode_step_t([1], pos, c)
     assert c.pos == pos and all(_bits(a, b) for a, b in zip(_state(c, model), state))
 
 
@@ -234,12 +229,11 @@ def test_ppspec_gate_all_green(load_model, stages):
     assert any(line.startswith("spec stream PASS") for line in lines)
 
 
-def test_ppspec_gate_canary_fails(load_model, monkeypatch):
+def test_ppspec_gate_canary_fails(load_model):
     from memra.gate.ppspec_battery import run_ppspec_battery
 
-    monkeypatch.setenv("MEMRA_GATE_CANARY", "1")
     lines: list[str] = []
-    model = load_model(hf_dir("qwen3_next"))
+    model = load_model(hf_dir("qwen3_next")).with_doors(MEMRA_GATE_CANARY="1")
     assert not run_ppspec_battery(model, stages=2, ts=(3,), rounds=3, reps=1, out=lines.append)
     assert any("arm1" in line and "FAIL" in line for line in lines)
 

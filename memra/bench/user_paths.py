@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from memra.bench.timing import Timing
 from memra.engine.engine import Engine
 from memra.engine.types import EngineConfig
 from memra.sampling import SamplingParams
@@ -26,8 +27,6 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def time_engine_decode(model, batch: int, steps: int, warmup: int, prompts: list[list[int]]):
     """Seconds per engine step while all `batch` rows decode (after `warmup` such steps). -> Timing."""
-    from memra.benchmark import Timing
-
     prompt_tokens = len(prompts[0])
     engine = Engine(model, EngineConfig(max_batch=batch, max_ctx=prompt_tokens + warmup + steps + 2,
                                         token_budget=max(2048, batch * prompt_tokens), max_waiting=batch))
@@ -53,8 +52,6 @@ def time_engine_decode(model, batch: int, steps: int, warmup: int, prompts: list
 @torch.inference_mode()
 def time_new_cache_decode(model, batch: int, steps: int, warmup: int, prompts: list[list[int]]):
     """Seconds per decode_step_batch over `model.new_cache` caches. -> Timing."""
-    from memra.benchmark import Timing
-
     prompt_tokens = len(prompts[0])
     caches = [model.new_cache(prompt_tokens + warmup + steps + 1) for _ in prompts]
     toks = [int(model.prime(ids, c).argmax()) for ids, c in zip(prompts, caches)]

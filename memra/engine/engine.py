@@ -314,7 +314,7 @@ class Engine:
             ready += rows
         if ready:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
-            for s, picked in zip(ready, pick(batch, [s.row for s in ready])):
+            for s, picked in zip(ready, pick(self.model.ops, batch, [s.row for s in ready])):
                 self._emit(s, picked)
         sampled = [s.rid for s in ready]
         finished = [s.rid for s in ready if s.done]

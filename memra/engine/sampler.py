@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from memra.errors import MemraError
-from memra.kernels import ops
 from memra.sampling import SamplingParams
 
 
@@ -85,8 +84,9 @@ class Picked:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def pick(logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
-    """Every row's next token (and logprobs where asked) from logits [B, V]; one device-to-host copy."""
+def pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
+    """Every row's next token (and logprobs where asked) from logits [B, V]; one device-to-host copy.
+    `ops`: the model's kernel table (its batch sampler)."""
     vocab = logits.shape[-1]
     chosen_from = logits
     penalized = [i for i, r in enumerate(rows) if r.params.penalized]

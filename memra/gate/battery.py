@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.errors import MemraError
 from memra.kernels.exact import platform_report
 from memra.sampling import DevSamp
@@ -75,7 +75,7 @@ def _gate4_verify(model, prompt: list[int], steps: int, ctx: int, canary: bool, 
     from memra.cache import StateTrail
     from memra.decode_plan import decode_plan
 
-    if doors.exact_mode() and decode_plan(model) == "bucket":
+    if model.settings.exact and decode_plan(model) == "bucket":
         led.out("gate4 skipped: MEMRA_DECODE_PLAN=bucket has no verify body (speculation refuses it)")
         return False
     c = _primed(model, prompt, ctx)
@@ -108,8 +108,7 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
     if mode not in ("config", "strict"):
         raise MemraError(f"unknown gate mode {mode!r}; use config or strict")
     strict = mode == "strict"
-    seed = doors.integer("MEMRA_GATE_SEED", 0)
-    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    seed, canary = model.settings.gate_seed, model.settings.gate_canary
     vocab = model.cfg.vocab_size
     b_n = max(batch, 1)
     prompts = gate_prompts(max(b_n, 2), plen, seed, vocab)

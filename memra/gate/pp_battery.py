@@ -25,52 +25,36 @@ in its own process (memra.pp.dist).
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Callable
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.errors import MemraError
 from memra.gate.battery import Ledger, bits_equal, gate_prompts, maxdiff
 from memra.pp import fence as pf
 from memra.sampling import DevSamp
 
 
-@contextlib.contextmanager
-def env(**values: str | None):
-    """Set (or, with None, unset) env doors for the duration; restore them after."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def with_doors(model, **doors: str | None):
+    """`model` as an arm runs it with other doors (HybridModel.with_doors): never by changing the environment."""
+    return model.with_doors(**doors)
 
 
 def record_reference(model, prompts, ctx: int, steps: int):
     """Door shut, the unsplit batched body on ordinary caches: -> (prompts, each prompt's prime logits,
     each step's input tokens, each step's rows), all on the host. The reference every pp arm (in this
     process or across processes) is held to."""
-    with env(MEMRA_PP_STAGES=None):
-        caches = [model.new_cache(ctx) for _ in prompts]
-        primed = [model.prime(p, c).cpu() for p, c in zip(prompts, caches)]
-        toks, inputs, rows = [p[-1] for p in prompts], [], []
-        for _ in range(steps):
-            inputs.append(list(toks))
-            rows.append(model.decode_step_batch(toks, caches).cpu())
-            toks = rows[-1].argmax(-1).tolist()
-        for c in caches:
-            c.free()
+    shut = with_doors(model, MEMRA_PP_STAGES=None)
+    caches = [shut.new_cache(ctx) for _ in prompts]
+    primed = [shut.prime(p, c).cpu() for p, c in zip(prompts, caches)]
+    toks, inputs, rows = [p[-1] for p in prompts], [], []
+    for _ in range(steps):
+        inputs.append(list(toks))
+        rows.append(shut.decode_step_batch(toks, caches).cpu())
+        toks = rows[-1].argmax(-1).tolist()
+    for c in caches:
+        c.free()
     return prompts, primed, inputs, rows
 
 
@@ -80,25 +64,23 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
 
     if stages < 2:
         raise MemraError("--mode pp needs --stages >= 2")
-    seed = doors.integer("MEMRA_GATE_SEED", 0)
-    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    seed, canary = model.settings.gate_seed, model.settings.gate_canary
     ledger = Ledger(out)
     vocab = model.cfg.vocab_size
     ctx = plen + 5 * max(batches) + steps + 16
     # Every reference first: the runtime shards the weights onto the stage devices in place, after
     # which the door-shut unsplit body would meet remote weights on a cross-device placement.
     references = {b: record_reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in batches}
-    with env(MEMRA_PP_STAGES=str(stages)):
-        rt = active_runtime(model)
-        if rt is None:
-            raise MemraError(f"pp mode: the PP door did not open for {stages} stages over {model.cfg.n_layers} layers "
-                             "(check MEMRA_PP_SPLITS / MEMRA_PP_SPLIT)")
-        knobs = (f"stages={stages} fence={list(rt.fence.bounds)} transports="
-                 f"{','.join(bd.transport.kind.value for bd in rt.boundaries) or '-'} {pf.PpDoors.from_env().summary()}")
-        pp_doors = pf.PpDoors.from_env()
-        dual = pf.dual_pp_on()  # the dual body is asked for (its negative cells apply)
-
-        peer = any(bd.transport.kind is pf.BoundaryTransport.PEER for bd in rt.boundaries)
+    split = with_doors(model, MEMRA_PP_STAGES=str(stages))  # the model as the split arms run it
+    rt = active_runtime(split)
+    if rt is None:
+        raise MemraError(f"pp mode: the PP door did not open for {stages} stages over {model.cfg.n_layers} layers "
+                         "(check MEMRA_PP_SPLITS / MEMRA_PP_SPLIT)")
+    pp_doors = pf.PpDoors.from_env(split.settings.pp_env)
+    knobs = (f"stages={stages} fence={list(rt.fence.bounds)} transports="
+             f"{','.join(bd.transport.kind.value for bd in rt.boundaries) or '-'} {pp_doors.summary()}")
+    dual = pf.dual_pp_on(split.settings.pp_env)  # the dual body is asked for (its negative cells apply)
+    peer = any(bd.transport.kind is pf.BoundaryTransport.PEER for bd in rt.boundaries)
 
     def routed(b: int) -> bool:  # ... and it runs at width b (Auto: only over a peer boundary)
         auto_ok = peer or pp_doors.dual_pp is not pf.DualPpMode.AUTO
@@ -109,65 +91,64 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
     def pp_caches(prompts):
         caches = [rt.new_cache(ctx) for _ in prompts]
         for p, c in zip(prompts, caches):
-            model.prime(p, c)
+            split.prime(p, c)
         return caches
 
     if dual:
-        _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger)
+        _dual_negative_cells(split, pp_caches, plen, seed, vocab, ledger)
 
     for b in batches:
         prompts, _, inputs, ref = references[b]
         out(f"-- B={b}: reference recorded ({steps} steps x {b} rows, door shut)")
 
-        with env(MEMRA_PP_STAGES=str(stages)):
-            # ---- arm1: the split, repeated ----
-            for rep in range(max(reps, 1)):
-                before = counters.snapshot()
-                caches = pp_caches(prompts)
-                primed = counters.delta(before)
-                for s, toks in enumerate(inputs):
-                    feed = list(toks)
-                    if canary and s == 1:
-                        feed[0] = (feed[0] + 1) % vocab
-                    rows = model.decode_step_batch(feed, caches).cpu()
-                    _check(ledger, "arm1", f"split B={b} rep{rep}", s, rows, ref[s])
-                d = counters.delta(before)
-                if d["pp_split_walks"] < steps or primed["prime_split_chunks"] < b:
-                    ledger.fail("liveness", f"B={b} rep{rep}: split walks +{d['pp_split_walks']}, "
-                                            f"prime split chunks +{primed['prime_split_chunks']}")
-                if routed(b):
-                    if d["dual_pp_overlaps"] == 0:
-                        ledger.fail("liveness", f"B={b} rep{rep}: DUAL_PP_OVERLAPS did not advance")
-                    else:
-                        out(f"dual pp liveness PASS [B={b} rep{rep}]: DUAL_PP_OVERLAPS +{d['dual_pp_overlaps']}")
-            # ---- arm2: unsplit walk over the pipeline's cache placement ----
+        # ---- arm1: the split, repeated ----
+        for rep in range(max(reps, 1)):
+            before = counters.snapshot()
             caches = pp_caches(prompts)
-            with env(MEMRA_BATCH_PP="0", MEMRA_PP_ALLOW_UNSPLIT_BATCH="1"):
-                for s, toks in enumerate(inputs):
-                    _check(ledger, "arm2", f"unsplit@ppcache B={b}", s, model.decode_step_batch(toks, caches).cpu(), ref[s])
-            # ---- arm3: the last stage's epilogue ----
-            caches = pp_caches(prompts)
-            full_caches = pp_caches(prompts)
-            for s, toks in enumerate(inputs[: min(steps, 3)]):
-                greedy = [DevSamp(temperature=0.0, seed=0, ctr=s) for _ in toks]
-                rows, picked = model.decode_step_batch_sampled(toks, full_caches, greedy, lean=False)
-                mixed = [DevSamp(temperature=0.0, seed=0, ctr=s) if i % 2 == 0 else None for i in range(len(toks))]
-                lean_rows, lean_picked = model.decode_step_batch_sampled(toks, caches, mixed, lean=True)
-                for i in range(len(toks)):
-                    if picked[i] != int(rows[i].argmax()):
-                        ledger.fail("arm3", f"B={b} step {s} row {i}: device greedy {picked[i]} != host argmax")
-                    parked = caches[i].last_logits_dev if mixed[i] is not None else lean_rows[i]
-                    if parked is None or not bits_equal(parked.cpu(), rows[i]):
-                        ledger.fail("arm3", f"B={b} step {s} row {i}: lean row differs from the full row")
-                    if not bits_equal(rows[i], ref[s][i]):
-                        ledger.fail("arm3", f"B={b} step {s} row {i}: epilogue row differs from the reference")
-            # ---- arm4: the B=1 body under the split vs the batched body at B=1 ----
-            c1, c2 = pp_caches(prompts[:1]) + pp_caches(prompts[:1])
+            primed = counters.delta(before)
             for s, toks in enumerate(inputs):
-                a = model.decode_step(toks[0], c1).cpu()
-                z = model.decode_step_batch([toks[0]], [c2])[0].cpu()
-                if not (bits_equal(a, z) and bits_equal(a, ref[s][0])):
-                    ledger.fail("arm4", f"B={b} step {s}: B=1 body {maxdiff(a, ref[s][0]):.3g} from the reference")
+                feed = list(toks)
+                if canary and s == 1:
+                    feed[0] = (feed[0] + 1) % vocab
+                rows = split.decode_step_batch(feed, caches).cpu()
+                _check(ledger, "arm1", f"split B={b} rep{rep}", s, rows, ref[s])
+            d = counters.delta(before)
+            if d["pp_split_walks"] < steps or primed["prime_split_chunks"] < b:
+                ledger.fail("liveness", f"B={b} rep{rep}: split walks +{d['pp_split_walks']}, "
+                                        f"prime split chunks +{primed['prime_split_chunks']}")
+            if routed(b):
+                if d["dual_pp_overlaps"] == 0:
+                    ledger.fail("liveness", f"B={b} rep{rep}: DUAL_PP_OVERLAPS did not advance")
+                else:
+                    out(f"dual pp liveness PASS [B={b} rep{rep}]: DUAL_PP_OVERLAPS +{d['dual_pp_overlaps']}")
+        # ---- arm2: unsplit walk over the pipeline's cache placement ----
+        caches = pp_caches(prompts)
+        unsplit = with_doors(split, MEMRA_BATCH_PP="0", MEMRA_PP_ALLOW_UNSPLIT_BATCH="1")
+        for s, toks in enumerate(inputs):
+            _check(ledger, "arm2", f"unsplit@ppcache B={b}", s, unsplit.decode_step_batch(toks, caches).cpu(), ref[s])
+        # ---- arm3: the last stage's epilogue ----
+        caches = pp_caches(prompts)
+        full_caches = pp_caches(prompts)
+        for s, toks in enumerate(inputs[: min(steps, 3)]):
+            greedy = [DevSamp(temperature=0.0, seed=0, ctr=s) for _ in toks]
+            rows, picked = split.decode_step_batch_sampled(toks, full_caches, greedy, lean=False)
+            mixed = [DevSamp(temperature=0.0, seed=0, ctr=s) if i % 2 == 0 else None for i in range(len(toks))]
+            lean_rows, lean_picked = split.decode_step_batch_sampled(toks, caches, mixed, lean=True)
+            for i in range(len(toks)):
+                if picked[i] != int(rows[i].argmax()):
+                    ledger.fail("arm3", f"B={b} step {s} row {i}: device greedy {picked[i]} != host argmax")
+                parked = caches[i].last_logits_dev if mixed[i] is not None else lean_rows[i]
+                if parked is None or not bits_equal(parked.cpu(), rows[i]):
+                    ledger.fail("arm3", f"B={b} step {s} row {i}: lean row differs from the full row")
+                if not bits_equal(rows[i], ref[s][i]):
+                    ledger.fail("arm3", f"B={b} step {s} row {i}: epilogue row differs from the reference")
+        # ---- arm4: the B=1 body under the split vs the batched body at B=1 ----
+        c1, c2 = pp_caches(prompts[:1]) + pp_caches(prompts[:1])
+        for s, toks in enumerate(inputs):
+            a = split.decode_step(toks[0], c1).cpu()
+            z = split.decode_step_batch([toks[0]], [c2])[0].cpu()
+            if not (bits_equal(a, z) and bits_equal(a, ref[s][0])):
+                ledger.fail("arm4", f"B={b} step {s}: B=1 body {maxdiff(a, ref[s][0]):.3g} from the reference")
 
     ledger.verdict("arm1", f"split == unsplit, batches {list(batches)} x {reps} reps, bit-checked")
     ledger.verdict("arm2", "unsplit walk over stage-owned caches == reference")
@@ -189,9 +170,10 @@ def _check(ledger: Ledger, arm: str, label: str, step: int, rows: torch.Tensor, 
             ledger.fail(arm, f"{label} step {step} row {i}: max |d| {maxdiff(rows[i], ref[i]):.3g}")
 
 
-def _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger: Ledger) -> None:
+def _dual_negative_cells(split, pp_caches, plen, seed, vocab, ledger: Ledger) -> None:
     """The dual body asked for where it cannot run must refuse with the exact text, before any
     token is produced or any cache position moves."""
+    stages = active_runtime_stages(split)
     prompts = gate_prompts(2, plen, seed, vocab)
     toks = [p[-1] for p in prompts]
     cells = (
@@ -199,19 +181,23 @@ def _dual_negative_cells(model, stages, pp_caches, plen, seed, vocab, ledger: Le
         ({"MEMRA_DUAL_PP": "1", "MEMRA_PP_OVERLAP": "1", "MEMRA_PP_HOST_BOUNCE": "1"},
          pf.DUAL_PP_HOST_BOUNCE_REFUSAL if stages == 2 else pf.DUAL_PP_TWO_STAGES_REFUSAL),
     )
-    with env(MEMRA_PP_STAGES=str(stages)):
-        for values, expected in cells:
-            caches = pp_caches(prompts)
-            before = [c.pos for c in caches]
-            with env(**values):
-                try:
-                    model.decode_step_batch(toks, caches)
-                    ledger.fail("dual-negative", f"{values}: produced rows instead of refusing")
-                except pf.PipelineError as err:
-                    if str(err) != expected or [c.pos for c in caches] != before:
-                        ledger.fail("dual-negative", f"{values}: wrong refusal or cache moved: {err}")
-                    else:
-                        ledger.out(f"dual pp negative PASS: {err}")
+    for values, expected in cells:
+        caches = pp_caches(prompts)
+        before = [c.pos for c in caches]
+        try:
+            with_doors(split, **values).decode_step_batch(toks, caches)
+            ledger.fail("dual-negative", f"{values}: produced rows instead of refusing")
+        except pf.PipelineError as err:
+            if str(err) != expected or [c.pos for c in caches] != before:
+                ledger.fail("dual-negative", f"{values}: wrong refusal or cache moved: {err}")
+            else:
+                ledger.out(f"dual pp negative PASS: {err}")
+
+
+def active_runtime_stages(model) -> int:
+    from memra.pp.walk import active_runtime
+
+    return active_runtime(model).n_stages
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,8 +228,7 @@ def run_pp_dist_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4
     from memra.cache import StateTrail
     from memra.pp.dist import launch_local
 
-    seed = doors.integer("MEMRA_GATE_SEED", 0)
-    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    seed, canary = model.settings.gate_seed, model.settings.gate_canary
     ledger = Ledger(out)
     vocab = model.cfg.vocab_size
     ctx = plen + 5 * max(batches) + steps + 16
@@ -251,8 +236,8 @@ def run_pp_dist_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4
 
     # ---- reference: door shut, this process, the unsplit model ----
     ref = {b: record_reference(model, gate_prompts(b, plen, seed, vocab), ctx, steps) for b in widths}
-    with env(MEMRA_PP_STAGES=None):
-        all_ref = model.prime(ref[1][0][0], model.new_cache(ctx), all_logits=True).cpu()
+    shut = with_doors(model, MEMRA_PP_STAGES=None)
+    all_ref = shut.prime(ref[1][0][0], shut.new_cache(ctx), all_logits=True).cpu()
 
     pipe = pipeline if pipeline is not None else launch_local(model, stages, keep_full_model=True)
     if pipe.n_stages != stages:

@@ -29,10 +29,10 @@ from typing import Callable
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.errors import MemraError
 from memra.gate.battery import Ledger, bits_equal, maxdiff
-from memra.gate.pp_battery import env
+from memra.gate.pp_battery import with_doors
 from memra.pp import fence as pf
 
 
@@ -47,44 +47,43 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
         raise MemraError("--mode ppspec needs --stages >= 2")
     if not ts or min(ts) < 1:
         raise MemraError(f"--ts takes verify widths >= 1, got {list(ts)}")
-    seed = doors.integer("MEMRA_GATE_SEED", 0)
-    canary = doors.flag("MEMRA_GATE_CANARY", False)
+    seed, canary = model.settings.gate_seed, model.settings.gate_canary
+    shut = with_doors(model, MEMRA_PP_STAGES=None)  # the reference: the unsplit model
+    split = with_doors(model, MEMRA_PP_STAGES=str(stages))  # the model as the split arms run it
     ledger = Ledger(out)
     vocab = model.cfg.vocab_size
     prompt = [(55 + seed * 13 + j * 31) % vocab for j in range(plen)]
 
-    def primed(new_cache, ctx):
+    def primed(m, new_cache, ctx):
         c = new_cache(ctx)
-        model.prime(prompt, c)
+        m.prime(prompt, c)
         return c
 
     def reference(t: int):
         """Door shut, the unsplit verify on an ordinary cache, and plain greedy generation: -> (each
         round's (pos, input columns), logits, h_seed, pos after it, the plain greedy stream)."""
         inputs, ref_logits, ref_seed, ref_pos = [], [], [], []
-        with env(MEMRA_PP_STAGES=None):
-            c = primed(model.new_cache, plen + rounds * t + 8)
-            chunk = [prompt[-1]] * t
-            for _ in range(rounds):
-                inputs.append((c.pos, chunk))
-                logits, h_seed = model.decode_step_t(chunk, c.pos, c)
-                ref_logits.append(logits.cpu())
-                ref_seed.append(h_seed.cpu())
-                ref_pos.append(c.pos)
-                chunk = logits.argmax(-1).tolist()
-            c.free()
-            plain = list(generate_tokens(model, prompt, SamplingParams(max_tokens=rounds * t + 4)))
+        c = primed(shut, shut.new_cache, plen + rounds * t + 8)
+        chunk = [prompt[-1]] * t
+        for _ in range(rounds):
+            inputs.append((c.pos, chunk))
+            logits, h_seed = shut.decode_step_t(chunk, c.pos, c)
+            ref_logits.append(logits.cpu())
+            ref_seed.append(h_seed.cpu())
+            ref_pos.append(c.pos)
+            chunk = logits.argmax(-1).tolist()
+        c.free()
+        plain = list(generate_tokens(shut, prompt, SamplingParams(max_tokens=rounds * t + 4)))
         return inputs, ref_logits, ref_seed, ref_pos, plain
 
     # Every reference first: the runtime shards the weights onto the stage devices in place, after
     # which the door-shut unsplit body would meet remote weights on a cross-device placement.
     references = {t: reference(t) for t in ts}
-    with env(MEMRA_PP_STAGES=str(stages)):
-        rt = active_runtime(model)
-        if rt is None:
-            raise MemraError(f"ppspec mode: the PP door did not open for {stages} stages over {model.cfg.n_layers} "
-                             "layers (check MEMRA_PP_SPLITS / MEMRA_PP_SPLIT)")
-        knobs = f"stages={stages} fence={list(rt.fence.bounds)} {pf.PpDoors.from_env().summary()}"
+    rt = active_runtime(split)
+    if rt is None:
+        raise MemraError(f"ppspec mode: the PP door did not open for {stages} stages over {model.cfg.n_layers} "
+                         "layers (check MEMRA_PP_SPLITS / MEMRA_PP_SPLIT)")
+    knobs = f"stages={stages} fence={list(rt.fence.bounds)} {pf.PpDoors.from_env(split.settings.pp_env).summary()}"
     out(f"ppspec mode: verify stage-split exactness battery over {model.cfg.n_layers} layers; {knobs}")
     out(f"ppspec mode: T={list(ts)} rounds={rounds} reps={reps} seed={seed}{' CANARY (must FAIL)' if canary else ''}")
 
@@ -93,44 +92,42 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
         inputs, ref_logits, ref_seed, ref_pos, plain = references[t]
         out(f"-- T={t}: reference recorded ({rounds} rounds x {t} columns x {vocab} logits + h_seed, door shut)")
 
-        with env(MEMRA_PP_STAGES=str(stages)):
-            # ---- arm1: the split, repeated ----
-            for rep in range(max(reps, 1)):
-                c = primed(rt.new_cache, ctx)
-                before = counters.snapshot()
-                for r, (pos0, chunk) in enumerate(inputs):
-                    if c.pos != pos0:
-                        ledger.fail("arm1", f"T={t} rep{rep} round {r}: cache at {c.pos}, reference at {pos0}")
-                        break
-                    feed = list(chunk)
-                    if canary and r == 1:
-                        feed[-1] = (feed[-1] + 1) % vocab
-                    logits, h_seed = model.decode_step_t(feed, pos0, c)
-                    _columns(ledger, "arm1", f"split T={t} rep{rep} round {r}", logits.cpu(), ref_logits[r])
-                    _columns(ledger, "arm1", f"split h_seed T={t} rep{rep} round {r}", h_seed.cpu(), ref_seed[r])
-                    if c.pos != ref_pos[r]:
-                        ledger.fail("arm1", f"T={t} rep{rep} round {r}: the verify moved pos to {c.pos}, reference {ref_pos[r]}")
-                d = counters.delta(before)
-                if d["spec_verify_split_walks"] < rounds or d["pp_split_walks"] < rounds:
-                    ledger.fail("liveness", f"T={t} rep{rep}: split verifies +{d['spec_verify_split_walks']} "
-                                            f"of {rounds}")
-            # ---- arm2: the unsplit verify over the pipeline's cache placement ----
-            c = primed(rt.new_cache, ctx)
+        # ---- arm1: the split, repeated ----
+        for rep in range(max(reps, 1)):
+            c = primed(split, rt.new_cache, ctx)
             before = counters.snapshot()
-            with env(MEMRA_SPEC_PP="0", MEMRA_PP_ALLOW_UNSPLIT_BATCH="1"):
-                for r, (pos0, chunk) in enumerate(inputs):
-                    logits, _ = model.decode_step_t(chunk, pos0, c)
-                    _columns(ledger, "arm2", f"unsplit@ppcache T={t} round {r}", logits.cpu(), ref_logits[r])
-            if counters.delta(before)["spec_verify_split_walks"]:
-                ledger.fail("liveness", f"T={t}: arm2 walked the split although MEMRA_SPEC_PP=0")
+            for r, (pos0, chunk) in enumerate(inputs):
+                if c.pos != pos0:
+                    ledger.fail("arm1", f"T={t} rep{rep} round {r}: cache at {c.pos}, reference at {pos0}")
+                    break
+                feed = list(chunk)
+                if canary and r == 1:
+                    feed[-1] = (feed[-1] + 1) % vocab
+                logits, h_seed = split.decode_step_t(feed, pos0, c)
+                _columns(ledger, "arm1", f"split T={t} rep{rep} round {r}", logits.cpu(), ref_logits[r])
+                _columns(ledger, "arm1", f"split h_seed T={t} rep{rep} round {r}", h_seed.cpu(), ref_seed[r])
+                if c.pos != ref_pos[r]:
+                    ledger.fail("arm1", f"T={t} rep{rep} round {r}: the verify moved pos to {c.pos}, reference {ref_pos[r]}")
+            d = counters.delta(before)
+            if d["spec_verify_split_walks"] < rounds or d["pp_split_walks"] < rounds:
+                ledger.fail("liveness", f"T={t} rep{rep}: split verifies +{d['spec_verify_split_walks']} "
+                                        f"of {rounds}")
+        # ---- arm2: the unsplit verify over the pipeline's cache placement ----
+        c = primed(split, rt.new_cache, ctx)
+        before = counters.snapshot()
+        unsplit = with_doors(split, MEMRA_SPEC_PP="0", MEMRA_PP_ALLOW_UNSPLIT_BATCH="1")
+        for r, (pos0, chunk) in enumerate(inputs):
+            logits, _ = unsplit.decode_step_t(chunk, pos0, c)
+            _columns(ledger, "arm2", f"unsplit@ppcache T={t} round {r}", logits.cpu(), ref_logits[r])
+        if counters.delta(before)["spec_verify_split_walks"]:
+            ledger.fail("liveness", f"T={t}: arm2 walked the split although MEMRA_SPEC_PP=0")
 
         # ---- arm3: a whole speculative stream under the split == plain greedy with the door shut ----
         spec = SpecConfig("mtp" if model.mtp else "ngram", k=max(t - 1, 1))
         params = SamplingParams(max_tokens=rounds * t + 4)
-        with env(MEMRA_PP_STAGES=str(stages)):
-            before = counters.snapshot()
-            spec_out = list(generate_tokens(model, prompt, params, speculative=spec))
-            walks = counters.delta(before)["spec_verify_split_walks"]
+        before = counters.snapshot()
+        spec_out = list(generate_tokens(split, prompt, params, speculative=spec))
+        walks = counters.delta(before)["spec_verify_split_walks"]
         if spec_out != plain:
             first = next(i for i, (a, b) in enumerate(zip(spec_out + [-1], plain + [-2])) if a != b)
             ledger.fail("arm3", f"T={t} {spec.method} K={spec.k}: token {first} differs from plain greedy")

@@ -93,9 +93,9 @@ def _triton_probes(rnd, failures: list[str]) -> None:
     """The batch-invariant kernels' promise, probed at the model's kind of shapes: a row's bits in
     calls of 1..TILE rows, and a row alone vs inside a full tile. Named 'triton ...' so the decode
     plan can refuse stacking on exactly these failures."""
-    from memra.kernels import ops
+    from memra.kernels.table import triton_ops
 
-    tk = ops._triton()
+    tk = triton_ops()
     if tk is None:
         return
     wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
@@ -137,20 +137,18 @@ def _prefill_probes(rnd, tk, failures: list[str]) -> None:
     for a, b in ((0, 64), (64, 200), (130, 131), (131, 300)):
         _check(f"triton prefill attention[{n}] queries {a}:{b} as a piece",
                tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5), whole[a:b], failures)
-    from memra import doors
+    # the chunked delta-rule kernel (a model with MEMRA_GDN_KERNEL=0 disregards a failure here)
+    from memra.kernels import gdn_triton
 
-    if doors.gdn_kernel():  # the chunked delta-rule kernel, where it is switched on
-        from memra.kernels import gdn_triton
-
-        h, dk, dv = 4, 128, 128
-        qk = lambda: torch.nn.functional.normalize(rnd(n, h, dk).float(), dim=-1)  # noqa: E731
-        gq, gk, gv, s0 = qk() * dk ** -0.5, qk(), rnd(n, h, dv).float(), rnd(h, dk, dv).float() * 0.1
-        beta, decay = torch.sigmoid(rnd(n, h).float()), -torch.sigmoid(rnd(n, h).float())
-        o, s = gdn_triton.gdn_prefill(gq, gk, gv, beta, decay, s0, 0)
-        o1, s1 = gdn_triton.gdn_prefill(gq[:128], gk[:128], gv[:128], beta[:128], decay[:128], s0, 0)
-        o2, s2 = gdn_triton.gdn_prefill(gq[128:], gk[128:], gv[128:], beta[128:], decay[128:], s1, 128)
-        _check(f"triton gdn prefill[{n}] in 64-aligned pieces", torch.cat((o1, o2)), o, failures)
-        _check(f"triton gdn prefill[{n}] final state in pieces", s2, s, failures)
+    h, dk, dv = 4, 128, 128
+    qk = lambda: torch.nn.functional.normalize(rnd(n, h, dk).float(), dim=-1)  # noqa: E731
+    gq, gk, gv, s0 = qk() * dk ** -0.5, qk(), rnd(n, h, dv).float(), rnd(h, dk, dv).float() * 0.1
+    beta, decay = torch.sigmoid(rnd(n, h).float()), -torch.sigmoid(rnd(n, h).float())
+    o, s = gdn_triton.gdn_prefill(gq, gk, gv, beta, decay, s0, 0)
+    o1, s1 = gdn_triton.gdn_prefill(gq[:128], gk[:128], gv[:128], beta[:128], decay[:128], s0, 0)
+    o2, s2 = gdn_triton.gdn_prefill(gq[128:], gk[128:], gv[128:], beta[128:], decay[128:], s1, 128)
+    _check(f"triton gdn prefill[{n}] in 64-aligned pieces", torch.cat((o1, o2)), o, failures)
+    _check(f"triton gdn prefill[{n}] final state in pieces", s2, s, failures)
 
 
 def _moe_probes(rnd, tk, failures: list[str]) -> None:

@@ -121,7 +121,7 @@ def reference_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None
     return reference.linear(x, qw.dequantize(x.dtype), bias)
 
 
-linear = reference_linear  # the name the op table calls (memra.kernels.ops.linear)
+linear = reference_linear  # the name the op table calls (memra.kernels.table.KernelTable.linear)
 
 
 # --- quantizers (torch, any device) -----------------------------------------------------------------

@@ -158,5 +158,5 @@ def q4_k_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused kernel for qw's format (the op table's entry: memra.kernels.ops.linear)."""
+    """The fused kernel for qw's format (the kernel table's entry: memra.kernels.table.KernelTable.linear)."""
     return _quant_linear(x, qw, bias, qw.qtype)

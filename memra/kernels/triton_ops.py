@@ -45,9 +45,9 @@ GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one progra
 
 
 def _interpreting() -> bool:
-    import os
+    from memra.settings import process_env
 
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return process_env().get("TRITON_INTERPRET", "0") == "1"  # Triton's own switch (tests on CPU)
 
 
 @triton.jit

@@ -9,13 +9,12 @@ bar shows on a terminal and stays quiet when piped or under CI.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from pathlib import Path
 
 import torch
 
 from memra.pools import KvBudget
+from memra.settings import Settings, show_progress
 from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
 
@@ -48,7 +47,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def progress(iterable, total: int, desc: str):
     """A tqdm bar on an interactive terminal; the bare iterable when piped or under CI."""
-    if not sys.stderr.isatty() or os.environ.get("CI"):
+    if not show_progress():
         return iterable
     from tqdm import tqdm
 
@@ -168,11 +167,13 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
 
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-         tokenizer: bool = True, check_tensors: bool = False, kv_budget: KvBudget | None = None):
+         tokenizer: bool = True, check_tensors: bool = False, kv_budget: KvBudget | None = None,
+         settings: Settings | None = None):
     """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
     .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
-    Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
+    `settings`: the MEMRA_* doors (memra.settings); by default read from the environment now, once —
+    nothing reads the environment after load. Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
     small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the
     bundled demo (7.5M values) those default checks cost ~0.4 ms (safetensors) and ~2 ms (its Q8_0 GGUF:
     1.5 ms of it the scales) of a ~30 / ~50 ms load on one CPU thread, ~1.3 ms on an H200 (one host sync
@@ -184,24 +185,27 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     budget = kv_budget if kv_budget is not None else KvBudget()
+    settings = settings if settings is not None else Settings.from_env()  # the doors, read once: now
     if str(path).startswith(RANDOM_PREFIX):
-        return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer, budget)
+        return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer, budget, settings)
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
     cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors)
-    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)), kv_budget=budget)
+    return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)), kv_budget=budget,
+                       settings=settings)
 
 
 RANDOM_PREFIX = "random:"  # random:llama-3-8b -- a named real shape with random weights, no file (memra.random_model)
 
 
-def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool, kv_budget: KvBudget):
+def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool, kv_budget: KvBudget,
+            settings: Settings):
     """A random-weight model of a real shape, built on the device, with a byte-level tokenizer covering its
     whole vocabulary: what `memra serve random:llama-3-8b` measures at real size with no download."""
     from memra.random_model import random_model
     from memra.tokenizer.synthetic import byte_level_tokenizer
 
-    model = random_model(name, device, dtype)
+    model = random_model(name, device, dtype, settings=settings)
     model.kv_budget = kv_budget
     if tokenizer:
         model.tokenizer = byte_level_tokenizer(model.cfg.vocab_size, source=RANDOM_PREFIX + name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 from memra.model.context import StackedStep, StepContext
 
 
@@ -15,9 +15,9 @@ class Attention:
     bqkv [same rows] | None     wo [E, Hq*D]     q_norm, k_norm [D] fp32 | None
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], ops: KernelTable):
         a = cfg.attn
-        self.layer, self.cfg = layer, cfg
+        self.layer, self.cfg, self.ops = layer, cfg, ops
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
         self.gated = a.output_gate
@@ -46,14 +46,14 @@ class Attention:
         for g in step.groups:
             g.kv.k[self.layer].view(-1, self.n_kv, d)[g.write_rows] = k[g.sel]
             g.kv.v[self.layer].view(-1, self.n_kv, d)[g.write_rows] = v[g.sel]
-            o[g.sel] = ops.paged_attention_rows(q[g.sel], g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
+            o[g.sel] = self.ops.paged_attention_rows(q[g.sel], g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
                                                 g.starts, g.lens, self.scale, g.max_len)
         return o.reshape(q.shape[0], self.n_heads * d)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (normed, rotated), gate [T, Hq*D] | None."""
         t, d = x.shape[0], self.head_dim
-        qkv = ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
+        qkv = self.ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
         q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
         gate = None
         if self.gated:
@@ -63,9 +63,9 @@ class Attention:
         k = k.reshape(t, self.n_kv, d)
         v = v.reshape(t, self.n_kv, d)
         if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
-            k = ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
-        return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
+            q = self.ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+            k = self.ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+        return self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin), v, gate
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Write the new K/V into this sequence's blocks, then attend over its whole prefix in order."""
@@ -76,12 +76,12 @@ class Attention:
         flat_k[ctx.kv_write_rows] = k
         flat_v[ctx.kv_write_rows] = v
         if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
-            o = ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
+            o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
         else:
-            o = ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale)
+            o = self.ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale)
         return o.reshape(t, self.n_heads * d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return ops.linear(o, self.wo)
+        return self.ops.linear(o, self.wo)

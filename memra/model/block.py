@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 from memra.model.attention import Attention
 from memra.model.context import StackedStep, StepContext
 from memra.model.ffn import Mlp, Moe
@@ -13,31 +13,32 @@ from memra.model.gdn import GatedDeltaNet
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, layer: int, mixer: str, ffn: str, w: dict[str, torch.Tensor]):
-        self.layer, self.eps, self.zc = layer, cfg.norm_eps, cfg.zero_centered_norm
+    def __init__(self, cfg: ModelConfig, layer: int, mixer: str, ffn: str, w: dict[str, torch.Tensor], ops: KernelTable):
+        self.layer, self.eps, self.zc, self.ops = layer, cfg.norm_eps, cfg.zero_centered_norm, ops
         self.attn_norm, self.ffn_norm = w["attn_norm"], w["ffn_norm"]
         sub = lambda prefix: {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
-        self.mixer = Attention(cfg, layer, sub("attn.")) if mixer == "attention" else GatedDeltaNet(cfg, layer, sub("gdn."))
-        self.ffn = Moe(cfg, sub("moe.")) if ffn == "moe" else Mlp(sub("mlp."))
+        self.mixer = (Attention(cfg, layer, sub("attn."), ops) if mixer == "attention"
+                      else GatedDeltaNet(cfg, layer, sub("gdn."), ops))
+        self.ffn = Moe(cfg, sub("moe."), ops) if ffn == "moe" else Mlp(sub("mlp."), ops)
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [T, E] -> [T, E]: T tokens of one sequence."""
-        return self._ffn(h, self.mixer.forward(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx))
+        return self._ffn(h, self.mixer.forward(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx))
 
     def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
-        return self._ffn(h, self.mixer.forward_stacked(ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step))
+        return self._ffn(h, self.mixer.forward_stacked(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step))
 
     def forward_tokens(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [T, E] -> [T, E]: T consecutive generated tokens of one sequence (the stacked verify body).
         Attention's stacked form already attends row by row in order, each row after writing its own
         K/V, so row j sees rows < j exactly as decode would; GDN advances its state token by token."""
-        x = ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
+        x = self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
         mixed = self.mixer.forward_stacked(x, step) if isinstance(self.mixer, Attention) else self.mixer.forward_tokens(x, step)
         return self._ffn(h, mixed)
 
     def _ffn(self, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """The mixer's residual add, then the FFN's pre-norm and residual. The add and the norm that
-        reads it are one kernel on the exact GPU path (ops.add_rms_norm: the same bits as apart)."""
-        h, x = ops.add_rms_norm(h, mixed, self.ffn_norm, self.eps, self.zc)
+        reads it are one kernel on the exact GPU path (self.ops.add_rms_norm: the same bits as apart)."""
+        h, x = self.ops.add_rms_norm(h, mixed, self.ffn_norm, self.eps, self.zc)
         return h + self.ffn.forward(x)

@@ -5,35 +5,35 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 
 
 class Mlp:
     """w_gate_up [2F, E] (gate rows first), w_down [E, F]."""
 
-    def __init__(self, w: dict[str, torch.Tensor]):
-        self.w_gate_up, self.w_down = w["w_gate_up"], w["w_down"]
+    def __init__(self, w: dict[str, torch.Tensor], ops: KernelTable):
+        self.w_gate_up, self.w_down, self.ops = w["w_gate_up"], w["w_down"], ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.w_gate_up)), self.w_down)
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.w_gate_up)), self.w_down)
 
 
 class Moe:
     """router [X, E]; experts w_gate_up [X, 2F, E], w_down [X, E, F];
     shared expert shared_gate_up [2Fs, E], shared_down [E, Fs], shared_gate [1, E] (sigmoid scale) — optional."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
-        self.top_k, self.normalize = cfg.moe.top_k, cfg.moe.norm_topk
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ops: KernelTable):
+        self.top_k, self.normalize, self.ops = cfg.moe.top_k, cfg.moe.norm_topk, ops
         self.router, self.w_gate_up, self.w_down = w["router"], w["w_gate_up"], w["w_down"]
-        self.shared = Mlp({"w_gate_up": w["shared_gate_up"], "w_down": w["shared_down"]}) if "shared_gate_up" in w else None
+        self.shared = Mlp({"w_gate_up": w["shared_gate_up"], "w_down": w["shared_down"]}, ops) if "shared_gate_up" in w else None
         self.shared_gate = w.get("shared_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = ops.moe_route(ops.linear(x, self.router), self.top_k, self.normalize, x.dtype)
-        out = ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down)
+        weights, ids = self.ops.moe_route(self.ops.linear(x, self.router), self.top_k, self.normalize, x.dtype)
+        out = self.ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down)
         if self.shared is not None:
             s = self.shared.forward(x)
             if self.shared_gate is not None:
-                s = torch.sigmoid(ops.linear(x, self.shared_gate)) * s
+                s = torch.sigmoid(self.ops.linear(x, self.shared_gate)) * s
             out = out + s
         return out

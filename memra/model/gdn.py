@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 from memra.model.context import StackedStep, StepContext
 
 
@@ -15,9 +15,9 @@ class GatedDeltaNet:
     conv [conv_dim, Kc]   a_neg [Hv] = -exp(A_log) fp32   dt_bias [Hv] fp32   norm [Dv] fp32   wo [E, value_dim]
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], ops: KernelTable):
         g = cfg.gdn
-        self.layer, self.g, self.eps = layer, g, cfg.norm_eps
+        self.layer, self.g, self.eps, self.ops = layer, g, cfg.norm_eps, ops
         self.ratio = g.n_v_heads // g.n_k_heads
         self.split = [g.conv_dim, g.value_dim, g.n_v_heads, g.n_v_heads]
         self.w_in, self.conv, self.wo = w["w_in"], w["conv"], w["wo"]
@@ -29,46 +29,46 @@ class GatedDeltaNet:
         calls for a prompt chunk, a batch of decode rows or a verify's tokens."""
         g, n = self.g, mixed.shape[0]
         q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        q = ops.l2_normalize(q.reshape(n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
-        k = ops.l2_normalize(k.reshape(n, g.n_k_heads, g.k_head_dim).float())
+        q = self.ops.l2_normalize(q.reshape(n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
+        k = self.ops.l2_normalize(k.reshape(n, g.n_k_heads, g.k_head_dim).float())
         q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
         v = v.reshape(n, g.n_v_heads, g.v_head_dim).float()
-        beta, decay = ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
+        beta, decay = self.ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
         return q, k, v, beta, decay
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         g, t = self.g, x.shape[0]
-        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state = ctx.cache.conv_state(self.layer)
-        mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
+        mixed, new_conv = self.ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
         conv_state.copy_(new_conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
 
         state = ctx.cache.ssm_state(self.layer)
         if ctx.recurrent:
-            o, new_state = ops.gdn_recurrent(q, k, v, beta, decay, state)
+            o, new_state = self.ops.gdn_recurrent(q, k, v, beta, decay, state)
         else:
-            o, new_state = ops.gdn_prefill(q, k, v, beta, decay, state, ctx.pos0)
+            o, new_state = self.ops.gdn_prefill(q, k, v, beta, decay, state, ctx.pos0)
         state.copy_(new_state)
         if ctx.trail is not None:  # a verify column run alone (the row plan)
             ctx.trail.record(self.layer, ctx.column, conv_state, state)
-        y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return ops.linear(y.reshape(t, g.value_dim), self.wo)
+        y = self.ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The stacked batched decode: x [B, E], one generated token per sequence, each with its own
         cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
         g, b_n, ctxs = self.g, x.shape[0], step.ctxs
-        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         if step.slots is not None:  # one pool, slots by index (a graph's static step): same values, copied
             conv_states = step.rec.conv[self.layer][step.slots]  # [B, C, Kc-1]
             states = step.rec.ssm[self.layer][step.slots]  # [B, Hv, Dk, Dv]
         else:
             conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
             states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
-        mixed, new_conv = ops.causal_conv_step(mixed, conv_states, self.conv)
+        mixed, new_conv = self.ops.causal_conv_step(mixed, conv_states, self.conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
-        o, new_states = ops.delta_rule_step(q, k, v, beta, decay, states)
+        o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
         if step.slots is not None:
             step.rec.conv[self.layer][step.slots] = new_conv
             step.rec.ssm[self.layer][step.slots] = new_states
@@ -76,8 +76,8 @@ class GatedDeltaNet:
             for i, c in enumerate(ctxs):
                 c.cache.conv_state(self.layer).copy_(new_conv[i])
                 c.cache.ssm_state(self.layer).copy_(new_states[i])
-        y = ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return ops.linear(y.reshape(b_n, g.value_dim), self.wo)
+        y = self.ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return self.ops.linear(y.reshape(b_n, g.value_dim), self.wo)
 
     def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
@@ -90,17 +90,17 @@ class GatedDeltaNet:
           rollback (the trail)."""
         g, t = self.g, x.shape[0]
         cache, trail = step.ctxs[0].cache, step.ctxs[0].trail
-        mixed, z, b, a = ops.linear(x, self.w_in).split(self.split, dim=-1)
+        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
         if trail is not None:  # conv state after token j = the Kc-1 raw inputs ending at j
             window = torch.cat((conv_state.to(mixed.dtype), mixed.t()), dim=1)  # [C, Kc-1+T]
             trail.record_conv_all(self.layer, window.unfold(1, conv_state.shape[-1], 1)[:, 1:].permute(1, 0, 2))
-        mixed, new_conv = ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
+        mixed, new_conv = self.ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
         conv_state.copy_(new_conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
-        o, states = ops.delta_rule_scan(q[None], k[None], v[None], beta[None], decay[None], state[None])
+        o, states = self.ops.delta_rule_scan(q[None], k[None], v[None], beta[None], decay[None], state[None])
         state.copy_(states[0, -1])
         if trail is not None:
             trail.record_ssm_all(self.layer, states[0])
-        y = ops.gated_rms_norm(o[0].to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return ops.linear(y.reshape(t, g.value_dim), self.wo)
+        y = self.ops.gated_rms_norm(o[0].to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return self.ops.linear(y.reshape(t, g.value_dim), self.wo)

@@ -12,9 +12,10 @@ import torch
 
 from memra.cache import Cache, CacheSnapshot, StateTrail
 from memra.pools import KvBudget, ModelPools
+from memra.settings import Settings
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 from memra.model.block import Block
 from memra.model.context import StackedStep, StepContext
 from memra.model.mtp import MtpBlock
@@ -41,9 +42,15 @@ def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) ->
 
 
 class HybridModel:
+    """A loaded model: its weights, its Settings (read once, at load) and the kernel table they fix,
+    its cache pools, and the step API (bodies in memra.step)."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget()):
+                 tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget(), settings: Settings | None = None):
         self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
+        self.settings = settings if settings is not None else Settings()
+        self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
+        self._weights = weights  # what a view with other settings is built from (with_settings)
         self.embed = weights["embed"]  # [V, E]
         self.final_norm = weights["final_norm"]  # [E] fp32
         self.lm_head = weights.get("lm_head", self.embed)  # [V, E]; tied models share the embedding
@@ -57,10 +64,27 @@ class HybridModel:
         self.pp_runtimes: dict = {}  # memra.pp: one runtime per placement the doors have asked for
         self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
         self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
-        self.kv_budget = kv_budget  # how much memory the cache pools may grow to (memra.cache.KvBudget)
+        self.kv_budget = kv_budget  # how much memory the cache pools may grow to (memra.pools.KvBudget)
         self._pools: dict[tuple, ModelPools] = {}  # by placement: the pools every new_cache draws from
-        self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}.")) for i in range(cfg.n_layers)]
-        self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}.")) for j in range(cfg.n_mtp)]
+        self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), self.ops)
+                       for i in range(cfg.n_layers)]
+        self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}."), self.ops) for j in range(cfg.n_mtp)]
+
+    def with_settings(self, settings: Settings) -> "HybridModel":
+        """A second view of this model with other settings (another kernel table, plan, graphs, pools,
+        placement) over the same weight tensors: how a gate or a benchmark compares two modes without
+        touching the environment."""
+        if self._weights is None:
+            raise MemraError("this model's weights were sharded over a pipeline's devices; a view with other "
+                             "settings needs the unsharded model (load it again)")
+        return HybridModel(self.cfg, self._weights, self.device, self.dtype, tokenizer=self.tokenizer,
+                           source=self.source, kv_budget=self.kv_budget, settings=settings)
+
+    def with_doors(self, **doors: str | None) -> "HybridModel":
+        """This model as it runs with these MEMRA_* doors set (or unset: None): a view over the same weights
+        (with_settings), or the model itself where nothing changes. `m.with_doors(MEMRA_EXACT="0")`."""
+        settings = self.settings.with_doors(**doors)
+        return self if settings == self.settings else self.with_settings(settings)
 
     # --- pieces of a step ---
     def context(self, cache: Cache, pos0: int, n_tokens: int, recurrent: bool, device: torch.device | None = None,
@@ -69,7 +93,7 @@ class HybridModel:
         A verify column passes the trail its GDN layers record their state into, and its index."""
         device = self.device if device is None else device
         positions = torch.arange(pos0, pos0 + n_tokens, device=device)
-        cos, sin = ops.rope_cos_sin(positions, self.inv_freq.to(device), self.dtype)
+        cos, sin = self.ops.rope_cos_sin(positions, self.inv_freq.to(device), self.dtype)
         read_rows = cache.read_rows(pos0 + n_tokens, device)  # shared by every attention layer
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
                            kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows, trail=trail, column=column)
@@ -94,11 +118,11 @@ class HybridModel:
         return h
 
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+        return self.ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
         """[T, E] -> [T, V] fp32."""
-        return ops.linear(h_normed, self.lm_head).float()
+        return self.ops.linear(h_normed, self.lm_head).float()
 
     # --- the public step API (bodies in memra.step) ---
     def pools(self, layer_devices: dict[int, torch.device] | None = None) -> ModelPools:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels import ops
+from memra.kernels.table import KernelTable
 from memra.model.block import Block
 from memra.model.context import StepContext
 
@@ -19,17 +19,17 @@ from memra.model.context import StepContext
 class MtpBlock:
     """fc [E, 2E]; enorm, hnorm, norm [E] fp32; block.* a full-attention Block."""
 
-    def __init__(self, cfg: ModelConfig, j: int, w: dict[str, torch.Tensor]):
-        self.eps, self.zc = cfg.norm_eps, cfg.zero_centered_norm
+    def __init__(self, cfg: ModelConfig, j: int, w: dict[str, torch.Tensor], ops: KernelTable):
+        self.eps, self.zc, self.ops = cfg.norm_eps, cfg.zero_centered_norm, ops
         self.fc, self.enorm, self.hnorm, self.norm = w["fc"], w["enorm"], w["hnorm"], w["norm"]
         block_w = {k[len("block."):]: v for k, v in w.items() if k.startswith("block.")}
         ffn = "moe" if "moe.router" in block_w else "dense"
-        self.block = Block(cfg, cfg.n_layers + j, "attention", ffn, block_w)
+        self.block = Block(cfg, cfg.n_layers + j, "attention", ffn, block_w, ops)
 
     def forward(self, h_normed: torch.Tensor, next_embed: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h_normed [T, E] (trunk output after its final norm), next_embed [T, E] -> normed draft hidden [T, E]."""
-        e = ops.rms_norm(next_embed, self.enorm, self.eps, self.zc)
-        hn = ops.rms_norm(h_normed, self.hnorm, self.eps, self.zc)
-        u = ops.linear(torch.cat((e, hn), dim=-1), self.fc)
+        e = self.ops.rms_norm(next_embed, self.enorm, self.eps, self.zc)
+        hn = self.ops.rms_norm(h_normed, self.hnorm, self.eps, self.zc)
+        u = self.ops.linear(torch.cat((e, hn), dim=-1), self.fc)
         u = self.block.forward(u, ctx)
-        return ops.rms_norm(u, self.norm, self.eps, self.zc)
+        return self.ops.rms_norm(u, self.norm, self.eps, self.zc)

@@ -28,14 +28,25 @@ import os
 
 import torch
 
-from memra import doors
 from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.dist_driver import DistCache, DistPipeline
-from memra.pp.dist_launch import (DistConfig, LocalWorkers, backend_for, dist_fence, doors_from_env, free_port,
-                                  join_group, launcher_world_size, leave_group, rank_device, spawn_workers)
+from memra.pp.dist_launch import (
+    DistConfig,
+    LocalWorkers,
+    backend_for,
+    dist_fence,
+    doors_from_env,
+    free_port,
+    join_group,
+    launcher_world_size,
+    leave_group,
+    rank_device,
+    spawn_workers,
+)
 from memra.pp.dist_stage import fingerprint, release_foreign_weights
 from memra.pp.dist_worker import run_worker
+from memra.settings import process_env
 
 __all__ = ["DistCache", "DistPipeline", "PipelineError", "join_from_env", "launch_local", "pipeline_for_serving"]
 
@@ -46,7 +57,7 @@ def _bring_up(model, cfg: DistConfig, fence: pf.StageFence, workers: LocalWorker
               keep_full_model: bool) -> DistPipeline:
     """Rank 0, after joining: check every rank (HELLO), then drop what stage 0 never reads."""
     fp = fingerprint(model)
-    if doors.exact_mode():
+    if model.settings.exact:
         from memra.decode_plan import decode_plan
 
         try:  # resolve (and memoize) the decode plan while rank 0 still holds every layer: its on-model
@@ -80,16 +91,16 @@ def launch_local(model, stages: int | None = None, *, device: str | None = None,
 
     if isinstance(model, (str, os.PathLike)):
         model = memra.load(model, device=device, dtype=dtype)
-    n = stages if stages is not None else int(os.environ.get("MEMRA_PP_STAGES") or 0)
+    n = stages if stages is not None else int(process_env().get("MEMRA_PP_STAGES") or 0)
     if n < 2:
         raise PipelineError("launch_local needs stages >= 2 (or MEMRA_PP_STAGES)")
-    fence = dist_fence(model.cfg.n_layers, n, {**os.environ, "MEMRA_PP_STAGES": str(n)})
+    fence = dist_fence(model.cfg.n_layers, n, {**process_env(), "MEMRA_PP_STAGES": str(n)})
     device_type = model.device.type
     cfg = DistConfig(rank=0, world_size=n, local_rank=model.device.index or 0, master_addr="127.0.0.1",
-                     master_port=free_port(), backend=backend_for(device_type, os.environ), own_store=True,
+                     master_port=free_port(), backend=backend_for(device_type, process_env()), own_store=True,
                      **doors_from_env())
     workers = spawn_workers(worker_source(model), cfg, device_type, model.dtype, torch.get_num_threads(),
-                            {**os.environ, **(env or {})})
+                            {**process_env(), **(env or {})})
     atexit.register(workers.finish, 0.0)  # never leave orphans behind if the caller forgets shutdown()
     try:
         join_group(cfg, watch=workers.exited)

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from memra import counters, doors
+from memra import counters
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
 from memra.errors import MemraError
 from memra.pp import fence as pf
@@ -109,6 +109,14 @@ class DistPipeline:
         return self.model.dtype
 
     @property
+    def settings(self):
+        return self.model.settings
+
+    @property
+    def ops(self):
+        return self.model.ops
+
+    @property
     def tokenizer(self):
         return self.model.tokenizer
 
@@ -191,7 +199,7 @@ class DistPipeline:
         return t.to(self.device)
 
     def _exact(self) -> bool:
-        exact = doors.exact_mode()
+        exact = self.model.settings.exact
         if exact:
             from memra.kernels.exact import require_exact
 
@@ -333,7 +341,7 @@ class DistPipeline:
         from memra.step import check_samp, sample_rows
 
         check_samp(samp, caches)
-        return sample_rows(self.decode_step_batch(tokens, caches), caches, samp, lean)
+        return sample_rows(self.ops, self.decode_step_batch(tokens, caches), caches, samp, lean)
 
     @torch.inference_mode()
     def decode_step_t(self, chunk, pos0: int, cache: DistCache, trail: StateTrail | None = None):

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.dist_wire import FOREVER_S
+from memra.settings import process_env
 
 Env = Mapping[str, str]
 LOCAL_DOOR = "MEMRA_PP_DIST_LOCAL"  # set by the local launcher on its workers: rank 0 hosts the store
@@ -49,7 +50,7 @@ LOCAL_DOOR = "MEMRA_PP_DIST_LOCAL"  # set by the local launcher on its workers: 
 
 def launcher_world_size(env: Env | None = None) -> int | None:
     """WORLD_SIZE as a launcher (torchrun) set it for this process, or None where none did."""
-    raw = (os.environ if env is None else env).get("WORLD_SIZE", "").strip()
+    raw = (process_env() if env is None else env).get("WORLD_SIZE", "").strip()
     if not raw:
         return None
     try:
@@ -62,7 +63,7 @@ def launcher_rank(env: Env | None = None) -> int | None:
     """RANK as a launcher set it for this process (None where none did): only rank 0 serves HTTP."""
     if launcher_world_size(env) is None:
         return None
-    return _int(os.environ if env is None else env, "RANK")
+    return _int(process_env() if env is None else env, "RANK")
 
 
 def _seconds(env: Env, name: str, default: float, zero_ok: bool = False) -> float:
@@ -134,7 +135,7 @@ class DistConfig:
     @classmethod
     def from_env(cls, device_type: str, env: Env | None = None, **override) -> DistConfig:
         """The torchrun variables plus the MEMRA_PP_DIST_* doors."""
-        e = os.environ if env is None else env
+        e = process_env() if env is None else env
         rank = _int(e, "RANK")
         values = dict(
             rank=rank, world_size=_int(e, "WORLD_SIZE"), local_rank=_int(e, "LOCAL_RANK", rank),
@@ -145,7 +146,7 @@ class DistConfig:
 
 
 def doors_from_env(env: Env | None = None) -> dict:
-    e = os.environ if env is None else env
+    e = process_env() if env is None else env
     idle = _seconds(e, "MEMRA_PP_DIST_IDLE_TIMEOUT_S", 0.0, zero_ok=True)
     share = e.get("MEMRA_PP_DIST_SHARE_GPUS", "").strip()
     if share not in ("", "0", "1"):
@@ -156,7 +157,7 @@ def doors_from_env(env: Env | None = None) -> dict:
 
 def dist_fence(n_layers: int, world_size: int, env: Env | None = None) -> pf.StageFence:
     """The stage fence for one rank per stage, from the in-process doors, with their refusals."""
-    e = os.environ if env is None else env
+    e = process_env() if env is None else env
     raw = e.get("MEMRA_PP_STAGES")
     stages = raw if raw not in (None, "") else str(world_size)
     if e.get("MEMRA_PP_DEVICES"):
@@ -205,8 +206,8 @@ def join_group(cfg: DistConfig, watch: Callable[[], str | None] | None = None) -
     # must outlast an idle worker's wait for its next command; every wait of ours passes its own timeout.
     group_timeout = _td(max(cfg.idle_timeout_s, cfg.timeout_s, cfg.start_timeout_s))
     if not cfg.own_store:
-        os.environ.setdefault("MASTER_ADDR", cfg.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(cfg.master_port))
+        process_env().setdefault("MASTER_ADDR", cfg.master_addr)
+        process_env().setdefault("MASTER_PORT", str(cfg.master_port))
         dist.init_process_group(cfg.backend, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
                                 timeout=group_timeout)
         return
@@ -297,7 +298,7 @@ def spawn_workers(model_path: str, cfg: DistConfig, device_type: str, dtype: tor
     """Start ranks 1..world-1 of a local pipeline (rank 0 is the caller)."""
     import memra
 
-    base = dict(os.environ if env is None else env)
+    base = dict(process_env() if env is None else env)
     root = str(Path(memra.__file__).resolve().parent.parent)  # workers import this very memra
     base["PYTHONPATH"] = root + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else "")
     dtype_name = str(dtype).removeprefix("torch.")

@@ -190,9 +190,7 @@ def run_worker(model_path: str, cfg: DistConfig, device: torch.device, dtype: st
         fp = fingerprint(model)  # before trimming: it reads the embedding and the head
         state = StageState(model, fence, cfg.rank)
         release_foreign_weights(model, fence, cfg.rank)
-        from memra import doors
-
-        if doors.exact_mode():
+        if model.settings.exact:
             from memra.kernels.exact import require_exact
 
             require_exact(model.dtype, model.device)

@@ -2,8 +2,8 @@
 
 Mirrors the reference runtime's door layer (its `pp_cuts`, `stage_of`, the `*_on()` switches, the
 dual-wave routing and the unsplit-walk guard). Every function takes the environment as an explicit
-mapping (default: `os.environ`, read at call time) so a gate can A/B a door inside one process,
-exactly as the reference reads its doors per call.
+mapping: memra passes the doors its model was loaded with (memra.settings.Settings.pp_env), so a gate
+A/Bs a door by building a second view of the model, not by changing the environment.
 
 Two failure styles, chosen where the reference chose them:
   * a door value that cannot be used leaves pipeline parallelism OFF and warns once per
@@ -15,7 +15,6 @@ Two failure styles, chosen where the reference chose them:
 from __future__ import annotations
 
 import enum
-import os
 import re
 import threading
 import warnings
@@ -24,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from memra.errors import MemraError
+from memra.settings import process_env
 
 Env = Mapping[str, str]
 
@@ -37,7 +37,9 @@ class PpDoorWarning(UserWarning):
 
 
 def _env(env: Env | None) -> Env:
-    return os.environ if env is None else env
+    """`env`, or the process environment where a caller passes none (memra's own callers pass the
+    pipeline doors their model was loaded with: Settings.pp_env)."""
+    return process_env() if env is None else env
 
 
 _USIZE = re.compile(r"\+?[0-9]+")  # what the reference's unsigned parse accepts: no spaces, no sign

@@ -40,6 +40,7 @@ def shard_weights(model, rt: PpRuntime) -> None:
     last = rt.stages[-1].device
     for mtp in model.mtp:
         _move(mtp, last, set())
+    model._weights = None  # the unsharded tensors go (their memory with them); so does with_settings
     tied = model.lm_head is model.embed
     model.embed = model.embed.to(rt.stages[0].device)
     model.lm_head = (model.embed if tied else model.lm_head).to(last)

@@ -17,7 +17,6 @@ Bodies:
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
@@ -31,11 +30,13 @@ from memra.pp.runtime import PpRuntime
 
 
 def active_runtime(model) -> PpRuntime | None:
-    """The runtime for the placement the doors describe now (built on first use), or None when the
-    PP door is shut. Bad door values follow memra.pp.fence: warn-and-off, or PipelineError."""
-    if os.environ.get("MEMRA_PP_STAGES") in (None, "", "0", "1"):
-        return None  # the door is shut: skip reading the other doors on every step
-    doors = pf.PpDoors.from_env()
+    """The runtime for the placement the model's doors describe (built on first use: its settings are
+    fixed, so it is the same runtime every call), or None when the PP door is shut. Bad door values
+    follow memra.pp.fence: warn-and-off, or PipelineError."""
+    env = model.settings.pp_env  # the doors as the model was loaded with them
+    if env.get("MEMRA_PP_STAGES") in (None, "", "0", "1"):
+        return None  # the door is shut
+    doors = pf.PpDoors.from_env(env)
     fence = doors.fence(model.cfg.n_layers)
     if fence is None:
         return None
@@ -61,7 +62,6 @@ def active_runtime(model) -> PpRuntime | None:
             shard_weights(model, rt)
         bring_up(rt)
         model.pp_runtimes[key] = rt
-    rt.doors = doors  # switches read per call (batch/prime/dual/overlap) follow the env of this step
     return rt
 
 

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from memra import doors
+from memra import settings as memra_settings
 from memra.errors import MemraError
 
 # Ordinary words for prompts: any model tokenizes them, and their length in words tracks their length
@@ -375,7 +375,7 @@ async def _one(client, model: str, res: RequestResult, timeout_s: float) -> Requ
 
 def _progress_bar(total: int):
     """A tqdm bar on an interactive terminal only: in CI or a log file it is noise."""
-    if not sys.stderr.isatty() or os.environ.get("CI"):
+    if not memra_settings.show_progress():
         return None
     from tqdm import tqdm
 
@@ -578,7 +578,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
-    p.add_argument("--api-key", default=doors.api_key(), help="bearer token (default $MEMRA_API_KEY)")
+    p.add_argument("--api-key", default=memra_settings.api_key(), help="bearer token (default $MEMRA_API_KEY)")
     p.add_argument("--no-metrics", action="store_true", help="skip the /metrics check (a server without it)")
     p.add_argument("--metrics-prefix", default="memra:", help="counter prefix, e.g. vllm: (default %(default)s)")
     p.add_argument("--offline-check", metavar="MODEL", default=None,

@@ -65,7 +65,7 @@ def _orderly_stop_exits_zero() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from memra import doors
+    from memra import settings as memra_settings
     from memra.pp.dist_driver import DistPipeline
     from memra.pp.dist_launch import launcher_rank
     from memra.server.api import build_app
@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 1024:
         raise MemraError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb:g}")
-    options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, doors.api_key()),
+    options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, memra_settings.api_key()),
                             max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout)
     # The port before the model: a port in use is a one-line error now, not after minutes of loading.
     # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.

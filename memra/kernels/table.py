@@ -1,0 +1,170 @@
+"""The op table a model calls, decided once when the model is loaded (KernelTable.build) and frozen.
+Which implementation runs is decided here and nowhere else, because exactness depends on it:
+
+- CPU, and CUDA with MEMRA_EXACT=0: the pure-torch reference (cuBLAS / ATen on CUDA), whose bits
+  may depend on how many rows share a call.
+- CUDA in exact mode with Triton present (and MEMRA_TRITON not 0): the batch-invariant Triton twins
+  for every op whose torch form picks its algorithm from the row count (matmuls, row norms, the
+  delta-rule step, decode attention). Elementwise ops stay in torch: the self-test checks that they
+  give a value the same bits wherever it sits.
+
+`invariant` says whether the second table is live; the decode plan uses it to decide whether B rows
+may run as one stacked forward (memra.decode_plan).
+
+`moe_experts` runs as grouped matmuls (memra.kernels.moe_triton) wherever the invariant kernels run:
+the same bits as the per-expert loop over the invariant linear, without the loop's host round trip.
+
+`linear` also takes a GGUF-packed weight (memra.kernels.quant.QuantWeight): the same choice, between
+the fused dequantizing kernels (quant_triton) and their pure-torch twin (quant.reference_linear).
+
+Each fast kernel has its pure-torch twin in memra.kernels.reference, and a test between them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from memra.kernels import quant, reference
+
+
+@functools.cache
+def triton_ops():
+    """The Triton module, or None where Triton is not installed (CPU-only machines)."""
+    try:
+        from memra.kernels import triton_ops as module
+    except ImportError:
+        return None
+    return module
+
+
+@functools.cache
+def _quant_triton():
+    from memra.kernels import quant_triton  # importable wherever triton_ops is (both need only Triton)
+
+    return quant_triton
+
+
+@functools.cache
+def _gdn_triton():
+    from memra.kernels import gdn_triton
+
+    return gdn_triton
+
+
+@functools.cache
+def _moe_triton():
+    from memra.kernels import moe_triton
+
+    return moe_triton
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """Which kernel every op runs for one model: fixed at load from its device and Settings."""
+
+    invariant: bool  # the batch-invariant Triton kernels (matmuls, norms, delta rule, attention)
+    triton: bool  # Triton is present and allowed (MEMRA_TRITON): the fused elementwise kernels (RoPE)
+    exact: bool  # the exact path (MEMRA_EXACT)
+    gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
+    sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
+
+    @classmethod
+    def build(cls, device: torch.device | str, settings) -> "KernelTable":
+        cuda = torch.device(device).type == "cuda"
+        triton = cuda and settings.triton and triton_ops() is not None
+        return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
+                   gdn_kernel=triton and settings.exact and settings.gdn_kernel,
+                   sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None)
+
+    # --- ops with no fast twin: elementwise, or never batch-shaped ---
+    causal_attention = staticmethod(reference.causal_attention)
+    causal_conv = staticmethod(reference.causal_conv)
+    causal_conv_step = staticmethod(reference.causal_conv_step)
+    gdn_chunk = staticmethod(reference.gdn_chunk)
+    gdn_gates = staticmethod(reference.gdn_gates)
+    moe_route = staticmethod(reference.moe_route)
+    rope_cos_sin = staticmethod(reference.rope_cos_sin)
+    silu_mul = staticmethod(reference.silu_mul)
+
+    def _impl(self, x: torch.Tensor):
+        return triton_ops() if self.invariant and x.is_cuda else reference
+
+    def grouped_moe(self) -> bool:
+        """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
+        return self.invariant
+
+    def apply_rope(self, x, cos, sin):
+        # One fused launch instead of five (triton_ops._rope_kernel) wherever Triton runs on 16-bit
+        # activations, in the exact and the fast path alike: elementwise, so its bits never depend on the batch.
+        if self.triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            return triton_ops().apply_rope(x, cos, sin)
+        return reference.apply_rope(x, cos, sin)
+
+    def linear(self, x, w, b=None):
+        if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
+            return (quant if self._impl(x) is reference else _quant_triton()).linear(x, w, b)
+        return self._impl(x).linear(x, w, b)
+
+    def rms_norm(self, x, w, eps, zero_centered):
+        return self._impl(x).rms_norm(x, w, eps, zero_centered)
+
+    def add_rms_norm(self, h, delta, w, eps, zero_centered):
+        return self._impl(h).add_rms_norm(h, delta, w, eps, zero_centered)
+
+    def l2_normalize(self, x, eps=1e-6):
+        return self._impl(x).l2_normalize(x, eps)
+
+    def gated_rms_norm(self, o, z, w, eps):
+        return self._impl(z).gated_rms_norm(o, z, w, eps)
+
+    def delta_rule_step(self, q, k, v, beta, g, s):
+        return self._impl(q).delta_rule_step(q, k, v, beta, g, s)
+
+    def delta_rule_scan(self, q, k, v, beta, g, s):
+        return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
+
+    def gdn_prefill(self, q, k, v, beta, g, state, pos0):
+        # The Triton form where the invariant kernels run (MEMRA_GDN_KERNEL=0 is the door back): same chunks
+        # at the same absolute cuts as the reference's loop, so a token's bits still do not depend on its piece.
+        if self.gdn_kernel and q.is_cuda:
+            return _gdn_triton().gdn_prefill(q, k, v, beta, g, state, pos0)
+        return reference.gdn_prefill(q, k, v, beta, g, state, pos0)
+
+    def gdn_recurrent(self, q, k, v, beta, g, state):
+        return reference.gdn_recurrent(q, k, v, beta, g, state, step=self.delta_rule_step)
+
+    def paged_attention_rows(self, q, k_pool, v_pool, rows, starts, lens, scale, max_len=None):
+        # Attention has no cuBLAS form to compare against, so the fast path (MEMRA_EXACT=0) uses the paged
+        # kernel too where Triton runs; its reference twin walks rows on the host and cannot be graphed.
+        fast_cuda = q.is_cuda and not self.exact and self.triton
+        impl = triton_ops() if fast_cuda else self._impl(q)
+        if impl is reference:  # the definition: row by row, no splits
+            return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
+        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len)
+
+    def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale):
+        return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale)
+
+    def paged_decode_attention(self, q, k_pool, v_pool, rows, scale):
+        return self._impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)
+
+    def sample_batch(self, logits, samps):
+        """Each row's device_sample token, for logits [B, V] -> int64 [B] on the device. One Triton launch
+        for the batch on CUDA (memra.kernels.sample_triton; MEMRA_SAMPLE_KERNEL=0 turns it off), else
+        device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
+        248k vocabulary, in 5.8 ms against 45 ms row by row."""
+        from memra.sampling import device_sample
+
+        if self.sample_kernel and logits.is_cuda:
+            from memra.kernels import sample_triton
+
+            return sample_triton.sample_batch(logits, list(samps))
+        return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
+
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down):
+        if self.invariant and x.is_cuda and not isinstance(w_gate_up, quant.QuantWeight):
+            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down)
+        return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)

@@ -1,0 +1,160 @@
+"""Every MEMRA_* door, parsed, validated and explained in one place, and read once.
+
+`Settings.from_env()` reads the process environment once, when a model is loaded; from then on every
+part of the engine reads the frozen `Settings` it was handed (model.settings) and nothing reads
+os.environ again, so no step can change behaviour halfway through a run. A comparison of two modes
+(exact against fast, graphs on against off, a pipeline split against none) builds a second view of the
+model with other settings (HybridModel.with_settings: the same weights); nothing mutates the
+environment. The doors' names, defaults and refusals mirror the reference system's.
+
+This is also the one module that touches the process environment at all: the launcher's variables
+(torchrun's WORLD_SIZE, RANK, ...) and the MEMRA_PP_DIST_* doors are read through `process_env()`,
+and whether a progress bar may draw (`show_progress`) looks at CI here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from memra.errors import MemraError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+DECODE_PLANS = ("auto", "row", "stacked", "bucket")
+
+
+def process_env() -> Mapping[str, str]:
+    """The process environment, for the launcher's variables (torchrun) and the dist doors."""
+    return os.environ
+
+
+def flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise MemraError(f"{name}={raw!r} is not a boolean; use 1/0 (or true/false, on/off)")
+
+
+def integer(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise MemraError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The doors, resolved. Every field is a MEMRA_* variable (DOORS says which and what it does)."""
+
+    exact: bool = True
+    triton: bool = True
+    gdn_kernel: bool = True
+    sample_kernel: bool = True
+    cuda_graphs: bool = True
+    decode_plan: str = "auto"
+    gate_seed: int = 0
+    gate_canary: bool = False
+    # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
+    # parses them, with the reference system's rules, when a placement is planned.
+    pp_doors: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.decode_plan not in DECODE_PLANS:
+            raise MemraError(f"MEMRA_DECODE_PLAN={self.decode_plan!r} is not one of {', '.join(DECODE_PLANS)}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        """The doors as `env` (default: the process environment, read now) sets them."""
+        e = process_env() if env is None else env
+        return cls(
+            exact=flag(e, "MEMRA_EXACT", True),
+            triton=flag(e, "MEMRA_TRITON", True),
+            gdn_kernel=flag(e, "MEMRA_GDN_KERNEL", True),
+            sample_kernel=flag(e, "MEMRA_SAMPLE_KERNEL", True),
+            cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
+            decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
+            gate_seed=integer(e, "MEMRA_GATE_SEED", 0),
+            gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
+            pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
+        )
+
+    @property
+    def pp_env(self) -> dict[str, str]:
+        """The pipeline doors as a mapping, for memra.pp.fence."""
+        return dict(self.pp_doors)
+
+    def replace(self, **changes) -> "Settings":
+        """These settings with some doors changed (a second view of a model: HybridModel.with_settings)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as the environment variables that give them."""
+        on = lambda b: "1" if b else "0"  # noqa: E731
+        return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
+                "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
+                "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_GATE_SEED": str(self.gate_seed),
+                "MEMRA_GATE_CANARY": on(self.gate_canary), **self.pp_env}
+
+    def with_doors(self, **doors: str | None) -> "Settings":
+        """These settings with some doors set (a value, parsed as from the environment) or unset (None):
+        `settings.with_doors(MEMRA_EXACT="0", MEMRA_PP_STAGES="2")`."""
+        env = self.as_env()
+        for name, value in doors.items():
+            if name not in env and not _is_pp_door(name):
+                raise MemraError(f"{name} is not a door Settings holds (see memra.settings.DOORS)")
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        return Settings.from_env(env)
+
+
+# (variable, default, meaning): the README's table of doors is this list.
+DOORS: tuple[tuple[str, str, str], ...] = (
+    ("MEMRA_EXACT", "1", "the exact path; 0 = the fast path, whose bits may depend on the batch and the chunking"),
+    ("MEMRA_TRITON", "1", "the batch-invariant Triton kernels on CUDA; 0 = torch ops (not batch-invariant)"),
+    ("MEMRA_GDN_KERNEL", "1", "GDN's chunked prefill as two Triton launches on CUDA; 0 = the torch chunk loop"),
+    ("MEMRA_SAMPLE_KERNEL", "1", "a batch's seeded sampling in one Triton launch on CUDA; 0 = row by row"),
+    ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
+    ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
+    ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
+    ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
+    ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),
+    ("MEMRA_PP_STAGES / _SPLITS / _SPLIT", "off", "in-process pipeline: stage count, cut layers (memra.pp.fence)"),
+    ("MEMRA_PP_DEVICES, MEMRA_PP_SHARD, MEMRA_PP_STREAMS, MEMRA_PP_OVERLAP, MEMRA_DUAL_PP, MEMRA_PP_HOST_BOUNCE, "
+     "MEMRA_PEER_PROBE, MEMRA_BATCH_PP, MEMRA_PRIME_PP, MEMRA_PRIME_PIPE, MEMRA_SPEC_PP, "
+     "MEMRA_PP_ALLOW_UNSPLIT_BATCH, MEMRA_DUAL_PP_TIMING", "see memra.pp.fence",
+     "the pipeline's placement, transports and bodies, as the reference system's doors"),
+    ("MEMRA_PP_DIST_*", "see memra.pp.dist_launch", "process pipelines: backend, timeouts, shared GPUs"),
+)
+
+
+# The pipeline's doors (memra.pp.fence parses them): every MEMRA_PP_* variable, and these.
+_PP_DOORS = frozenset({"MEMRA_DUAL_PP", "MEMRA_DUAL_PP_TIMING", "MEMRA_PEER_PROBE", "MEMRA_BATCH_PP",
+                       "MEMRA_PRIME_PP", "MEMRA_PRIME_PIPE", "MEMRA_SPEC_PP"})
+
+
+def _is_pp_door(name: str) -> bool:
+    return name.startswith("MEMRA_PP_") or name in _PP_DOORS
+
+
+def api_key() -> str | None:
+    """MEMRA_API_KEY: the key `memra serve` requires when no flag gives one (kept out of the process list)."""
+    return process_env().get("MEMRA_API_KEY") or None
+
+
+def show_progress() -> bool:
+    """A progress bar draws on an interactive terminal, and never under CI."""
+    return sys.stderr.isatty() and not process_env().get("CI")
