@@ -159,7 +159,7 @@ def _metadata(writer, cfg: ModelConfig, arch: str, name: str, file_type: int) ->
 
 def _tokenizer_metadata(writer, model_dir: Path) -> None:
     """A byte-level BPE tokenizer.json -> tokenizer.ggml.* (llama.cpp's 'gpt2' model)."""
-    from memra.loading.gguf_vocab import PRE_TOKENIZER_RULES
+    from memra.loading.gguf_pretokenizers import PRE_TOKENIZER_RULES
     from memra.tokenizer import Tokenizer
 
     tj = json.loads((model_dir / "tokenizer.json").read_text())

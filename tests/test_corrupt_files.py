@@ -97,7 +97,7 @@ def test_gguf_truncated_at_every_header_boundary(tmp_path):
 
 
 def test_gguf_truncated_metadata_fails_the_tokenizer_reader_clearly(tmp_path):
-    from memra.loading.gguf_vocab import read_tokenizer_metadata_file
+    from memra.tokenizer.gguf_vocab import read_tokenizer_metadata_file
 
     data, lay = Q8.read_bytes(), layout(Q8)
     for cut in sorted({c for s, v, e in lay.kv.values() for c in (s + 4, v, e - 1)}):
@@ -209,7 +209,7 @@ def test_gguf_bad_alignment(alignment, tmp_path):
 
 
 def test_gguf_deeply_nested_array(tmp_path):
-    from memra.loading.gguf_vocab import read_tokenizer_metadata_file
+    from memra.tokenizer.gguf_vocab import read_tokenizer_metadata_file
 
     nested = struct.pack("<IQ", GT.ARRAY, 1) * 20000 + struct.pack("<IQ", GT.UINT8, 0)
     out = with_raw_kv(Q8, tmp_path / "n.gguf", "general.nested", GT.ARRAY, nested)

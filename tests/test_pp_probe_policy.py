@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from memra.cache import PRIME_CHUNK_MAX_TOKENS
+from memra.pp import probe_pattern
 from memra.pp import probe_policy as P
 from memra.pp.fence import PipelineError
 from memra.pp.probe_policy import (
@@ -56,7 +57,8 @@ def test_pattern_differs_per_size_boundary_and_direction():
         assert P.mismatch_count(base, other) > 3000
 
 
-@pytest.mark.parametrize("n", [P._FAST_MIN_BYTES, P._FAST_MIN_BYTES + 1, 5 * P._LANES + 3])
+@pytest.mark.parametrize("n", [probe_pattern._FAST_MIN_BYTES, probe_pattern._FAST_MIN_BYTES + 1,
+                               5 * probe_pattern._LANES + 3])
 def test_lane_generator_equals_the_serial_one(n):
     assert P.peer_probe_pattern(n, 1, 2, 3) == xorshift_bytes(n, 1, 2, 3)
 

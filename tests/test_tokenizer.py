@@ -15,14 +15,9 @@ import gguf
 import pytest
 
 from memra.errors import TokenizerError
-from memra.loading.gguf_vocab import (
-    PRE_TOKENIZERS,
-    _pre_tokenizer,
-    merges_from_scores,
-    read_tokenizer_metadata,
-    read_tokenizer_metadata_file,
-)
+from memra.loading.gguf_pretokenizers import PRE_TOKENIZERS, _pre_tokenizer
 from memra.tokenizer import _BYTE_OF_CHAR, IncrementalDetokenizer, Tokenizer
+from memra.tokenizer.gguf_vocab import merges_from_scores, read_tokenizer_metadata, read_tokenizer_metadata_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TOKENIZER = FIXTURES / "tokenizer"

@@ -1,4 +1,4 @@
-"""The peer byte-integrity probe's policy: what to copy, when to copy it, and what a bad copy means.
+"""The peer byte-integrity probe's policy: how much to copy, when to copy it, and what a bad copy means.
 
 A peer copy between two GPUs can return wrong bytes on some hosts (a broken P2P path), and wrong
 boundary bytes would silently break exactness. The reference runtime therefore copies a known
@@ -6,7 +6,9 @@ pattern across every cross-device boundary, both ways: a fixed 16 KiB pass at bo
 production-sized rows (1/8/16/4096 tokens of the hidden width) through the real boundary slots,
 and a low-rate re-probe while serving. This module is that policy with the device work removed:
 every function takes its state explicitly and returns the new state, so the runtime holds one
-state object under its own lock and these rules stay testable without a GPU.
+state object under its own lock and these rules stay testable without a GPU. The bytes themselves
+come from memra.pp.probe_pattern; refusals are memra.pp.errors.PipelineError, so this policy needs
+nothing from the doors or the placement (memra.pp.placement asks it whether the probe may be skipped).
 
 The one-way rule: a failed runtime probe turns native peer transport off for good, and only then
 — after the host-staged path has been armed and checked — publishes host bounce as the transport.
@@ -18,10 +20,9 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from memra.cache import PRIME_CHUNK_MAX_TOKENS
-from memra.pp.fence import PipelineError
+from memra.pp.errors import PipelineError
+from memra.pp.probe_pattern import mismatch_count, peer_probe_pattern, poison_of  # noqa: F401 - memra.pp.probe reads them here
 
 PEER_PROBE_FIXED_BYTES = 16 * 1024
 PEER_PROBE_TOKEN_WIDTHS: tuple[int, ...] = (1, 8, 16, PRIME_CHUNK_MAX_TOKENS)
@@ -64,98 +65,8 @@ def peer_probe_startup_policy(probe_on: bool, sharded_cross_device: bool, host_b
 
 
 # ---------------------------------------------------------------------------------------------
-# The pattern and the verdict
+# The verdict on a copy (its bytes: memra.pp.probe_pattern)
 # ---------------------------------------------------------------------------------------------
-
-
-def _rotl64(x: int, r: int) -> int:
-    x &= _U64_MAX
-    return ((x << r) | (x >> (64 - r))) & _U64_MAX
-
-
-def pattern_seed(n_bytes: int, boundary: int, src_dev: int, dst_dev: int) -> int:
-    """The xorshift64 start state: a fixed constant mixed with the copy's size and endpoints, so
-    every (size, boundary, direction) copies different bytes and a stale buffer cannot pass."""
-    return (0xD1B54A32D192ED03 ^ _rotl64(n_bytes, 7) ^ _rotl64(boundary, 19)
-            ^ _rotl64(src_dev, 31) ^ _rotl64(dst_dev, 43))
-
-
-def _pattern_loop(n: int, state: int) -> bytes:
-    out = bytearray(n)
-    for i in range(n):
-        state ^= (state << 13) & _U64_MAX
-        state ^= state >> 7
-        state ^= (state << 17) & _U64_MAX
-        out[i] = state & 0xFF
-    return bytes(out)
-
-
-def _xorshift(a: np.ndarray) -> None:
-    a ^= a << np.uint64(13)
-    a ^= a >> np.uint64(7)
-    a ^= a << np.uint64(17)
-
-
-def _linear_apply(images: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Apply the GF(2)-linear map whose basis images are `images` (64 u64) to every element of x."""
-    idx = np.arange(256, dtype=np.uint64)
-    out = np.zeros_like(x)
-    for k in range(8):
-        table = np.zeros(256, dtype=np.uint64)
-        for b in range(8):
-            table[((idx >> np.uint64(b)) & np.uint64(1)).astype(bool)] ^= images[8 * k + b]
-        out ^= table[((x >> np.uint64(8 * k)) & np.uint64(0xFF)).astype(np.intp)]
-    return out
-
-
-_FAST_MIN_BYTES = 1 << 16
-_LANES = 1 << 16
-
-
-def _pattern_lanes(n: int, state: int) -> bytes:
-    """The same byte stream, computed in parallel lanes. Lane j owns bytes [j*K, (j+1)*K); its start
-    state is the xorshift state jumped ahead j*K steps, found by repeated squaring of the (linear)
-    K-step map. Turns a 64 MiB rung from a minute of Python into well under a second."""
-    lanes = min(_LANES, n)
-    steps = -(-n // lanes)
-    images = np.array([1 << b for b in range(64)], dtype=np.uint64)
-    for _ in range(steps):  # images of the K-step map
-        _xorshift(images)
-    starts = np.array([state], dtype=np.uint64)
-    while len(starts) < lanes:  # starts[j] = K-step map applied j times to the seed state
-        starts = np.concatenate([starts, _linear_apply(images, starts)])
-        images = _linear_apply(images, images)
-    s = starts[:lanes].copy()
-    out = np.empty((steps, lanes), dtype=np.uint8)
-    for i in range(steps):
-        _xorshift(s)
-        out[i] = (s & np.uint64(0xFF)).astype(np.uint8)
-    return out.T.reshape(-1)[:n].tobytes()
-
-
-def peer_probe_pattern(n_bytes: int, boundary: int, src_dev: int, dst_dev: int) -> bytes:
-    """The deterministic probe bytes for one directed copy: the low byte of each successive
-    xorshift64 (13, 7, 17) state from `pattern_seed`."""
-    if n_bytes < 0:
-        raise ValueError(f"probe size must be >= 0, got {n_bytes}")
-    seed = pattern_seed(n_bytes, boundary, src_dev, dst_dev)
-    if n_bytes < _FAST_MIN_BYTES:
-        return _pattern_loop(n_bytes, seed)
-    return _pattern_lanes(n_bytes, seed)
-
-
-def poison_of(expected: bytes) -> bytes:
-    """Every byte inverted: the destination is pre-filled with this, so a copy that never landed
-    (or landed partly) differs from the pattern at every byte it missed."""
-    return bytes(np.bitwise_not(np.frombuffer(expected, dtype=np.uint8)))
-
-
-def mismatch_count(expected: bytes, readback: bytes) -> int:
-    """Differing bytes over the common prefix, plus the length difference."""
-    a = np.frombuffer(expected, dtype=np.uint8)
-    b = np.frombuffer(readback, dtype=np.uint8)
-    m = min(len(a), len(b))
-    return int(np.count_nonzero(a[:m] != b[:m])) + abs(len(a) - len(b))
 
 
 class ProbeVerdict(enum.Enum):

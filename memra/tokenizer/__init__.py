@@ -2,7 +2,8 @@
 
     core.py           Tokenizer: encode / decode / chat prompts for one model
     pieces.py         the exact bytes of every token; TokenizerParts (what a Tokenizer is built from)
-    hf_files.py       TokenizerParts from a Hugging Face directory (GGUF: memra.loading.gguf_vocab)
+    hf_files.py       TokenizerParts from a Hugging Face directory
+    gguf_vocab.py     TokenizerParts from a GGUF file's tokenizer.* metadata
     chat_template.py  HF-compatible sandboxed jinja2 rendering
     detokenizer.py    ids -> whole characters as they arrive; TextStream adds stop strings
     stops.py          stop strings over streamed text in linear time

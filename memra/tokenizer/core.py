@@ -3,7 +3,7 @@
 Splitting text and running BPE is done by the HuggingFace `tokenizers` library; this class adds what
 an inference engine needs on top of it: the exact bytes of every token (memra.tokenizer.pieces), the
 ids that end generation, and chat templates rendered as HF renders them. Built from a `TokenizerParts`,
-which `from_hf_dir` (memra.tokenizer.hf_files) and `from_gguf` (memra.loading.gguf_vocab) each make.
+which `from_hf_dir` (memra.tokenizer.hf_files) and `from_gguf` (memra.tokenizer.gguf_vocab) each make.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from memra.errors import TokenizerError
 from memra.tokenizer.chat_template import _clean_messages, _compile_template
+from memra.tokenizer.gguf_vocab import parts_from_gguf
 from memra.tokenizer.hf_files import _hf_parts
 from memra.tokenizer.pieces import TokenizerParts
 
@@ -49,10 +50,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: "gguf.GGUFReader | str | Path", source: str = "") -> "Tokenizer":
-        """From the tokenizer.* metadata of a GGUF file (see memra.loading.gguf_vocab): an open
+        """From the tokenizer.* metadata of a GGUF file (see memra.tokenizer.gguf_vocab): an open
         gguf.GGUFReader, or the file's path, which is read ~30x faster than GGUFReader parses it."""
-        from memra.loading.gguf_vocab import parts_from_gguf  # imports this module; load it lazily
-
         return cls(parts_from_gguf(reader, source))
 
     # --- encoding ---------------------------------------------------------------------------------

@@ -31,14 +31,9 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Backend
 
 from memra.errors import TokenizerError
-from memra.loading.gguf_pretokenizers import (  # noqa: F401 - PRE_TOKENIZER_RULES, PRE_TOKENIZERS: re-exported
-    PRE_TOKENIZER_RULES,
-    PRE_TOKENIZERS,
-    PreTokenizerRule,
-    _pre_tokenizer,
-    pre_tokenizer_rule,
-)
-from memra.tokenizer import (
+from memra.loading.gguf_pretokenizers import PreTokenizerRule, _pre_tokenizer, pre_tokenizer_rule
+# The pieces module, not the package root: the root imports core, which builds GGUF tokenizers from here.
+from memra.tokenizer.pieces import (
     END_OF_TURN_TEXTS,
     ByteLevelPieces,
     SentencePiecePieces,
