@@ -1,0 +1,69 @@
+"""Exactness on the GPU (what tools/gpu_exact_report.py used to print, now pass/fail):
+
+- the platform self-test on this GPU, bf16 and fp32: repeated identical calls give identical bits (the
+  exact path refuses to run otherwise), and the batch-invariant Triton kernels keep their promise;
+- `memra gate` (config and strict) on the bundled demo in bf16;
+- the gate on a random-weight Qwen3.5-9B-shaped model in bf16 (4 of its 32 layers: 3 GDN + 1 attention,
+  every real width, the 248k vocabulary) at B = 1, 4, 16, 64, on the `stacked` plan `auto` picks there.
+
+The CPU side of the same promises is tests/test_exact.py and tests/test_gate.py. Decode tokens/s (exact
+against MEMRA_EXACT=0) is `memra bench model`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memra
+from cuda_marks import needs_cuda
+from memra.gate import run_battery
+from memra.kernels.exact import self_test
+from memra.random_model import random_model
+
+pytestmark = needs_cuda
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return memra.load("demo", device="cuda", dtype="bfloat16", tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def shape_9b():
+    model = random_model("qwen3.5-9b", "cuda", torch.bfloat16, n_layers=4)
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_self_test_finds_this_gpu_deterministic(dtype):
+    failed = self_test(dtype, "cuda")
+    assert not [f for f in failed if "repeat" in f], f"nondeterministic on this GPU: {failed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_self_test_triton_probes_pass(dtype):
+    """The batch-invariant kernels' probes (linear at every M bucket, norms, packed weights, MoE, prefill
+    attention, GDN's chunked prefill): a row's bits do not depend on the call it is in."""
+    failed = [f for f in self_test(dtype, "cuda") if f.startswith("triton")]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("mode", ["config", "strict"])
+def test_gate_demo_bf16(demo, mode):
+    lines: list[str] = []
+    ok = run_battery(demo, steps=16, batch=4, mode=mode, out=lines.append)
+    assert ok, "\n".join(lines)
+    assert lines[-1].startswith("ALL GREEN")
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
+def test_gate_9b_shape_bf16(shape_9b, batch):
+    lines: list[str] = []
+    ok = run_battery(shape_9b, steps=2, batch=batch, mode="config", plen=8, out=lines.append)
+    assert ok, "\n".join(lines)
+    assert "decode plan: stacked" in "\n".join(lines)  # all rows in one forward on the invariant kernels

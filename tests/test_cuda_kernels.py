@@ -1,0 +1,75 @@
+"""The GDN prefill and batch-sampler kernels at real sizes on the GPU (what tools/gpu_kernel_check.py and
+tools/gpu_gdn_prefill.py used to print): the kernels the model's kernel table picks on CUDA, against
+their pure-torch twins.
+
+- GDN's two-launch chunked prefill, one layer of the Qwen3.5-9B shape (4096 tokens, 32 heads,
+  Dk = Dv = 128): close to the reference's chunk loop (fp32: a product replaces the triangular solve),
+  and the same bits when the prompt comes in two 64-aligned pieces;
+- the one-launch batch sampler at B=128 over a 248k vocabulary: device_sample's token in every row
+  (greedy, plain, top-k, top-p, min-p).
+
+Small shapes of the same checks run on CPU in Triton's interpreter: tests/test_triton_kernels.py and
+tests/test_sample_kernel.py (which MEMRA_TEST_DEVICE=cuda also compiles). Timings: tools/gpu_gdn_prefill.py
+and tools/gpu_profile_sampler.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cuda_marks import needs_cuda
+from memra.kernels import reference
+from memra.kernels.table import KernelTable
+from memra.sampling import DevSamp, device_sample
+from memra.settings import Settings
+
+pytestmark = needs_cuda
+
+
+def table() -> KernelTable:
+    return KernelTable.build("cuda", Settings())  # what a model loaded on CUDA with the default doors runs
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                      b.contiguous().view(torch.uint8))
+
+
+@torch.inference_mode()
+def test_gdn_prefill_kernel_at_the_9b_layer_shape():
+    ops = table()
+    assert ops.gdn_kernel, "the kernel table did not pick the GDN Triton kernel on CUDA"
+    t, h, dk, dv = 4096, 32, 128, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1)
+    v, s0 = rnd(t, h, dv), rnd(h, dk, dv) * 0.1
+    beta, decay = torch.sigmoid(rnd(t, h)), -torch.nn.functional.softplus(rnd(t, h)) * 0.2
+    o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 0)
+    o, s = ops.gdn_prefill(q, k, v, beta, decay, s0, 0)
+    # fp32 noise only (the tf32x3 products are fp32-level): a wrong kernel is off by O(1)
+    assert rel(o, o_ref) < 5e-4 and rel(s, s_ref) < 5e-4, f"output {rel(o, o_ref):.2e}, state {rel(s, s_ref):.2e}"
+    cut = t // 2 // 64 * 64
+    o1, s1 = ops.gdn_prefill(q[:cut], k[:cut], v[:cut], beta[:cut], decay[:cut], s0, 0)
+    o2, s2 = ops.gdn_prefill(q[cut:], k[cut:], v[cut:], beta[cut:], decay[cut:], s1, cut)
+    assert same_bits(torch.cat((o1, o2)), o), "the output's bits depend on the 64-aligned piece"
+    assert same_bits(s2, s), "the final state's bits depend on the 64-aligned piece"
+
+
+@torch.inference_mode()
+def test_batch_sampler_at_full_vocabulary():
+    ops = table()
+    assert ops.sample_kernel, "the kernel table did not pick the one-launch sampler on CUDA"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(128, 248320, device="cuda", generator=g) * 4
+    filters = [dict(), dict(top_k=40), dict(top_p=0.9), dict(min_p=0.05)]
+    specs = [DevSamp(0.0 if i % 8 == 0 else 0.6 + (i % 5) / 5, 1000 + i, 7 * i, **filters[i % 4]) for i in range(128)]
+    want = [int(device_sample(row, s)) for row, s in zip(logits, specs)]
+    got = ops.sample_batch(logits, specs).tolist()
+    wrong = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not wrong, f"{len(wrong)}/128 rows differ from device_sample, e.g. rows {wrong[:8]}"
