@@ -2,7 +2,7 @@
 
     row      each row runs alone with B=1 shapes. Exact by construction (determinism is all it needs);
              B rows cost B forwards. The default wherever the batch-invariant kernels are not live.
-    stacked  all rows in one forward, every op a batch-invariant kernel (memra.kernels.triton_ops: frozen
+    stacked  all rows in one forward, every op a batch-invariant kernel (memra.kernels.triton: frozen
              tiles, one program per row), so a row's bits cannot depend on B or on its neighbours. Only
              where those kernels run (CUDA + Triton, memra.kernels.table.KernelTable.invariant), and only after
              the self-test's kernel probes and an on-model check (`verify_plan`) pass. B=1 uses it too.

@@ -27,7 +27,7 @@ inputs arrive differs (a gather from the table instead of a host-built index; st
 instead of stacked per cache), and those are copies. tests/test_graphs.py holds a graphed decode to the
 eager one, bit for bit, on the GPU; on CPU it runs the static step eagerly against decode_step.
 
-MoE layers are graphed where they run as grouped matmuls (memra.kernels.moe_triton: the routing is
+MoE layers are graphed where they run as grouped matmuls (memra.kernels.triton.moe: the routing is
 planned on the device, the launches are fixed); the per-expert loop of the fast path is not capturable.
 
 Not graphed (eager as before): MoE models off the grouped path, rows whose

@@ -28,7 +28,8 @@ import torch
 from memra import counters
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
 from memra.errors import MemraError
-from memra.kernels.exact import TILE, aligned_cuts, platform_report, require_exact
+from memra.kernels.cuts import TILE, aligned_cuts
+from memra.kernels.exact import platform_report, require_exact
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 INVARIANT_PIECE = PRIME_CHUNK_MAX_TOKENS  # ... where every prefill op is batch-invariant (exact_piece)

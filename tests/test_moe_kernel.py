@@ -1,6 +1,6 @@
-"""The grouped MoE kernels (memra.kernels.moe_triton) against the per-expert loop they replace.
+"""The grouped MoE kernels (memra.kernels.triton.moe) against the per-expert loop they replace.
 
-Bits: with the invariant linear (triton_ops.linear) inside the loop, the grouped path must give the
+Bits: with the invariant linear (triton.linear.linear) inside the loop, the grouped path must give the
 loop's bits exactly, and a token's output must not depend on the other tokens of the call. Against
 the pure-torch loop (torch's matmuls sum in another order) the tolerance is the linear tests' one.
 On CPU the kernels run in Triton's interpreter (tests/conftest.py); MEMRA_TEST_DEVICE=cuda compiles them.
@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from memra.kernels import moe_triton as mk  # noqa: E402
 from memra.kernels import reference  # noqa: E402
-from memra.kernels import triton_ops as tk  # noqa: E402
+from memra.kernels.triton import linear as tk  # noqa: E402
+from memra.kernels.triton import moe as mk  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
 # Against the fp32 loop: bf16 rounds four times on the way (gate_up, SiLU*up, down, each partial sum),

@@ -1,4 +1,4 @@
-"""GGUF-packed weights (memra.kernels.quant) and the fused dequantizing matmuls (memra.kernels.quant_triton).
+"""GGUF-packed weights (memra.kernels.quant) and the fused dequantizing matmuls (memra.kernels.triton.quant).
 
 - the torch quantizers against gguf's: Q8_0 byte for byte; Q4_K (gguf has no quantizer) by its round-trip
   error, and by decoding our bytes with gguf and with memra to the same bits;
@@ -149,7 +149,7 @@ def test_weight_products_are_exact_in_fp32():
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_kernel_weight_values_equal_the_dequantizer(qtype, dtype):
-    from memra.kernels import quant_triton
+    from memra.kernels.triton import quant as quant_triton
 
     n, k = SHAPES[qtype][0]
     qw = quant.quantize(weight(n, k, seed=2), qtype, dtype).to(DEVICE)
@@ -161,7 +161,7 @@ def test_kernel_weight_values_equal_the_dequantizer(qtype, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
-    from memra.kernels import quant_triton
+    from memra.kernels.triton import quant as quant_triton
 
     fused = {QType.Q8_0: quant_triton.q8_0_linear, QType.Q4_K: quant_triton.q4_k_linear}[qtype]
     for i, (n, k) in enumerate(SHAPES[qtype]):
@@ -178,7 +178,7 @@ def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
 
 @needs_triton
 def test_fused_linear_takes_leading_dims_and_refuses_other_formats():
-    from memra.kernels import quant_triton
+    from memra.kernels.triton import quant as quant_triton
 
     qw = quant.quantize_q8_0(weight(40, 96)).to(DEVICE)
     x = rnd(2, 3, 96, seed=6).to(DEVICE)
@@ -207,7 +207,8 @@ def test_ops_linear_runs_the_twin_on_cpu():
 @needs_triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="dispatch is checked on CPU tensors, in Triton's interpreter")
 def test_ops_linear_runs_the_fused_kernel_where_invariant_kernels_live(monkeypatch):
-    from memra.kernels import quant_triton, table
+    from memra.kernels import table
+    from memra.kernels.triton import quant as quant_triton
 
     # the table of a CUDA model in exact mode, held to CPU tensors (the interpreter runs the kernels)
     ops = KernelTable(invariant=True, triton=True, exact=True, gdn_kernel=False, sample_kernel=False)

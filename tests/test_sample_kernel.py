@@ -1,4 +1,4 @@
-"""The one-launch batch sampler (memra.kernels.sample_triton) against device_sample, row by row: the
+"""The one-launch batch sampler (memra.kernels.triton.sampling) against device_sample, row by row: the
 same token for greedy rows, plain seeded sampling and every filter, over many (seed, step) pairs. On
 CPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
 
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from memra.kernels import sample_triton  # noqa: E402
+from memra.kernels.triton import sampling as sample_triton  # noqa: E402
 from memra.sampling import DevSamp, device_sample  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")

@@ -18,7 +18,9 @@ import torch
 pytest.importorskip("triton")
 
 from memra.kernels import reference  # noqa: E402
-from memra.kernels import triton_ops as tk  # noqa: E402  (interpreted on CPU: conftest sets TRITON_INTERPRET)
+from memra.kernels.table import triton_ops  # noqa: E402  (interpreted on CPU: conftest sets TRITON_INTERPRET)
+
+tk = triton_ops()  # every family's twin of a reference op, under the reference's name
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
 
@@ -202,7 +204,9 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     """Long prefixes are split at fixed positions (ATTN_SPLIT, made small here). A row's bits must not
     depend on whether its call was split (the longest row decides): a short row in a split call has
     the bits of its unsplit call alone, a long row the bits of its own split call; all near the twin."""
-    monkeypatch.setattr(tk, "ATTN_SPLIT", 32)
+    from memra.kernels.triton import attention
+
+    monkeypatch.setattr(attention, "ATTN_SPLIT", 32)
     n_blocks, block, hkv, hq, d = 8, 16, 2, 4, 32
     k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=50), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=51)
     table = torch.tensor([6, 2, 7, 0, 3], device=DEVICE)
@@ -229,7 +233,7 @@ def _gdn_inputs(t, h=2, dk=32, dv=48, seed=60):
 def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     """The one-launch chunked delta rule against the reference's chunk loop (fp32 noise: a product
     replaces the triangular solve), and its own bits when the prompt comes in 64-aligned pieces."""
-    from memra.kernels import gdn_triton
+    from memra.kernels.triton import gdn as gdn_triton
 
     q, k, v, beta, g, s0 = _gdn_inputs(150)
     o, s = gdn_triton.gdn_prefill(q, k, v, beta, g, s0, pos0)

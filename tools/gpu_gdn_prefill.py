@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
-from memra.kernels import gdn_triton, reference  # noqa: E402
+from memra.kernels import reference  # noqa: E402
+from memra.kernels.triton import gdn as gdn_triton  # noqa: E402
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
-from memra.kernels import triton_ops as T  # noqa: E402
+from memra.kernels.triton import linear as T  # noqa: E402
 from memra.random_model import random_model  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
     python tools/gpu_tune_linear.py [--ms 1,4,16,32,64,128,256,4096] [--quick]
 
-Every candidate runs the same kernel (memra.kernels.triton_ops._linear_kernel): fp32 accumulation, K walked
+Every candidate runs the same kernel (memra.kernels.triton.linear._linear_kernel): fp32 accumulation, K walked
 in order. Its output is compared bit for bit with the reference configuration's (the frozen 64x32x64) on
 the same input; a candidate whose bits differ anywhere is never eligible. For each M the table prints the
 time of each eligible candidate summed over one decoder layer of the Llama-3-8B and Qwen3.5-9B shapes
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
-from memra.kernels import triton_ops as T  # noqa: E402
+from memra.kernels.triton import linear as T  # noqa: E402
 
 # (N, K, weight): the projections of one layer of each shape (9B: 3 GDN layers per attention layer).
 SHAPES = {

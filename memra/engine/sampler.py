@@ -9,7 +9,7 @@ Each row's token is the one offline generation picks for that sequence (memra.sa
 apply_penalties), bit for bit: the penalties are the same elementwise fp32 operations, applied from
 per-sequence state kept on the device (the tokens seen, the output counts) instead of Python lists
 rebuilt every step; the batch sampler gives device_sample's token in every row (memra.kernels
-.sample_triton, tested against it). Logprobs are of the raw logits, as before penalties.
+.triton.sampling, tested against it). Logprobs are of the raw logits, as before penalties.
 """
 
 from __future__ import annotations

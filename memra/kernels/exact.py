@@ -19,20 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from memra.errors import MemraError
-
-TILE = 64  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
-
-
-def aligned_cuts(n: int, pos0: int, size: int = TILE) -> list[tuple[int, int]]:
-    """Split n tokens starting at absolute position pos0 into [start, stop) pieces of at most `size`,
-    cut where the absolute position is a multiple of `size` (so the cuts do not depend on how the
-    tokens were handed in, as long as every hand-in boundary is itself a multiple of `size`)."""
-    cuts, start = [], 0
-    while start < n:
-        stop = min(n, start + size - (pos0 + start) % size)
-        cuts.append((start, stop))
-        start = stop
-    return cuts
+from memra.kernels import quant, reference
+from memra.kernels.cuts import TILE
+from memra.kernels.table import triton_ops
 
 
 class ExactnessError(MemraError):
@@ -93,8 +82,6 @@ def _triton_probes(rnd, failures: list[str]) -> None:
     """The batch-invariant kernels' promise, probed at the model's kind of shapes: a row's bits in
     calls of 1..TILE rows, and a row alone vs inside a full tile. Named 'triton ...' so the decode
     plan can refuse stacking on exactly these failures."""
-    from memra.kernels.table import triton_ops
-
     tk = triton_ops()
     if tk is None:
         return
@@ -102,7 +89,7 @@ def _triton_probes(rnd, failures: list[str]) -> None:
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
         w, x, nw = rnd(n_out, k), rnd(wide, k), rnd(k).float().abs() + 0.5
         full, full_norm = tk.linear(x, w), tk.rms_norm(x[:TILE], nw, 1e-6, True)
-        for m in (1, 2, 7, 20, 33, TILE, 100, 300):  # one or more M in each bucket (triton_ops.LINEAR_BUCKETS)
+        for m in (1, 2, 7, 20, 33, TILE, 100, 300):  # one or more M in each bucket (triton.linear.LINEAR_BUCKETS)
             _check(f"triton linear[{m}x{k}] vs rows of [{wide}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
@@ -115,7 +102,7 @@ def _quant_probes(rnd, failures: list[str]) -> None:
     """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call. (One
     frozen tile serves every M there; per-M tiles were tried on the H200 and this probe caught them
     changing bits across buckets.)"""
-    from memra.kernels import quant, quant_triton
+    from memra.kernels.triton import quant as quant_triton  # Triton is present: _triton_probes found it
 
     wide, k = 300, 512
     x = rnd(wide, k)
@@ -138,7 +125,7 @@ def _prefill_probes(rnd, tk, failures: list[str]) -> None:
         _check(f"triton prefill attention[{n}] queries {a}:{b} as a piece",
                tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, d ** -0.5), whole[a:b], failures)
     # the chunked delta-rule kernel (a model with MEMRA_GDN_KERNEL=0 disregards a failure here)
-    from memra.kernels import gdn_triton
+    from memra.kernels.triton import gdn as gdn_triton  # Triton is present: _triton_probes found it
 
     h, dk, dv = 4, 128, 128
     qk = lambda: torch.nn.functional.normalize(rnd(n, h, dk).float(), dim=-1)  # noqa: E731
@@ -154,7 +141,7 @@ def _prefill_probes(rnd, tk, failures: list[str]) -> None:
 def _moe_probes(rnd, tk, failures: list[str]) -> None:
     """The grouped MoE kernels share tiles between the tokens routed to one expert: a token's bits
     alone, among others, and as the per-expert loop over the invariant linear gives them."""
-    from memra.kernels import moe_triton, reference
+    from memra.kernels.triton import moe as moe_triton  # Triton is present: _triton_probes found it
 
     n_experts, e, f, top_k, t = 16, 256, 128, 4, 96
     w_gate_up, w_down, x = rnd(n_experts, 2 * f, e) * 0.1, rnd(n_experts, e, f) * 0.1, rnd(t, e)

@@ -2,7 +2,7 @@
 
 Decode is bound by reading weights: a bf16 weight costs 2 bytes a value, Q8_0 1.06 and Q4_K 0.56. So a
 `QuantWeight` keeps each output row's GGUF bytes exactly as the file stores them, and the fast kernels
-(memra.kernels.quant_triton) dequantize a tile in registers inside the matmul instead of materialising
+(memra.kernels.triton.quant) dequantize a tile in registers inside the matmul instead of materialising
 the float weight. Two formats, the ones worth a fused kernel:
 
   Q8_0  blocks of 32 values in 34 bytes:  d (fp16) | 32 x int8 q             value = d * q

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from memra.kernels.cuts import aligned_cuts
+
 # --- dense algebra ---------------------------------------------------------------------------
 
 
@@ -245,8 +247,6 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     """The delta rule over T prompt tokens at absolute position pos0 (arguments as gdn_recurrent), in
     closed-form chunks cut where the absolute position is a multiple of GDN_CHUNK — so a prompt primed
     in 64-aligned pieces sees exactly the chunks of a one-shot prime. -> (o [T, Hv, Dv], final state)."""
-    from memra.kernels.exact import aligned_cuts
-
     outs = []
     for a, b in aligned_cuts(q.shape[0], pos0, GDN_CHUNK):
         o, state = gdn_chunk(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b], state)

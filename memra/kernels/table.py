@@ -11,54 +11,81 @@ Which implementation runs is decided here and nowhere else, because exactness de
 `invariant` says whether the second table is live; the decode plan uses it to decide whether B rows
 may run as one stacked forward (memra.decode_plan).
 
-`moe_experts` runs as grouped matmuls (memra.kernels.moe_triton) wherever the invariant kernels run:
+`moe_experts` runs as grouped matmuls (memra.kernels.triton.moe) wherever the invariant kernels run:
 the same bits as the per-expert loop over the invariant linear, without the loop's host round trip.
 
 `linear` also takes a GGUF-packed weight (memra.kernels.quant.QuantWeight): the same choice, between
-the fused dequantizing kernels (quant_triton) and their pure-torch twin (quant.reference_linear).
+the fused dequantizing kernels (memra.kernels.triton.quant) and their pure-torch twin (quant.reference_linear).
 
-Each fast kernel has its pure-torch twin in memra.kernels.reference, and a test between them.
+Each fast kernel (memra.kernels.triton, one module per family) has its pure-torch twin in
+memra.kernels.reference, and a test between them. Dependencies point one way: the table imports the
+families and the twins; the families import only the twins (reference, quant, cuts) and each other's
+shared helpers; memra.kernels.exact (the self-test) imports the table.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
 
 from memra.kernels import quant, reference
+from memra.sampling import device_sample
+
+# The Triton families are imported in the loaders below rather than at the top: Triton is an optional
+# dependency (absent on CPU-only machines, where the table never asks for them), and importing it costs
+# time a CPU run need not pay.
 
 
 @functools.cache
-def triton_ops():
-    """The Triton module, or None where Triton is not installed (CPU-only machines)."""
+def triton_ops() -> types.SimpleNamespace | None:
+    """The Triton twins of the batch-shaped ops under memra.kernels.reference's names (so the table can
+    call either through one `_impl`), or None where Triton is not installed (CPU-only machines)."""
     try:
-        from memra.kernels import triton_ops as module
+        from memra.kernels.triton import attention, gdn, linear, norm, rope
     except ImportError:
         return None
-    return module
+    return types.SimpleNamespace(
+        linear=linear.linear,
+        rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, l2_normalize=norm.l2_normalize,
+        gated_rms_norm=norm.gated_rms_norm,
+        apply_rope=rope.apply_rope,
+        delta_rule_step=gdn.delta_rule_step, delta_rule_scan=gdn.delta_rule_scan,
+        paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
+        prefill_attention=attention.prefill_attention,
+    )
 
 
+# The families the table calls as modules (attributes looked up per call), importable wherever
+# triton_ops() is not None: each needs only Triton.
 @functools.cache
 def _quant_triton():
-    from memra.kernels import quant_triton  # importable wherever triton_ops is (both need only Triton)
+    from memra.kernels.triton import quant as quant_triton
 
     return quant_triton
 
 
 @functools.cache
 def _gdn_triton():
-    from memra.kernels import gdn_triton
+    from memra.kernels.triton import gdn
 
-    return gdn_triton
+    return gdn
 
 
 @functools.cache
 def _moe_triton():
-    from memra.kernels import moe_triton
+    from memra.kernels.triton import moe
 
-    return moe_triton
+    return moe
+
+
+@functools.cache
+def _sample_triton():
+    from memra.kernels.triton import sampling
+
+    return sampling
 
 
 @dataclass(frozen=True)
@@ -97,7 +124,7 @@ class KernelTable:
         return self.invariant
 
     def apply_rope(self, x, cos, sin):
-        # One fused launch instead of five (triton_ops._rope_kernel) wherever Triton runs on 16-bit
+        # One fused launch instead of five (triton.rope._rope_kernel) wherever Triton runs on 16-bit
         # activations, in the exact and the fast path alike: elementwise, so its bits never depend on the batch.
         if self.triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             return triton_ops().apply_rope(x, cos, sin)
@@ -153,15 +180,11 @@ class KernelTable:
 
     def sample_batch(self, logits, samps):
         """Each row's device_sample token, for logits [B, V] -> int64 [B] on the device. One Triton launch
-        for the batch on CUDA (memra.kernels.sample_triton; MEMRA_SAMPLE_KERNEL=0 turns it off), else
+        for the batch on CUDA (memra.kernels.triton.sampling; MEMRA_SAMPLE_KERNEL=0 turns it off), else
         device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
         248k vocabulary, in 5.8 ms against 45 ms row by row."""
-        from memra.sampling import device_sample
-
         if self.sample_kernel and logits.is_cuda:
-            from memra.kernels import sample_triton
-
-            return sample_triton.sample_batch(logits, list(samps))
+            return _sample_triton().sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down):

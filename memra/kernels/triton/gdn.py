@@ -1,4 +1,7 @@
-"""Gated DeltaNet's chunked prefill in two Triton launches per layer (the delta rule over a prompt piece).
+"""Gated DeltaNet's delta rule in Triton: one token at a time for decode and the verify (`delta_rule_scan`,
+`delta_rule_step`, at the end of this file), and over a prompt piece in chunks (`gdn_prefill`).
+
+The chunked prefill runs in two Triton launches per layer.
 
 The reference (reference.gdn_prefill) runs the closed (WY) form chunk by chunk from the host: ~25 torch
 launches per 64-token chunk, so a 4096-token piece of a 24-GDN-layer model issues ~40k launches. Per
@@ -42,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.exact import aligned_cuts
+from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
 
 # Frozen launch configs (tools/gpu_gdn_prefill.py times the alternatives): value columns of the state per
@@ -166,3 +169,65 @@ def chunk_scan(q, k, u, w, p, gcum, state, o, s_out, bounds) -> None:
         q, k, u, w, p, gcum, state, o, s_out, bounds, bounds.numel() - 1, h, DK=dk, DV=dv,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
         num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
+
+
+# --- the recurrent step (decode, verify) -------------------------------------------------------
+
+GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
+
+
+@triton.jit(do_not_specialize=["T"])
+def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
+                            BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # One program per (sequence x head, block of value columns): those columns of the state evolve
+    # independently of every other column, head and sequence. The program walks its T tokens in order
+    # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
+    # Decode calls it with T=1 per row, the verify with T tokens of one sequence: T is a runtime value
+    # (not specialised, not even for 1), so both run the same machine code and a token's step has the
+    # same bits either way (between calls the fp32 state round-trips through memory exactly).
+    r = tl.program_id(0)  # sequence * H + head
+    n, h = r // H, r % H
+    cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    ck = tl.arange(0, BLOCK_DK)
+    mk, mv = ck < DK, cv < DV
+    m2 = mk[:, None] & mv[None, :]
+    s = tl.load(s_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
+    for t in range(T):
+        row = (n * T + t) * H + h  # token t of sequence n, head h
+        k = tl.load(k_ptr + row * DK + ck, mask=mk, other=0.0)
+        q = tl.load(q_ptr + row * DK + ck, mask=mk, other=0.0)
+        v = tl.load(v_ptr + row * DV + cv, mask=mv, other=0.0)
+        s = s * tl.exp(tl.load(g_ptr + row))
+        predicted = tl.sum(s * k[:, None], axis=0)  # S^T k  [BDV]
+        delta = (v - predicted) * tl.load(beta_ptr + row)
+        s = s + k[:, None] * delta[None, :]
+        tl.store(o_ptr + row * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
+        tl.store(s_out_ptr + row * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+
+
+def delta_rule_scan(q, k, v, beta, g, s):
+    """n sequences x T tokens of the delta rule, in order. q, k [n, T, H, DK], v [n, T, H, DV],
+    beta, g [n, T, H], s [n, H, DK, DV] (fp32) -> (o [n, T, H, DV], state after each token
+    [n, T, H, DK, DV]). Same contract as reference.delta_rule_scan."""
+    n, t, h, dk = q.shape
+    dv = v.shape[-1]
+    args = [x.contiguous().float() for x in (q, k, v, beta, g)]
+    s_in = s.reshape(n * h, dk, dv).contiguous()
+    o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(n, t, h, dk, dv, dtype=torch.float32, device=q.device)
+    if n * t * h:
+        grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
+        _delta_rule_scan_kernel[grid](*args, s_in, o, s_out, t, h, dk, dv,
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+    return o, s_out
+
+
+def delta_rule_step(q, k, v, beta, g, s):
+    """Same contract as reference.delta_rule_step (fp32 throughout): one token for each row of the
+    leading dims — the scan kernel with T = 1, so decode and the verify share its code."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    lead = q.shape[:-1]
+    rows = q.numel() // dk
+    o, s_out = delta_rule_scan(q.reshape(rows, 1, 1, dk), k.reshape(rows, 1, 1, dk), v.reshape(rows, 1, 1, dv),
+                               beta.reshape(rows, 1, 1), g.reshape(rows, 1, 1), s.reshape(rows, 1, dk, dv))
+    return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)

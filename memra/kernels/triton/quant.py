@@ -1,6 +1,6 @@
 """Batch-invariant Triton matmuls that read GGUF-packed weights (Q8_0, Q4_K) and dequantize in registers.
 
-Same contract as triton_ops.linear, whose loop this mirrors: one frozen tile configuration for
+Same contract as triton.linear.linear, whose loop this mirrors: one frozen tile configuration for
 every M, M not specialised by the compiler, K walked in one order with fp32 accumulation. Row i of the
 output is computed by the same instructions whatever M is, so its bits cannot depend on the batch.
 
@@ -15,7 +15,7 @@ Why the weight bits hold on the GPU and in the interpreter alike:
     every product is exact in fp32 (an fp16 scale has an 11-bit significand, a 6-bit Q4_K scale or
     min and a 4-bit q add at most 10 more: 21 <= 24 bits; Q8_0's d * q needs 11 + 7), so in
     `(d * scale) * q - (dmin * min)` only the subtraction rounds, fused or not (tested);
-  * fp32 -> bf16 is rounded to nearest-even in integer arithmetic (`triton_ops.round_to_bf16`): the GPU's fptrunc
+  * fp32 -> bf16 is rounded to nearest-even in integer arithmetic (`triton.common.round_to_bf16`): the GPU's fptrunc
     does that too, but Triton's interpreter truncates.
 
 The tiles gather each value's scale(s) per element (the same bytes again and again, from cache): simple
@@ -30,9 +30,9 @@ import triton.language as tl
 
 from memra.errors import MemraError
 from memra.kernels.quant import QType, QuantWeight, _check_linear
-from memra.kernels.triton_ops import _interpreting, round_to_bf16
+from memra.kernels.triton.common import _interpreting, round_to_bf16
 
-# The frozen configuration (as triton_ops.LINEAR_*): changing one changes bits across memra versions,
+# The frozen configuration (as triton.linear.LINEAR_*): changing one changes bits across memra versions,
 # never across batch sizes. BLOCK_K = 64 is two Q8_0 blocks, or one 32-byte run of a Q4_K super-block's
 # quants (sub-blocks 2r and 2r + 1 as low / high nibbles), so a K step never straddles a Q4_K run.
 QUANT_BLOCK_M = 64

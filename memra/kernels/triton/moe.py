@@ -14,7 +14,7 @@ a MoE step impossible to capture in a CUDA graph. Here instead:
     combine   out[t] = sum_j  weight[t, j] * y2[pair(t, j)]           each row's pairs in ascending
                                                                         expert id, rounded as it goes
 
-Bits: a pair's product walks K exactly as triton_ops.linear does (same fp32 accumulator, same K
+Bits: a pair's product walks K exactly as triton.linear.linear does (same fp32 accumulator, same K
 blocks, same MMA step), so it has the bits that kernel gives its row alone, whatever tile it shares
 (the linear kernel's promise, re-checked by memra.kernels.exact's self-test). The combine adds a row's
 weighted expert outputs in the reference's order with the reference's roundings (product rounded to
@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from memra.kernels import reference
-from memra.kernels.triton_ops import _interpreting, linear_config, round_to_bf16
+from memra.kernels.triton.common import _interpreting, round_to_bf16
+from memra.kernels.triton.linear import linear_config
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bo
 
 def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
     """The linear kernel's tile for the mean rows per chosen expert. Which tile runs changes speed,
-    not bits: every linear tile walks K in the same order (triton_ops.LINEAR_BUCKETS)."""
+    not bits: every linear tile walks K in the same order (triton.linear.LINEAR_BUCKETS)."""
     return linear_config(max(1, pairs // max(1, min(n_experts, pairs))), elem_bytes)
 
 

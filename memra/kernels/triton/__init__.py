@@ -1,0 +1,16 @@
+"""The batch-invariant GPU twins (Triton) of memra.kernels.reference, one module per family:
+
+    linear     dense matmul, one frozen tile per bucket of M          (reference.linear)
+    quant      matmuls over GGUF-packed Q8_0 / Q4_K weights            (quant.reference_linear)
+    norm       RMS, residual + RMS, l2 and gated RMS row norms         (reference.*_norm, l2_normalize)
+    rope       rotary embedding, one fused elementwise launch          (reference.apply_rope)
+    attention  paged decode (split at fixed positions) and prefill     (reference.paged_*, prefill_attention)
+    gdn        the delta rule: recurrent step / scan, chunked prefill  (reference.delta_rule_*, gdn_prefill)
+    moe        grouped expert matmuls planned on the device            (reference.moe_experts)
+    sampling   a batch's seeded sampling in one launch                 (memra.sampling.device_sample)
+    common     what several families share: the interpreter switch, fp32 -> bf16 rounding
+
+Every module here needs Triton; memra.kernels.table imports them only where Triton is installed and is the
+one place that picks between a family and its twin. The families depend on the twins (reference, quant,
+cuts) and on `common` / `linear`, never on the table or the self-test (memra.kernels.exact).
+"""

@@ -1,0 +1,198 @@
+"""Attention over a paged KV prefix in Triton: decode / verify rows (split at fixed positions for long
+prefixes) and causal prefill of a prompt piece. Keys are visited in blocks fixed by absolute position,
+in order, with an online softmax in fp32, so a query's bits depend only on its own prefix, never on the
+batch or the piece it came in. Twins: reference.paged_attention_rows, paged_decode_attention,
+prefill_attention."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.kernels.triton.common import _interpreting
+
+ATTN_BLOCK_S = 16  # KV positions per step of the decode-attention loop (= the KV page size)
+ATTN_SPLIT = 1024  # positions per split of a long prefix (a multiple of ATTN_BLOCK_S)
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, scale,
+                             GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr):
+    # One program per (query row, head, split). Query row r attends over its own prefix: positions
+    # 0..S-1 whose flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one
+    # launch serves B sequences of decode or the T columns of a verify, and no length is a compile-time
+    # value). Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position,
+    # visited in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the
+    # batch, so a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output)
+    # for _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    kvh = h // GROUP
+    start = tl.load(starts_ptr + r)
+    S = tl.load(lens_ptr + r)
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    q = tl.load(q_ptr + (r * Hq + h) * D + cd, mask=md, other=0.0).to(tl.float32)
+    m_run = tl.full((), float("-inf"), tl.float32)
+    l_run = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    hi = tl.minimum(S, (sp + 1) * SPLIT)
+    for s0 in range(sp * SPLIT, hi, BLOCK_S):  # empty for a split past the row's prefix
+        ps = s0 + tl.arange(0, BLOCK_S)
+        ms = ps < hi
+        rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
+        base = (rows * HKV + kvh) * D
+        kt = tl.load(k_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
+        scores = tl.sum(kt * q[None, :], axis=1) * scale
+        scores = tl.where(ms, scores, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(scores, axis=0))
+        alpha = tl.exp(m_run - m_new)
+        p = tl.exp(scores - m_new)
+        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
+        l_run = l_run * alpha + tl.sum(p, axis=0)
+        m_run = m_new
+    if PARTIAL:
+        at = (r * Hq + h) * tl.num_programs(2) + sp
+        tl.store(m_ptr + at, m_run)
+        tl.store(l_ptr + at, l_run)
+        tl.store(o_ptr + at * D + cd, acc, mask=md)
+    else:
+        tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
+    # in split 0 gets exactly the unsplit kernel's bits: its weight is exp(0) = 1, the empty splits'
+    # are exp(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
+    # the split be chosen per call (from the longest row) without changing any row's bits.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    base = (r * Hq + h) * N_SPLITS
+    m_all = tl.full((), float("-inf"), tl.float32)
+    for sp in tl.static_range(N_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp))
+    l_all = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for sp in tl.static_range(N_SPLITS):
+        w = tl.exp(tl.load(m_ptr + base + sp) - m_all)
+        l_all = l_all + tl.load(l_ptr + base + sp) * w
+        acc = acc + tl.load(part_ptr + (base + sp) * D + cd, mask=md, other=0.0) * w
+    tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
+
+
+def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                         starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
+    """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
+    k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
+    starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
+    every lens[r] known to the caller (default N). -> [R, Hq, D].
+
+    Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
+    32k context would otherwise stream its prefix through just Hq programs); a row's bits depend only
+    on its own prefix either way (see _combine_splits_kernel)."""
+    n, hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    o = torch.empty_like(q)
+    if not n:
+        return o
+    n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
+    q, rows, starts, lens = q.contiguous(), rows.contiguous(), starts.contiguous(), lens.contiguous()
+    shape = dict(GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=ATTN_BLOCK_S, SPLIT=ATTN_SPLIT)
+    if n_splits <= 1:
+        _decode_attention_kernel[(n, hq, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, scale, PARTIAL=False, **shape)
+        return o
+    m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(n, hq, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, hq, scale,
+                                                PARTIAL=True, **shape)
+    _combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=triton.next_power_of_2(d))
+    return o
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One new query per head over a paged prefix. q [Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
+    rows [S] flat pool rows of positions 0..S-1 (the new token's K/V already written). -> [Hq, D].
+    The multi-row kernel with one row, so B=1 decode, batched decode and the verify share its code."""
+    zero = torch.zeros(1, dtype=torch.long, device=q.device)
+    lens = torch.full((1,), rows.numel(), dtype=torch.long, device=q.device)
+    return paged_attention_rows(q[None], k_pool, v_pool, rows, zero, lens, scale)[0]
+
+
+# --- prefill attention over a paged KV prefix ------------------------------------------------------
+
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 64, 4, 2
+
+
+@triton.jit(do_not_specialize=["T", "pos0"])
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, T, pos0, Hq, qk_scale,
+                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (BLOCK_M queries, head): flash attention with the keys visited in blocks of BLOCK_N from
+    # position 0, whatever the queries. A query's bits cannot depend on the piece it came in or on the
+    # tile it shares: its scores and its P @ V are per-row MMA results, the blocks it sees are fixed
+    # by absolute position, and the blocks past its own position (there for its tile-mates) are fully
+    # masked, which leaves its running max, sum and output untouched (alpha = 1, p = 0).
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the piece
+    cd = tl.arange(0, BLOCK_D)
+    md = cd < D
+    q = tl.load(q_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], mask=(rm[:, None] < T) & md[None, :], other=0.0)
+    q_pos = pos0 + rm
+    m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    hi = tl.minimum(pos0 + (mb + 1) * BLOCK_M, pos0 + T)  # keys this tile's last query sees
+    for n0 in range(0, hi, BLOCK_N):
+        pn = n0 + tl.arange(0, BLOCK_N)
+        mn = pn < hi
+        rows = tl.load(rows_ptr + pn, mask=mn, other=0)
+        base = (rows * HKV + kvh) * D
+        kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=mn[None, :] & md[:, None], other=0.0)  # [D, N]
+        if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where((pn[None, :] <= q_pos[:, None]) & mn[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(s, axis=1))
+        alpha = tl.exp2(m_run - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_run = l_run * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [N, D]
+        if IEEE:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_run = m_new
+    out = acc / l_run[:, None]
+    tl.store(o_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(rm[:, None] < T) & md[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, pos0: int,
+                      scale: float) -> torch.Tensor:
+    """T new queries of one sequence at positions pos0.. over its paged prefix (causal). q [T, Hq, D];
+    k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [pos0 + T] flat pool rows in position order (the new
+    tokens' K/V already written). -> [T, Hq, D]. A query's bits do not depend on T or pos0's piece."""
+    t, hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    o = torch.empty_like(q)
+    if t:
+        _prefill_attention_kernel[(triton.cdiv(t, PREFILL_BLOCK_M), hq)](
+            q.contiguous(), k_pool, v_pool, rows.contiguous(), o, t, pos0, hq, scale * 1.4426950408889634,
+            GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
+            IEEE=q.dtype == torch.float32 or _interpreting(), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES)
+    return o

@@ -1,0 +1,23 @@
+"""What several Triton families share: whether Triton's interpreter runs them (TRITON_INTERPRET, CI's CPU
+runs), and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memra.settings import process_env
+
+
+def _interpreting() -> bool:
+    return process_env().get("TRITON_INTERPRET", "0") == "1"  # Triton's own switch (tests on CPU)
+
+
+@triton.jit
+def round_to_bf16(w):
+    """fp32 -> the nearest bf16 value (ties to even), still held in fp32, for finite values; NaN stays NaN.
+    Bit arithmetic rather than a cast, because a cast does not round to nearest everywhere these kernels
+    run (Triton's interpreter truncates), and the kernels that use this promise torch's bits."""
+    bits = w.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(w != w, w, rounded.to(tl.float32, bitcast=True))

@@ -1,0 +1,101 @@
+"""Batch-invariant GPU kernels (Triton): a row's result never depends on how many rows share the call.
+
+cuBLAS and torch's reductions choose their algorithm from the shape of the call (GEMV for one row,
+split-K for few rows, a different tree for a different row count), so the same row gets different
+bits at B=1 and B=64. The kernels here freeze every choice instead: one tile configuration for all M,
+a K loop in one fixed order, one program per row for reductions, positions visited in order. Row i
+of the output is then computed by exactly the same instructions whatever M is, which is what makes a
+stacked decode of B sequences bit-identical to each sequence decoded alone (promise E1).
+
+This module holds the dense linear; the other families of memra.kernels.triton follow the same rules.
+Each kernel has its meaning in memra.kernels.reference; tests/test_triton_kernels.py holds every
+kernel to its twin (to a stated tolerance: the summation order differs, deliberately) and to its own
+output across row counts (bit for bit). The kernels also run under TRITON_INTERPRET=1 on CPU, which
+is how CI checks them without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.kernels.triton.common import _interpreting
+
+# The frozen configurations. Changing any of these changes bits (never across batch sizes, but
+# across memra versions), so they are constants rather than autotuned.
+#
+# The linear kernel's tiles are chosen per bucket of M, because one tile cannot serve both a B=1
+# decode (a GEMV: it wants narrow M and many programs to stream the weight) and a 4096-token prefill
+# (a GEMM: it wants 128x256 tiles). What fixes a row's bits is not the tile but the order in which its
+# K products are summed: every configuration walks K in the same order with the same fp32 accumulator
+# and the same MMA step (k = 16) -- measured on the H200 (tools/gpu_tune_linear.py: every candidate
+# tile gives the reference tile's bits at every M on every model shape). Because that is a fact of the
+# hardware rather than a promise of the compiler, the self-test (memra.kernels.exact) re-checks rows
+# across the buckets on the running GPU, and a failure refuses the stacked plan.
+LINEAR_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages))
+    (16, (16, 16, 256, 2, 4)),  # decode: a GEMV, as fast as cuBLAS's on the 8B/9B projections at M=1
+    (64, (64, 32, 128, 4, 4)),
+    (128, (64, 128, 128, 4, 4)),
+    (512, (128, 128, 64, 8, 4)),
+    (None, (128, 256, 64, 8, 3)),  # prefill: ~530 TFLOP/s at M=4096
+)
+# Under TRITON_INTERPRET (CI's CPU runs) the dot is numpy's, whose summation order follows the tile
+# shape, so there one tile serves every M.
+LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H200 allows 227 KiB)
+
+
+def linear_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """The tile configuration for an M-row call: its bucket's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+    fp32 tiles are twice the bytes, so the pipeline gets fewer stages where they would not fit in
+    shared memory (stages only overlap loads with math; they do not change the K order or the bits)."""
+    if _interpreting():
+        return LINEAR_INTERPRET_CONFIG
+    bm, bn, bk, warps, stages = next(cfg for top, cfg in LINEAR_BUCKETS if top is None or m <= top)
+    while stages > 2 and (bm + bn) * bk * elem_bytes * stages > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return bm, bn, bk, warps, stages
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, bk, warps, stages = linear_config(m, x.element_size())
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y.reshape(*lead, n)

@@ -1,0 +1,94 @@
+"""Row norms in Triton (RMS, residual add + RMS, l2, gated RMS): one program per row, the whole row in one
+tile, so a row's sum is one tree of fixed shape whatever the number of rows (memra.kernels.triton.linear
+says why that matters). Twins: reference.rms_norm, add_rms_norm, l2_normalize, gated_rms_norm."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.kernels.triton.common import round_to_bf16
+
+RMS_ZERO_CENTRED, RMS_LLAMA, L2 = 0, 1, 2
+
+
+@triton.jit
+def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # One program per row, the whole row in one tile: the sum is one tree of fixed shape.
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:  # x + r rounded to the dtype as torch's add rounds it, stored, then normalised
+        x = x + tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        s_ty = s_ptr.dtype.element_ty
+        x = round_to_bf16(x) if s_ty == tl.bfloat16 else x.to(s_ty).to(tl.float32)
+        tl.store(s_ptr + row * D + cols, x.to(s_ty), mask=mask)
+    ss = tl.sum(x * x, axis=0)
+    if MODE == 2:  # l2: x / sqrt(sum + eps), fp32 out
+        tl.store(y_ptr + row * D + cols, x * (1.0 / tl.sqrt(ss + eps)), mask=mask)
+    else:
+        xn = x * (1.0 / tl.sqrt(ss / D + eps))
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        out_ty = y_ptr.dtype.element_ty
+        if MODE == 0:  # zero-centred style: multiply in fp32, round last
+            tl.store(y_ptr + row * D + cols, (xn * w).to(out_ty), mask=mask)
+        else:  # llama style: round the normalised row, multiply in the model dtype
+            y = w.to(out_ty).to(tl.float32) * xn.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + row * D + cols, y.to(out_ty), mask=mask)
+
+
+def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, out_dtype: torch.dtype,
+              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d).contiguous()
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    r2 = residual.reshape(-1, d).contiguous() if residual is not None else None
+    s = torch.empty_like(x2) if residual is not None else None
+    if x2.shape[0]:
+        _row_norm_kernel[(x2.shape[0],)](x2, w if w is not None else x2, y, r2 if r2 is not None else x2,
+                                         s if s is not None else x2, d, eps, MODE=mode, RESIDUAL=residual is not None,
+                                         BLOCK=triton.next_power_of_2(d))
+    return y.reshape(x.shape), (s.reshape(x.shape) if s is not None else None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    return _row_norm(x, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, x.dtype)[0]
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)) in one pass over the row: the residual add and the next
+    pre-norm of a block, which otherwise write the sum and read it straight back. Same code as
+    rms_norm on the rounded sum, so the same bits as the two ops apart."""
+    y, s = _row_norm(h, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, h.dtype, residual=delta)
+    return s, y
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return _row_norm(x.float(), None, eps, L2, torch.float32)[0]
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    o = tl.load(o_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out_ty = y_ptr.dtype.element_ty
+    on = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps))
+    y = (w.to(out_ty).to(tl.float32) * on.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (y * (z / (1.0 + tl.exp(-z)))).to(out_ty), mask=mask)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    d = o.shape[-1]
+    o2, z2 = o.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
+    y = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
+    if o2.shape[0]:
+        _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, w, y, d, eps, BLOCK=triton.next_power_of_2(d))
+    return y.reshape(z.shape)
