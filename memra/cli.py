@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     from memra.server.serve_command import add_serve_parser
 
     add_serve_parser(sub)
-    from memra.server.bench import add_bench_parser
+    from memra.bench.command import add_bench_parser
 
     add_bench_parser(sub)
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
@@ -278,7 +278,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from memra.server.bench import cmd_bench
+    from memra.bench.command import cmd_bench
 
     return cmd_bench(args)
 

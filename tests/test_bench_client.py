@@ -22,8 +22,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from memra.errors import MemraError
-from memra.server.bench import (ServeBenchConfig, _plan, check_against_offline, check_metrics, list_models, main,
-                                make_prompts, run_serve_bench, scrape_metrics)
+from memra.bench.serve_checks import check_against_offline, check_metrics, list_models, scrape_metrics
+from memra.bench.serve_client import _plan, make_prompts, run_serve_bench
+from memra.bench.serve_report import ServeBenchConfig
+from memra.cli import main
 
 MODEL = "fake-echo"
 

@@ -1,4 +1,5 @@
-"""`memra bench model` (memra.benchmark) on CPU with tiny shapes built by a model factory.
+"""`memra bench model` (memra.bench: model_bench and the modules beside it) on CPU, with tiny shapes
+built by a model factory.
 
 The real shapes are far too big for a CPU test (one Qwen3.5 embedding alone is 1G parameters), so the
 harness is driven through its `model_factory` hook with tiny configs of the same architectures; the
@@ -13,8 +14,15 @@ import math
 import pytest
 import torch
 
-from memra import benchmark as B
-from memra.benchmark import BenchConfig, BenchReport, run_bench
+from memra.bench.config import BenchConfig
+from memra.bench.fit import fit_layers
+from memra.bench.hf_peer import hf_peer
+from memra.bench.memra_cells import prompt_ids
+from memra.bench.model_bench import _Progress, planned_cells, run_bench
+from memra.bench.probes import Probes, measure_matmul_peak, measure_read_bandwidth
+from memra.bench.report import BenchReport
+from memra.bench.roofline import (decode_step_bytes, experts_touched, prefill_flops, roofline_decode_tokens_per_s,
+                                  roofline_prefill_tokens_per_s, state_bytes, trunk_weights, weight_bytes)
 from memra.config import MoeConfig
 from memra.errors import MemraError
 from memra.config import FP32_WEIGHTS
@@ -74,7 +82,7 @@ def full_run(tmp_path_factory):
 def test_every_cell_runs_and_ratios_come_from_this_run(full_run):
     report, factory, _ = full_run
     cfg = report.config
-    planned = {(m, mode, phase, b) for m in cfg.models for mode, phase, b in B.planned_cells(cfg, m)}
+    planned = {(m, mode, phase, b) for m in cfg.models for mode, phase, b in planned_cells(cfg, m)}
     got = {(r.model, r.mode, r.phase, r.batch) for r in report.rows}
     assert got == planned and len(report.rows) == len(planned)
     assert {"exact", "fast", "hf"} == {r.mode for r in report.rows}
@@ -85,10 +93,10 @@ def test_every_cell_runs_and_ratios_come_from_this_run(full_run):
         model = factory.built[r.model]
         assert r.tokens_per_s == pytest.approx(r.tokens / r.seconds)
         if r.phase == "decode":
-            roof = B.roofline_decode_tokens_per_s(model, r.batch, bw, context=r.context)
+            roof = roofline_decode_tokens_per_s(model, r.batch, bw, context=r.context)
         else:
-            roof = B.roofline_prefill_tokens_per_s(model, cfg.prefill_chunk if r.phase == "prefill" else cfg.ttft_tokens,
-                                                   bw, peak)
+            roof = roofline_prefill_tokens_per_s(model, cfg.prefill_chunk if r.phase == "prefill" else cfg.ttft_tokens,
+                                                 bw, peak)
         assert r.roofline_tokens_per_s == pytest.approx(roof)
         assert r.vs_roofline == pytest.approx(r.tokens_per_s / roof)
         if r.mode == "hf":
@@ -127,7 +135,7 @@ def test_out_of_budget_cells_are_recorded_as_skipped():
     # cell), so a budget of 4 lets the first model's first cells run and skips every later one.
     cfg = BenchConfig(models=("tiny-llama", "tiny-hybrid"), peer_hf=False, budget_s=4, model_factory=factory, **FAST)
     report = run_bench(cfg, clock=lambda: next(ticks), progress=False)
-    planned = sum(len(B.planned_cells(cfg, m)) for m in cfg.models)
+    planned = sum(len(planned_cells(cfg, m)) for m in cfg.models)
     assert len(report.rows) == planned
     status = [r.status for r in report.rows]
     ran = status.index("skipped")
@@ -144,14 +152,14 @@ def test_a_model_that_cannot_be_built_is_recorded_as_failed():
 
     cfg = BenchConfig(models=("tiny-llama",), model_factory=broken, **FAST)
     report = run_bench(cfg, progress=False)
-    assert len(report.rows) == len(B.planned_cells(cfg, "tiny-llama"))
+    assert len(report.rows) == len(planned_cells(cfg, "tiny-llama"))
     assert all(r.status == "failed" and "no such luck" in r.note for r in report.rows)
     assert report.failed and "failed" in report.table()
 
 
 def test_progress_bar_is_quiet_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "1")
-    assert B._Progress(10, None).bar is None
+    assert _Progress(10, None).bar is None
 
 
 def test_refusals_are_clear():
@@ -181,7 +189,7 @@ def test_cli(capsys):
     with pytest.raises(SystemExit):
         main(["bench"])
     assert "{serve,model}" in capsys.readouterr().err
-    from memra.benchmark import config_from_args
+    from memra.bench.command import config_from_args, parse_layers
     from memra.cli import build_parser
 
     args = build_parser().parse_args(["bench", "model", "--models", "llama-3-8b,qwen3.5-9b", "--batches", "1,32",
@@ -189,7 +197,7 @@ def test_cli(capsys):
     cfg = config_from_args(args)
     assert cfg.models == ("llama-3-8b", "qwen3.5-9b") and cfg.batches == (1, 32) and not cfg.peer_hf
     assert cfg.layers_for("qwen3.5-9b") == 4 and cfg.layers_for("llama-3-8b") is None and cfg.budget_s == 60
-    assert B.parse_layers("6", ("a", "b")) == (("a", 6), ("b", 6))
+    assert parse_layers("6", ("a", "b")) == (("a", 6), ("b", 6))
 
 
 def test_decode_roofline_bytes_by_hand():
@@ -202,46 +210,46 @@ def test_decode_roofline_bytes_by_hand():
                + (h * d + 2 * kv * d) * e * 2 + e * h * d * 2  # wqkv, wo
                + 2 * f * e * 2 + e * f * 2)  # w_gate_up, w_down
     kv_read = 3 * 40 * 2 * kv * d * 2  # 3 sequences x 40 positions x (K and V) x heads x dim, bf16
-    assert B.decode_step_bytes(m, 3, 40) == weights + kv_read
-    assert B.roofline_decode_tokens_per_s(m, 3, 1e9, context=40) == pytest.approx(3 / ((weights + kv_read) / 1e9))
+    assert decode_step_bytes(m, 3, 40) == weights + kv_read
+    assert roofline_decode_tokens_per_s(m, 3, 1e9, context=40) == pytest.approx(3 / ((weights + kv_read) / 1e9))
 
 
 def test_moe_and_gdn_roofline_bytes_by_hand():
     cfg = TINY["tiny-moe"](4)
     m = tiny_model(cfg)
-    trunk = B.trunk_weights(m)
+    trunk = trunk_weights(m)
     assert not any(k.startswith("mtp.") for k in trunk)
     nbytes = lambda t: t.numel() * t.element_size()
     routed = sum(nbytes(t) for k, t in trunk.items() if k.endswith(("moe.w_gate_up", "moe.w_down")))
     rest = sum(nbytes(t) for k, t in trunk.items() if k != "embed" and not k.endswith(("moe.w_gate_up", "moe.w_down")))
     embed_row = 64 * 2
-    assert B.weight_bytes(m, 1) == pytest.approx(embed_row + rest + routed * 2 / 8)  # top 2 of 8 experts
-    assert B.weight_bytes(m, 10_000) == pytest.approx(256 * embed_row + rest + routed)  # all experts, every row
-    assert B.experts_touched(256, 8, 1) == 8
+    assert weight_bytes(m, 1) == pytest.approx(embed_row + rest + routed * 2 / 8)  # top 2 of 8 experts
+    assert weight_bytes(m, 10_000) == pytest.approx(256 * embed_row + rest + routed)  # all experts, every row
+    assert experts_touched(256, 8, 1) == 8
     for tokens in (2, 8, 32, 128):
-        assert B.experts_touched(256, 8, tokens) <= min(8 * tokens, 256)
+        assert experts_touched(256, 8, tokens) <= min(8 * tokens, 256)
     # GDN state, per sequence: 3 GDN layers x (fp32 state [Hv, Dk, Dv] + conv window [C, K-1] bf16), read and written
     conv_dim = 2 * 2 * 16 + 4 * 16
     gdn = 2 * 3 * (4 * 16 * 16 * 4 + conv_dim * 3 * 2)
     attn = 1 * 50 * 2 * 2 * 16 * 2  # one attention layer, 50 positions
-    assert B.state_bytes(cfg, torch.bfloat16, 50) == gdn + attn
+    assert state_bytes(cfg, torch.bfloat16, 50) == gdn + attn
 
 
 def test_prefill_roofline_takes_the_slower_bound():
     m = tiny_model(TINY["tiny-llama"]())
-    flops, wbytes = B.prefill_flops(m, 64), B.weight_bytes(m, 64)
-    assert flops > 2 * 64 * sum(t.numel() for k, t in B.trunk_weights(m).items() if k.startswith("layers.") and t.dim() == 2)
-    assert B.roofline_prefill_tokens_per_s(m, 64, 1e30, 1e9) == pytest.approx(64 / (flops / 1e9))  # compute-bound
-    assert B.roofline_prefill_tokens_per_s(m, 64, 1e6, 1e30) == pytest.approx(64 / (wbytes / 1e6))  # bandwidth-bound
+    flops, wbytes = prefill_flops(m, 64), weight_bytes(m, 64)
+    assert flops > 2 * 64 * sum(t.numel() for k, t in trunk_weights(m).items() if k.startswith("layers.") and t.dim() == 2)
+    assert roofline_prefill_tokens_per_s(m, 64, 1e30, 1e9) == pytest.approx(64 / (flops / 1e9))  # compute-bound
+    assert roofline_prefill_tokens_per_s(m, 64, 1e6, 1e30) == pytest.approx(64 / (wbytes / 1e6))  # bandwidth-bound
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-moe"])
 def test_hf_peer_runs_memras_own_weights(name):
     pytest.importorskip("transformers")
     m = tiny_model(TINY[name](), dtype=torch.float32, perturb_norms=True)
-    hf, how = B.hf_peer(m)
+    hf, how = hf_peer(m)
     assert how == "memra's weights (shared tensors)"
-    ids = B.prompt_ids(m.cfg.vocab_size, 20)
+    ids = prompt_ids(m.cfg.vocab_size, 20)
     ref = m.prime(ids, m.new_cache(32), all_logits=True)
     with torch.inference_mode():
         out = hf(torch.tensor([ids])).logits[0].float()
@@ -254,25 +262,24 @@ def test_hf_peer_runs_memras_own_weights(name):
 
 def test_fit_layers_reduces_a_model_that_does_not_fit():
     cfg = BenchConfig(models=("qwen3.5-35b-a3b", "llama-3-8b"))
-    n, note = B.fit_layers("qwen3.5-35b-a3b", None, cfg, free_bytes=40 * 10**9)
+    n, note = fit_layers("qwen3.5-35b-a3b", None, cfg, free_bytes=40 * 10**9)
     assert n % 4 == 0 and 4 <= n < 40 and "of 40 layers" in note
-    assert B.fit_layers("qwen3.5-35b-a3b", None, cfg, free_bytes=10**15) == (40, None)
-    assert B.fit_layers("llama-3-8b", 3, cfg, free_bytes=1) == (3, None)  # an explicit count is the user's call
+    assert fit_layers("qwen3.5-35b-a3b", None, cfg, free_bytes=10**15) == (40, None)
+    assert fit_layers("llama-3-8b", 3, cfg, free_bytes=1) == (3, None)  # an explicit count is the user's call
     with pytest.raises(MemraError, match="not even"):
-        B.fit_layers("llama-3-8b", None, cfg, free_bytes=10**9)
+        fit_layers("llama-3-8b", None, cfg, free_bytes=10**9)
     assert set(SHAPES) == {"qwen3.5-9b", "qwen3.5-35b-a3b", "llama-3-8b"}  # the benchmark adds no shapes
 
 
 def test_probes_run_on_cpu():
-    assert B.measure_read_bandwidth("cpu", nbytes=2**20, repeats=1) > 0
-    assert B.measure_matmul_peak("cpu", torch.float32, size=32, repeats=1) > 0
-    assert math.isfinite(B.Probes.measure("cpu", torch.bfloat16, 1).read_bytes_per_s)
+    assert measure_read_bandwidth("cpu", nbytes=2**20, repeats=1) > 0
+    assert measure_matmul_peak("cpu", torch.float32, size=32, repeats=1) > 0
+    assert math.isfinite(Probes.measure("cpu", torch.bfloat16, 1).read_bytes_per_s)
 
 
 def test_packed_weights_count_their_packed_bytes(monkeypatch):
     """weights=q8_0: the roofline reads the packed bytes (34 per 32 values), not a dense copy."""
     import memra.random_model as rm
-    from memra.benchmark import weight_bytes
     from memra.kernels.quant import QuantWeight
 
     monkeypatch.setitem(rm.SHAPES, "tiny-packed", lambda n: rm._llama(n or 1, 256, 4, 2, 512, 512))
@@ -284,6 +291,4 @@ def test_packed_weights_count_their_packed_bytes(monkeypatch):
     saved = sum(t.shape[0] * t.shape[1] * 4 - t.nbytes for t in projections)  # fp32 dense minus packed
     assert weight_bytes(dense, 1) - weight_bytes(packed, 1) == saved
     # FLOPs are the logical matmul's, packed or not (a packed weight has no .dim(): the bug the H200 run hit)
-    from memra.benchmark import prefill_flops
-
     assert prefill_flops(packed, 64) == prefill_flops(dense, 64)

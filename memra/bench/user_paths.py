@@ -13,15 +13,10 @@ import time
 
 import torch
 
-from memra.bench.timing import Timing
+from memra.bench.timing import Timing, sync
 from memra.engine.engine import Engine
 from memra.engine.types import EngineConfig
 from memra.sampling import SamplingParams
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -36,12 +31,12 @@ def time_engine_decode(model, batch: int, steps: int, warmup: int, prompts: list
         engine.submit(ids, params, lambda ev, i=i: counts.__setitem__(i, counts[i] + (ev.token_id is not None)))
     while min(counts) < 1 + warmup:  # every prefill done, then the warm-up decode steps
         engine.step()
-    _sync(model.device)
+    sync(model.device)
     before = list(counts)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(model.device)
+    sync(model.device)
     seconds = (time.perf_counter() - t0) / steps
     if any(after - b != steps for after, b in zip(counts, before)):  # each timed step decoded every row
         raise RuntimeError(f"the engine did not decode all {batch} rows in each of {steps} steps")
@@ -57,11 +52,11 @@ def time_new_cache_decode(model, batch: int, steps: int, warmup: int, prompts: l
     toks = [int(model.prime(ids, c).argmax()) for ids, c in zip(prompts, caches)]
     for _ in range(warmup):
         toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    _sync(model.device)
+    sync(model.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    _sync(model.device)
+    sync(model.device)
     seconds = (time.perf_counter() - t0) / steps
     for c in caches:
         c.free()

@@ -1,0 +1,189 @@
+"""The `memra bench` command line: `memra bench serve` (load-test a server, memra.bench.serve_client)
+and `memra bench model` (tokens/s against the roofline and HF, memra.bench.model_bench) — their flags,
+the config each builds from them, and the exit code each run earns.
+
+memra.cli wires this in (add_bench_parser, cmd_bench); nothing here imports memra.cli, so the command
+line and the benchmarks stay one-way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Sequence
+
+from memra import settings as memra_settings
+from memra.bench.config import BenchConfig, default_device
+from memra.bench.serve_checks import check_against_offline, check_metrics, list_models, memra_offline, scrape_metrics
+from memra.bench.serve_client import run_serve_bench
+from memra.bench.serve_report import ServeBenchConfig
+from memra.errors import MemraError
+
+
+def add_bench_parser(sub) -> None:
+    """`memra bench serve ...` and `memra bench model ...` on the CLI's subparsers (memra.cli wires it;
+    `python -m memra bench ...` runs the same)."""
+    bench = sub.add_parser("bench", help="benchmarks: serve (load-test a server), model (tokens/s vs roofline and HF)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,model}")
+    p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server; checks that no request is lost")
+    d = ServeBenchConfig()
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    p.add_argument("--launch", metavar="MODEL", default=None,
+                   help="start memra's server in this process with MODEL on a free loopback port and test it "
+                        "(then --offline-check uses the same loaded model); 'demo' = the bundled model")
+    p.add_argument("--max-batch", type=int, default=32, help="with --launch: the server's --max-batch")
+    p.add_argument("--max-ctx", type=int, default=1024, help="with --launch: the server's --max-ctx")
+    p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction,
+                   help="share of requests closed mid-stream (default %(default)s)")
+    p.add_argument("--stream-fraction", type=float, default=d.stream_fraction)
+    p.add_argument("--min-prompt-words", type=int, default=d.min_prompt_words)
+    p.add_argument("--max-prompt-words", type=int, default=d.max_prompt_words)
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
+    p.add_argument("--api-key", default=memra_settings.api_key(), help="bearer token (default $MEMRA_API_KEY)")
+    p.add_argument("--no-metrics", action="store_true", help="skip the /metrics check (a server without it)")
+    p.add_argument("--metrics-prefix", default="memra:", help="counter prefix, e.g. vllm: (default %(default)s)")
+    p.add_argument("--offline-check", metavar="MODEL", default=None,
+                   help="afterwards, generate every completed prompt offline with this model and compare")
+    p.add_argument("--no-offline-check", action="store_true",
+                   help="with --launch: skip comparing every completed answer with offline generation")
+    p.add_argument("--device", default=None, help="device for --offline-check")
+    p.add_argument("--dtype", default=None, help="dtype for --offline-check")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the report (per request too) as JSON")
+    add_model_parser(kinds)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """serve: exit 0 when nothing was lost, duplicated or failed and every check passed; 1 otherwise.
+    model: cmd_model (exit 1 when a cell failed)."""
+    if args.bench_command == "model":
+        return cmd_model(args)
+    cfg = ServeBenchConfig(requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
+                           min_prompt_words=args.min_prompt_words, max_prompt_words=args.max_prompt_words,
+                           min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                           stream_fraction=args.stream_fraction, seed=args.seed, timeout_s=args.timeout)
+    server = None
+    if args.launch:
+        server, args.url = _launch(args)
+    try:
+        return _bench(args, cfg, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _launch(args):
+    """An in-process memra server on a free port: (ServerThread, url)."""
+    import memra
+    from memra.server.api import build_app
+    from memra.engine.engine import Engine, EngineConfig
+    from memra.server.http import ServerThread
+    from memra.server.metrics import Metrics
+    from memra.server.options import ServerOptions
+
+    model = memra.load(args.launch, device=args.device, dtype=args.dtype)
+    metrics = Metrics("memra")
+    engine = Engine(model, EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx), metrics)
+    server = ServerThread(build_app(engine, "memra", ServerOptions(api_key=args.api_key), metrics=metrics)).start()
+    server.model = model
+    return server, server.url
+
+
+def _bench(args, cfg: ServeBenchConfig, server) -> int:
+    model = args.model
+    if model is None:
+        ids = list_models(args.url, args.api_key)
+        if not ids:
+            raise MemraError(f"{args.url} lists no models; pass --model")
+        model = ids[0]
+    before = None if args.no_metrics else scrape_metrics(args.url, args.api_key)
+    report = asyncio.run(run_serve_bench(args.url, model, cfg, api_key=args.api_key, progress=True))
+    print(report.table())
+    problems = []
+    if before is not None:
+        problems += check_metrics(before, scrape_metrics(args.url, args.api_key), report, prefix=args.metrics_prefix)
+    if args.offline_check or (server is not None and not args.no_offline_check):
+        target = server.model if server is not None else args.offline_check
+        problems += check_against_offline(report, memra_offline(target, args.device, args.dtype))
+    for p in problems:
+        print(f"check failed: {p}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**report.to_json(per_request=True), "model": model, "check_failures": problems}, f, indent=1)
+    return 0 if not (problems or report.lost or report.duplicated or report.errors) else 1
+
+
+# --- memra bench model ---------------------------------------------------------------------------
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise MemraError(f"{what} {text!r} is not a comma-separated list of numbers") from None
+
+
+def parse_layers(text: str | None, models: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """--layers N (every model) or --layers name=N,name=N."""
+    if not text:
+        return ()
+    try:
+        if "=" not in text:
+            return tuple((m, int(text)) for m in models)
+        pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+        return tuple((k.strip(), int(v)) for k, v in pairs)
+    except ValueError:
+        raise MemraError(f"--layers {text!r}: give N, or name=N pairs separated by commas") from None
+
+
+def add_model_parser(kinds) -> None:
+    """`memra bench model` on the `memra bench` subparsers (add_bench_parser wires it)."""
+    d = BenchConfig()
+    p = kinds.add_parser("model", help="random-weight models of real shapes: decode/prefill tokens/s vs this "
+                                       "device's roofline and HF transformers")
+    p.add_argument("--models", default=",".join(d.models), help="comma-separated shapes (default: %(default)s)")
+    p.add_argument("--batches", default=",".join(map(str, d.batches)), help="decode batch widths (default %(default)s)")
+    p.add_argument("--layers", default=None, help="build with fewer layers: N for every model, or name=N,...")
+    p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    p.add_argument("--weights", default=d.weights, help="weight format: bf16 | q8_0 | q4_k (projections packed, fused dequant kernels)")
+    p.add_argument("--modes", default=",".join(d.exact_modes),
+                   help="exact and/or fast (MEMRA_EXACT=0); engine (the loop memra generate / memra.LLM / the server "
+                        "run) and newcache (decode_step_batch over model.new_cache caches), timed beside exact")
+    p.add_argument("--steps", type=int, default=d.decode_steps, help="timed decode steps per cell")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed decode steps first")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="prefill/TTFT/probe repeats (best of)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+    p.add_argument("--ttft-tokens", type=int, default=d.ttft_tokens)
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="each decode row's primed prompt")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="start no cell after S seconds; the rest are recorded as skipped")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    return BenchConfig(models=models, batches=_int_list(args.batches, "--batches"),
+                       layers=parse_layers(args.layers, models), device=args.device or default_device(),
+                       weights=args.weights, exact_modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                       decode_steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       prefill_chunk=args.prefill_chunk, ttft_tokens=args.ttft_tokens,
+                       prompt_tokens=args.prompt_tokens, peer_hf=not args.no_hf, budget_s=args.budget,
+                       seed=args.seed, json_path=args.json)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """Exit 0 when every cell ran or was skipped for the budget; 1 when any failed."""
+    from memra.bench.model_bench import run_bench  # the driver pulls in every cell's module; only this needs it
+
+    report = run_bench(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.table())
+    return 1 if report.failed else 0

@@ -1,0 +1,147 @@
+"""The checks that turn a `memra bench serve` run into a correctness test, not just a speed number:
+
+- check_against_offline: each completed greedy answer equals what offline generation produces for the
+  same prompt (memra's promise: serving under load changes no token); memra_offline supplies memra's own;
+- check_metrics: the server's Prometheus token and request counters moved by what the client saw
+  (scrape_metrics reads them before and after; the run must be the server's only client meanwhile,
+  since the deltas are global).
+
+Also list_models, which names the model to send when the user gives none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from memra.bench.serve_client import server_root
+from memra.bench.serve_report import ServeBenchReport
+from memra.errors import MemraError
+
+
+def _get(url: str, path: str, api_key: str | None):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(server_root(url) + path, headers=headers, timeout=30.0, trust_env=False)
+    except httpx.HTTPError as e:
+        raise MemraError(f"cannot reach {server_root(url)}{path}: {e}") from None
+    if resp.status_code >= 400:
+        raise MemraError(f"{server_root(url)}{path} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    return resp
+
+
+def list_models(url: str, api_key: str | None = None) -> list[str]:
+    """The model ids the server lists at /v1/models."""
+    try:
+        return [m["id"] for m in _get(url, "/v1/models", api_key).json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise MemraError(f"{server_root(url)}/v1/models did not answer an OpenAI model list") from None
+
+
+def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """Sample name -> value summed over its label sets, from the server's /metrics.
+
+    Keyed by sample name, not family name: prometheus_client's parser names a counter's family without
+    its `_total` suffix, while its sample keeps the name the server exported."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(_get(url, "/metrics", api_key).text):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    except ValueError as e:
+        raise MemraError(f"{server_root(url)}/metrics is not Prometheus text: {e}") from None
+    return out
+
+
+def _first_difference(want: str, got: str) -> str:
+    i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    return (f"first difference at char {i}: offline {want[max(0, i - 20): i + 20]!r} vs served "
+            f"{got[max(0, i - 20): i + 20]!r} (lengths {len(want)} vs {len(got)})")
+
+
+def check_against_offline(report: ServeBenchReport, offline: Callable[[str, int], str],
+                          check_cancelled: bool = True) -> list[str]:
+    """Each completed request that finished by "length" or "stop" must have returned exactly
+    offline(prompt, max_tokens); with check_cancelled, what a cancelled stream received must be a prefix
+    of it. Returns one description per mismatch (empty: all equal)."""
+    problems = []
+    for r in report.results:
+        if r.state == "completed" and r.finish_reason in ("length", "stop"):
+            want = offline(r.prompt, r.max_tokens)
+            if want != r.text:
+                kind = "stream" if r.stream else "non-stream"
+                problems.append(f"request #{r.index} ({kind}, finish {r.finish_reason}): "
+                                f"{_first_difference(want, r.text)}")
+        elif check_cancelled and r.state == "cancelled":
+            want = offline(r.prompt, r.max_tokens)
+            if not want.startswith(r.text):
+                problems.append(f"cancelled request #{r.index} received text that is not a prefix of the offline "
+                                f"output: {_first_difference(want, r.text)}")
+    return problems
+
+
+def check_metrics(before: dict[str, float], after: dict[str, float], report: ServeBenchReport,
+                  prefix: str = "memra:") -> list[str]:
+    """The server's counter deltas against the client's view. Returns one description per mismatch.
+
+    Completed requests are known exactly. Others may have cost the server work the client never saw:
+    a cancelled stream was prefilled and ran for a while (and may even have finished before the
+    disconnect reached the server), a timed-out one too. So the checks are bounds, tight when nothing
+    was cancelled: prompt delta >= completed prompt tokens; completed completion tokens <= generation
+    delta <= that + max_tokens of every request the server may have run without answering; completed
+    <= request_success delta <= completed + those requests. A request refused with an HTTP error
+    status ran nothing."""
+    problems = []
+    done = [r for r in report.results if r.state == "completed"]
+    no_usage = [r.index for r in done if not isinstance(r.usage, dict) or "completion_tokens" not in r.usage]
+    if no_usage:
+        problems.append(f"{len(no_usage)} completed requests carried no usage (e.g. #{no_usage[0]}); "
+                        "the token counters cannot be checked against them")
+    unanswered = [r for r in report.results
+                  if r.state != "completed" and not (r.state == "error" and (r.status or 0) >= 400)]
+
+    def delta(name: str) -> float | None:
+        key = f"{prefix}{name}_total"
+        if key not in after:
+            problems.append(f"the server does not export {key}")
+            return None
+        return after[key] - before.get(key, 0.0)
+
+    prompt = delta("prompt_tokens")
+    if prompt is not None and prompt < report.client_prompt_tokens:
+        problems.append(f"{prefix}prompt_tokens_total rose by {prompt:g}, less than the {report.client_prompt_tokens} "
+                        "prompt tokens of completed requests")
+    gen = delta("generation_tokens")
+    lo = report.client_completion_tokens
+    hi = lo + sum(r.max_tokens for r in unanswered)
+    if gen is not None and not lo <= gen <= hi:
+        problems.append(f"{prefix}generation_tokens_total rose by {gen:g}; completed requests got {lo} tokens and "
+                        f"the {len(unanswered)} unanswered ones could account for at most {hi - lo} more")
+    ok = delta("request_success")
+    if ok is not None and not len(done) <= ok <= len(done) + len(unanswered):
+        problems.append(f"{prefix}request_success_total rose by {ok:g}; expected {len(done)} completed requests "
+                        f"(up to {len(unanswered)} more for cancelled/unanswered ones)")
+    return problems
+
+
+def memra_offline(model_path, device: str | None = None, dtype: str | None = None) -> Callable[[str, int], str]:
+    """offline(prompt, max_tokens) for check_against_offline: memra's own greedy generation, with the
+    prompt encoded and the output decoded as `memra generate` does (special tokens added, skipped).
+    `model_path` may also be an already loaded model."""
+    import memra
+    from memra.generate import generate_tokens
+    from memra.sampling import SamplingParams
+
+    model = memra.load(model_path, device=device, dtype=dtype) if isinstance(model_path, (str, os.PathLike)) else model_path
+    tok = model.tokenizer
+
+    def offline(prompt: str, max_tokens: int) -> str:
+        ids = tok.encode(prompt, add_special=True)
+        out = list(generate_tokens(model, ids, SamplingParams(max_tokens=max_tokens), eos_ids=tok.eos_ids))
+        return tok.decode(out, skip_special=True)
+
+    return offline

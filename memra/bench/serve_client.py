@@ -1,0 +1,233 @@
+"""`memra bench serve`: a load-test client for any OpenAI-compatible completions server.
+
+It sends a seeded mix of requests (prompt lengths, max_tokens, streamed or not, some cancelled
+mid-stream) at a fixed concurrency and accounts for every one of them in a ServeBenchReport
+(memra.bench.serve_report): each request ends completed, cancelled, or with an error — a request that
+ends as none of these was *lost*, and a stream that finishes twice (or keeps talking after its finish)
+is *duplicated*. Both must be zero.
+
+The checks that turn the run into a correctness test (each answer equals offline generation; the
+server's counters moved by what the client saw) are in memra.bench.serve_checks; the command line in
+memra.bench.command. This is a client of the server, not part of it: it imports nothing of memra's
+server or engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Sequence
+
+from memra import settings as memra_settings
+from memra.bench.serve_report import RequestResult, ServeBenchConfig, ServeBenchReport
+from memra.errors import MemraError
+
+
+# Ordinary words for prompts: any model tokenizes them, and their length in words tracks their length
+# in tokens closely enough to get a spread of short and long prompts.
+DEFAULT_WORDS: tuple[str, ...] = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+    "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were",
+    "their", "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would",
+    "who", "so", "no", "river", "mountain", "city", "light", "winter", "garden", "letter", "music", "window",
+    "story", "machine", "ocean", "market", "king", "forest", "road", "silver", "morning", "bridge", "stone",
+    "question", "answer", "number", "friend", "house", "paper", "voice", "night", "water", "fire", "iron",
+)
+
+MAX_CANCEL_AFTER = 5  # a cancelled stream is closed after 1..5 chunks
+
+
+# ---------------------------------------------------------------------------------------------------
+# The request mix
+# ---------------------------------------------------------------------------------------------------
+
+def make_prompts(cfg: ServeBenchConfig, words: Sequence[str]) -> list[tuple[str, int]]:
+    """(prompt, max_tokens) per request: prompt lengths and max_tokens drawn uniformly from the config's
+    ranges by a generator seeded with cfg.seed, so a run is repeatable."""
+    if not words:
+        raise MemraError("make_prompts needs a non-empty word list")
+    rng = random.Random(cfg.seed)
+    out = []
+    for _ in range(cfg.requests):
+        n = rng.randint(cfg.min_prompt_words, cfg.max_prompt_words)
+        out.append((" ".join(rng.choices(words, k=n)), rng.randint(cfg.min_tokens, cfg.max_tokens)))
+    return out
+
+
+def _plan(cfg: ServeBenchConfig, prompts: list[tuple[str, int]]) -> list[RequestResult]:
+    """Which requests stream and which are cancelled (after how many chunks). Exact counts, not coin
+    flips, so a small run still has its share of each; a generator of its own, so changing a fraction
+    does not change the prompts."""
+    rng = random.Random(f"memra-bench-plan:{cfg.seed}")
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    n_stream = round(len(prompts) * cfg.stream_fraction)
+    n_cancel = min(round(len(prompts) * cfg.cancel_fraction), n_stream)
+    streamed, cancel_after = set(order[:n_stream]), {i: rng.randint(1, MAX_CANCEL_AFTER) for i in order[:n_cancel]}
+    return [RequestResult(index=i, prompt=p, max_tokens=m, stream=i in streamed, cancel_after=cancel_after.get(i))
+            for i, (p, m) in enumerate(prompts)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One request
+# ---------------------------------------------------------------------------------------------------
+
+class _Failed(Exception):
+    """A response we can name the fault of (HTTP status, an error object, a malformed body)."""
+
+
+def server_root(url: str) -> str:
+    """The server root: OpenAI clients are often given `.../v1`; /metrics lives beside it, not under it."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _take_chunk(res: RequestResult, chunk, t0: float) -> None:
+    """Fold one streamed completion chunk into the result, noting protocol violations."""
+    if not isinstance(chunk, dict):
+        raise _Failed(f"malformed chunk: {str(chunk)[:120]}")
+    if chunk.get("error") is not None:  # servers report a failure mid-stream as an error object
+        raise _Failed(f"error in stream: {json.dumps(chunk['error'])[:200]}")
+    if chunk.get("usage"):
+        res.usage = chunk["usage"]
+    choices = chunk.get("choices") or []  # the usage chunk has "choices": []
+    if not isinstance(choices, list):
+        raise _Failed(f"malformed chunk: choices is {type(choices).__name__}")
+    if len(choices) > 1:
+        res.anomalies.append(f"chunk {res.chunks} has {len(choices)} choices (asked for 1)")
+    for c in choices:
+        if not isinstance(c, dict):
+            raise _Failed(f"malformed choice: {str(c)[:120]}")
+        text, finish = c.get("text") or "", c.get("finish_reason")
+        if text:
+            if res.finish_reason is not None:
+                res.anomalies.append(f"text after finish_reason {res.finish_reason!r}: {text[:40]!r}")
+            if res.ttft_s is None:
+                res.ttft_s = time.perf_counter() - t0
+            res.text += text
+        if finish is not None:
+            if res.finish_reason is not None:
+                res.anomalies.append(f"a second finish_reason {finish!r} after {res.finish_reason!r}")
+            else:
+                res.finish_reason = finish
+
+
+async def _http_error(resp) -> _Failed:
+    body = (await resp.aread()).decode("utf-8", errors="replace")
+    return _Failed(f"HTTP {resp.status_code}: {body[:200]}")
+
+
+async def _streamed(client, body: dict, res: RequestResult, t0: float) -> None:
+    close_early = False
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        res.status = resp.status_code
+        if resp.status_code >= 400:
+            raise await _http_error(resp)
+        async for line in resp.aiter_lines():
+            # Each OpenAI event is one `data:` line; blank separators, `: comments` and other SSE fields
+            # (event:, id:, retry:) carry nothing for us.
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":
+                break
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                raise _Failed(f"malformed JSON in stream: {payload[:120]!r}") from None
+            res.chunks += 1
+            _take_chunk(res, chunk, t0)
+            if res.cancel_after is not None and res.finish_reason is None and res.chunks >= res.cancel_after:
+                close_early = True
+                break
+    # leaving the block above closed the response unread: the server sees the client disconnect
+    res.cancelled = close_early
+
+
+async def _plain(client, body: dict, res: RequestResult) -> None:
+    resp = await client.post("/v1/completions", json=body)
+    res.status = resp.status_code
+    if resp.status_code >= 400:
+        raise await _http_error(resp)
+    try:
+        obj = resp.json()
+    except ValueError:
+        raise _Failed(f"malformed JSON body: {resp.text[:120]!r}") from None
+    res.chunks = 1
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        raise _Failed(f"malformed body (no choices list): {resp.text[:120]!r}")
+    if len(choices) != 1:
+        res.anomalies.append(f"body has {len(choices)} choices (asked for 1)")
+    if choices:
+        c = choices[0]
+        if not isinstance(c, dict):
+            raise _Failed(f"malformed choice: {str(c)[:120]}")
+        res.text, res.finish_reason = c.get("text") or "", c.get("finish_reason")
+    res.usage = obj.get("usage") or None
+
+
+async def _one(client, model: str, res: RequestResult, timeout_s: float) -> RequestResult:
+    body = {"model": model, "prompt": res.prompt, "max_tokens": res.max_tokens, "temperature": 0, "stream": res.stream}
+    if res.stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            if res.stream:
+                await _streamed(client, body, res, t0)
+            else:
+                await _plain(client, body, res)
+    except TimeoutError:
+        res.error = f"timed out after {timeout_s:g} s"
+    except _Failed as e:
+        res.error = str(e)
+    except Exception as e:  # connection refused/reset, a protocol error: recorded, the run goes on
+        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    res.latency_s = time.perf_counter() - t0
+    return res
+
+
+def _progress_bar(total: int):
+    """A tqdm bar on an interactive terminal only: in CI or a log file it is noise."""
+    if not memra_settings.show_progress():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="req", file=sys.stderr)
+
+
+async def run_serve_bench(url: str, model: str, cfg: ServeBenchConfig, api_key: str | None = None,
+                          progress: bool = False, words: Sequence[str] = DEFAULT_WORDS) -> ServeBenchReport:
+    """Send cfg.requests requests, at most cfg.concurrency at a time; every failure is recorded in its
+    RequestResult, none is raised."""
+    import httpx
+
+    plan = _plan(cfg, make_prompts(cfg, words))
+    sem = asyncio.Semaphore(cfg.concurrency)
+    bar = _progress_bar(len(plan)) if progress else None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+
+    async def send(res: RequestResult) -> RequestResult:
+        async with sem:
+            await _one(client, model, res, cfg.timeout_s)
+        if bar is not None:
+            bar.update()
+        return res
+
+    # trust_env=False: a proxy from the environment would put itself in the measurement
+    async with httpx.AsyncClient(base_url=server_root(url), headers=headers, timeout=cfg.timeout_s, limits=limits,
+                                 trust_env=False) as client:
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(send(r) for r in plan), return_exceptions=True)
+        wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    for res, outcome in zip(plan, done):
+        if isinstance(outcome, BaseException):  # a bug of ours, still not a lost request
+            res.error = f"client: {type(outcome).__name__}: {outcome}"
+    return ServeBenchReport(plan, wall, cfg)
