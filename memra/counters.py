@@ -14,7 +14,10 @@ _counts = {
     "decode_batch_rows": 0,  # rows decoded through decode_step_batch[_sampled]
     "device_sampled_rows": 0,  # rows whose next token was chosen on the device
     "lean_parked_rows": 0,  # sampled rows whose logits were parked in cache.last_logits_dev
-    "prime_pieces": 0,  # prefill forwards run by prime (exact path: 64-aligned pieces)
+    "prime_pieces": 0,  # prompt pieces prime ran (a forward each, or a share of a batched one)
+    "prime_batches": 0,  # prefill forwards that carried pieces of two or more sequences (step.prime_batch)
+    "prime_batch_segments": 0,  # ... the pieces they carried
+    "prime_batch_splits": 0,  # ... of those forwards, the ones that walked the stage split (PP)
     "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
     "graph_replays": 0,  # decode steps replayed from them
     # speculative decoding (memra.spec)

@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from memra.kernels.exact import ExactnessError, platform_report
+from memra.runner.bodies import decode_stacked
 
 BUCKET = 64
 
@@ -93,10 +94,8 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
     shuffled, only the first half, and three of them alone — under `plan` ("stacked" or "bucket"),
     and require every sequence's row to have the same bits in every arrangement. A check on this
     model's real shapes, not a proof: it is the evidence a stacking plan needs before it is used."""
-    from memra.step import _decode_stacked
-
-    run = (lambda ids, caches: decode_bucketed(model, ids, caches, _decode_stacked)) if plan == "bucket" else \
-        (lambda ids, caches: _decode_stacked(model, ids, caches))
+    run = (lambda ids, caches: decode_bucketed(model, ids, caches, decode_stacked)) if plan == "bucket" else \
+        (lambda ids, caches: decode_stacked(model, ids, caches))
 
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size

@@ -95,6 +95,11 @@ class Settings:
         """The pipeline doors as a mapping, for memra.pp.fence."""
         return dict(self.pp_doors)
 
+    def in_one_process(self) -> "Settings":
+        """These settings with the in-process fence shut (MEMRA_PP_STAGES unset): how each rank of a
+        process-per-stage pipeline loads its model (memra.pp.dist reads the fence for the ranks itself)."""
+        return self.replace(pp_doors=tuple((k, v) for k, v in self.pp_doors if k != "MEMRA_PP_STAGES"))
+
     def replace(self, **changes) -> "Settings":
         """These settings with some doors changed (a second view of a model: HybridModel.with_settings)."""
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,12 @@
-"""The step bodies: prime (chunked prefill), decode_step (B = 1) and decode_step_batch (B rows).
+"""The step API's one front: prime (chunked prefill), decode_step (B = 1), decode_step_batch (B rows),
+decode_step_t (the verify forward) and new_cache.
 
-All are "embed, walk layers [0, L), norm, head" with a different StepContext: prompt tokens take
-the GDN chunked form, generated tokens the recurrent form (the same way in every run, which is what
-makes runs comparable bit for bit). Every check that can refuse happens before any state moves.
+Each call validates its inputs, cuts the prompt into forwards, resolves the decode plan and counts;
+then the model's executor (memra.runner.executor, chosen at load: unsplit, in-process pipeline, or a
+process per stage) runs the bodies (memra.runner.bodies) — "embed, walk layers, norm, head" with a
+different StepContext: prompt tokens take the GDN chunked form, generated tokens the recurrent form
+(the same way in every run, which is what makes runs comparable bit for bit). Every check that can
+refuse happens before any state moves.
 
 How the exact path keeps its promises (EXACTNESS.md), relying only on "same shapes and same inputs
 give the same bits" (checked by memra.kernels.exact.self_test):
@@ -27,6 +31,7 @@ import torch
 
 from memra import counters
 from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
+from memra.decode_plan import decode_plan
 from memra.errors import MemraError
 from memra.kernels.cuts import TILE, aligned_cuts
 from memra.kernels.exact import platform_report, require_exact
@@ -36,10 +41,10 @@ INVARIANT_PIECE = PRIME_CHUNK_MAX_TOKENS  # ... where every prefill op is batch-
 
 
 def on_model_device(fn):
-    """Run a step body with the model's GPU as the current CUDA device. Triton launches its kernels
-    on the current device, so a model loaded onto cuda:1 while the process's current device is
-    cuda:0 would hand cuda:1 pointers to kernels on cuda:0. A no-op on CPU and wherever the model's
-    device is already current (every one-GPU machine); the pipeline's stage scopes set their own."""
+    """Run a step with the model's GPU as the current CUDA device. Triton launches its kernels on the
+    current device, so a model loaded onto cuda:1 while the process's current device is cuda:0 would
+    hand cuda:1 pointers to kernels on cuda:0. A no-op on CPU and wherever the model's device is
+    already current (every one-GPU machine); the pipeline's stage scopes set their own."""
 
     @functools.wraps(fn)
     def run(model, *args, **kwargs):
@@ -62,6 +67,23 @@ def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return t.to(model.device)
 
 
+def _exact(model) -> bool:
+    """The model's MEMRA_EXACT, refused where the platform cannot keep the promise."""
+    exact = model.settings.exact
+    if exact:
+        require_exact(model.dtype, model.device)
+    return exact
+
+
+def new_cache(model, max_ctx: int):
+    """A sequence's cache, drawn from the pools of the model's placement."""
+    if max_ctx > model.cfg.max_position:
+        raise MemraError(f"max_ctx {max_ctx} exceeds the model's {model.cfg.max_position} positions")
+    if max_ctx <= 0:
+        raise MemraError(f"max_ctx must be positive, got {max_ctx}")
+    return model.executor.open_cache(max_ctx)
+
+
 @on_model_device
 @torch.inference_mode()
 def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
@@ -74,39 +96,79 @@ def prime(model, ids, cache: Cache, all_logits: bool = False, chunk_size: int | 
     chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
     if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
-    exact = model.settings.exact
-    if exact:
-        require_exact(model.dtype, model.device)
+    exact = _exact(model)
     tokens = _as_ids(model, ids)
-    rt = _pp_runtime(model)
-    # MEMRA_PRIME_PP=0 (the unsplit prime) is deliberately not refused on a sharded placement, unlike
-    # the unsplit decode and verify: it is the prime gate's reference arm, and a 4096-token prime
-    # amortises its remote weight reads (the reference system's rule, fence.prime_pp_on).
+    model.executor.preflight("prime", [cache])
     cache.reserve(tokens.numel())  # refuses (context overflow) before any state changes
-    if rt is not None and rt.doors.prime_pp:
-        from memra.pp.walk import prime_split
+    return model.executor.run_prime(_pieces(model, tokens, cache.pos, chunk, exact), cache, all_logits, hidden)
 
-        pieces, pos = [], cache.pos
-        for start in range(0, tokens.numel(), chunk):
-            for piece in _forward_pieces(model, tokens[start : start + chunk], pos, exact):
-                pieces.append(piece)
-                pos += piece.numel()
-        return prime_split(model, rt, pieces, cache, all_logits, hidden)
-    outputs, normed = [], []
-    h_last = None
+
+def _pieces(model, tokens: torch.Tensor, pos0: int, chunk: int, exact: bool) -> list[torch.Tensor]:
+    """A prompt's forwards: chunks of `chunk` tokens, each cut where forward_cuts cuts it."""
+    pieces, pos = [], pos0
     for start in range(0, tokens.numel(), chunk):
-        for piece in _forward_pieces(model, tokens[start : start + chunk], cache.pos, exact):
-            ctx = model.context(cache, cache.pos, piece.numel(), recurrent=False)
-            h = model.forward_layers(model.embed_tokens(piece), ctx)
-            cache.pos += piece.numel()
-            counters.bump("prime_pieces")
-            if all_logits or hidden:
-                normed.append(model.norm_out(h))
-                if all_logits:
-                    outputs.append(model.logits(normed[-1]))
-            h_last = h[-1:]
-    out = torch.cat(outputs) if all_logits else model.logits(model.norm_out(h_last))[0]
-    return (out, torch.cat(normed)) if hidden else out
+        part = tokens[start : start + chunk]
+        for a, b in forward_cuts(model, part.numel(), pos, exact):
+            pieces.append(part[a:b])
+            pos += b - a
+    return pieces
+
+
+def batching_prime(model, exact: bool) -> bool:
+    """May prompt pieces of several sequences share one forward here? On the exact path only where a
+    token's bits cannot depend on the forward it is in (exact_piece's whole-chunk condition: every
+    row-wise op a batch-invariant kernel, the self-test clean), and the executor can run such a wave."""
+    return model.executor.batches_prime and (not exact or exact_piece(model) == INVARIANT_PIECE)
+
+
+@on_model_device
+@torch.inference_mode()
+def prime_batch(model, prompts, caches, chunk_size: int | None = None,
+                wave_tokens: int = PRIME_CHUNK_MAX_TOKENS) -> list[torch.Tensor]:
+    """Prime several sequences at once: prompts[i] into caches[i]. -> each prompt's last-position logits
+    [V] (fp32). Where batching_prime holds, the k-th pieces of the prompts run as one forward (in waves
+    of at most wave_tokens tokens), so the weights are read once for all of them; each
+    prompt's logits and cache bits are exactly what prime() gives it alone (the gate's prime-batch arm
+    checks it). Elsewhere each prompt is primed on its own."""
+    chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
+    if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
+        raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
+    if len(prompts) != len(caches):
+        raise MemraError(f"prime_batch got {len(prompts)} prompts for {len(caches)} caches")
+    if len({id(c) for c in caches}) != len(caches):
+        raise MemraError("prime_batch got the same cache twice; each prompt must be its own sequence")
+    exact = _exact(model)
+    tokens = [_as_ids(model, p) for p in prompts]
+    model.executor.preflight("prime", caches)
+    for c, t in zip(caches, tokens):
+        c.reserve(t.numel())  # refuses (context overflow) before any position moves
+    pieces = [_pieces(model, t, c.pos, chunk, exact) for t, c in zip(tokens, caches)]
+    if not batching_prime(model, exact):
+        return [model.executor.run_prime(p, c, False, False) for p, c in zip(pieces, caches)]
+    out: list[torch.Tensor | None] = [None] * len(caches)
+    for k in range(max(len(p) for p in pieces)):
+        wave = [i for i in range(len(caches)) if k < len(pieces[i])]
+        for group in _token_groups(wave, [pieces[i][k].numel() for i in wave], wave_tokens):
+            logits = model.executor.run_prime_wave([pieces[i][k] for i in group], [caches[i] for i in group],
+                                                   [k == len(pieces[i]) - 1 for i in group])
+            for i, row in zip(group, logits):
+                if row is not None:
+                    out[i] = row
+    return out
+
+
+def _token_groups(items: list[int], sizes: list[int], budget: int) -> list[list[int]]:
+    """items in order, grouped so that each group's sizes sum to at most `budget` (an item larger than the
+    budget is a group of its own)."""
+    groups: list[list[int]] = []
+    total = budget + 1
+    for item, size in zip(items, sizes):
+        if total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += size
+    return groups
 
 
 def exact_piece(model) -> int:
@@ -128,136 +190,22 @@ def forward_cuts(model, n: int, pos0: int, exact: bool) -> list[tuple[int, int]]
     return aligned_cuts(n, pos0, exact_piece(model)) if exact else [(0, n)]
 
 
-def _forward_pieces(model, tokens: torch.Tensor, pos0: int, exact: bool) -> list[torch.Tensor]:
-    return [tokens[a:b] for a, b in forward_cuts(model, tokens.numel(), pos0, exact)]
-
-
-def _decode_one(model, token: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """One sequence's decode step with B=1 shapes (the cache already has room). -> logits [V] fp32."""
-    ctx = model.context(cache, cache.pos, 1, recurrent=True)
-    h = model.forward_layers(model.embed_tokens(token), ctx)
-    cache.pos += 1
-    return model.logits(model.norm_out(h))[0]
-
-
-def _pp_runtime(model):
-    """The pipeline runtime when the MEMRA_PP_* doors open it, else None (memra.pp.walk)."""
-    from memra.pp.walk import active_runtime
-
-    return active_runtime(model)
-
-
-def _decode_rows(model, ids: torch.Tensor, caches, exact: bool, rt=None, dual: bool = False) -> torch.Tensor:
-    """The decode body shared by decode_step and decode_step_batch, grouped by the decode plan;
-    through the stage split when a pipeline runtime is given (as two waves when `dual`)."""
-    from memra.decode_plan import decode_bucketed, decode_plan
-
-    plan = decode_plan(model) if exact else "stacked"
-    if rt is not None:
-        from memra.pp.walk import decode_waves, plan_for_pp, walk_rows
-
-        plan = plan_for_pp(plan)
-        if dual:
-            return decode_waves(model, rt, ids, caches, plan)
-        return walk_rows(model, rt, ids, caches, plan)
-    if not exact:
-        return _decode_stacked(model, ids, caches)
-    if plan == "stacked":
-        return _decode_stacked(model, ids, caches)
-    if plan == "bucket":
-        return decode_bucketed(model, ids, caches, _decode_stacked)
-    return torch.stack([_decode_one(model, ids[i : i + 1], c) for i, c in enumerate(caches)])
+def _plan(model, exact: bool) -> str:
+    """The decode plan for this step: the model's (memra.decode_plan) on the exact path, one stacked
+    forward on the fast path; refused where the placement cannot run it."""
+    return model.executor.check_plan(decode_plan(model) if exact else "stacked")
 
 
 @on_model_device
 @torch.inference_mode()
 def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     """Feed one generated token at cache.pos; returns next-token logits [V] (fp32)."""
-    exact = model.settings.exact
-    if exact:
-        require_exact(model.dtype, model.device)
+    exact = _exact(model)
     tokens = _as_ids(model, [int(token)])
-    rt = _pp_runtime(model)
+    plan = _plan(model, exact)
+    model.executor.preflight("decode_step", [cache])
     cache.reserve(1)
-    return _decode_rows(model, tokens, [cache], exact, rt)[0]
-
-
-# --- the verify forward (speculative decoding) ---------------------------------------------------------
-
-
-def verify_plan(model, exact: bool) -> str:
-    """The grouping of a verify's T columns: the decode plan's, so each column is computed exactly as
-    decode computes that token (row: alone, B=1 shapes; stacked: one forward on invariant kernels)."""
-    from memra.decode_plan import decode_plan
-
-    plan = decode_plan(model) if exact else "stacked"
-    if plan == "bucket":
-        raise MemraError("MEMRA_DECODE_PLAN=bucket has no verify body (its rows are padded sequences, not one "
-                         "sequence's tokens); use MEMRA_DECODE_PLAN=row or stacked with speculative decoding")
-    return plan
-
-
-def verify_layers(model, h: torch.Tensor, cache: Cache, pos0: int, plan: str, start: int = 0, stop: int | None = None,
-                  trail: StateTrail | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """The one range-scoped verify body, called by the unsplit verify and by each pipeline stage:
-    h [T, E], tokens at pos0..pos0+T-1, through layers [start, stop). Every GDN layer records its state
-    after each column into `trail` (for rollback). Columns are decode steps: attention reads the KV
-    prefix in position order, GDN takes the recurrent form one token at a time."""
-    ctxs = [model.context(cache, pos0 + j, 1, recurrent=True, device=device, trail=trail, column=j)
-            for j in range(h.shape[0])]
-    if plan == "stacked":
-        return model.forward_layers_stacked(h, ctxs, start, stop, tokens=True)
-    return torch.cat([model.forward_layers(h[j : j + 1], ctx, start, stop) for j, ctx in enumerate(ctxs)])
-
-
-def verify_head(model, h: torch.Tensor, plan: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final norm and lm_head grouped as decode groups them. -> (logits [T, V] fp32, normed hidden [T, E])."""
-    if plan == "stacked":
-        normed = model.norm_out(h)
-        return model.logits(normed), normed
-    normed = torch.cat([model.norm_out(h[j : j + 1]) for j in range(h.shape[0])])
-    return torch.cat([model.logits(normed[j : j + 1]) for j in range(h.shape[0])]), normed
-
-
-@on_model_device
-@torch.inference_mode()
-def decode_step_t(model, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
-    """The verify forward: T = K+1 tokens fed at pos0 (= cache.pos) in one call.
-
-    -> (logits [T, V] fp32, h_seed [T, E]). Column j's logits are bit-identical to what decode_step
-    would return after feeding chunk[0..j] one by one (promise E4); h_seed[j] is the final-normed
-    hidden of column j, the one a drafter (MTP) is re-seeded from after keeping tokens 0..j.
-    The cache advances by T; `Cache.rollback(pos0, keep, trail)` drops a rejected suffix.
-    Under an open PP door the forward takes the stage split (MEMRA_SPEC_PP, default on).
-    """
-    exact = model.settings.exact
-    if exact:
-        require_exact(model.dtype, model.device)
-    ids = _as_ids(model, chunk)
-    if pos0 != cache.pos:
-        raise MemraError(f"decode_step_t: pos0={pos0} but the cache stands at {cache.pos}; a verify continues the "
-                         f"sequence where it stands (roll back or restore first)")
-    plan = verify_plan(model, exact)
-    rt = _pp_runtime(model)
-    if rt is not None:
-        from memra.pp.walk import plan_for_pp, refuse_unsplit
-
-        plan = plan_for_pp(plan)
-        if not rt.doors.spec_pp:
-            refuse_unsplit(rt, "decode_step_t", "MEMRA_SPEC_PP=1 (the split verify)")
-            rt = None
-    cache.reserve(ids.numel())  # refuses (context overflow) before any state changes
-    if rt is not None:
-        from memra.pp.walk import walk_verify
-
-        logits, h_seed = walk_verify(model, rt, ids, cache, plan, trail)
-    else:
-        h = verify_layers(model, model.embed_tokens(ids), cache, pos0, plan, trail=trail)
-        logits, h_seed = verify_head(model, h, plan)
-    cache.pos += ids.numel()
-    counters.bump("spec_verify_forwards")
-    counters.bump("spec_verify_columns", ids.numel())
-    return logits, h_seed
+    return model.executor.run_decode(tokens, [cache], plan, batched=False)[0]
 
 
 def _check_batch(model, tokens, caches) -> torch.Tensor:
@@ -268,6 +216,7 @@ def _check_batch(model, tokens, caches) -> torch.Tensor:
         raise MemraError("decode_step_batch needs at least one sequence")
     if len({id(c) for c in caches}) != len(caches):
         raise MemraError("decode_step_batch got the same cache twice; each row must be its own sequence")
+    model.executor.preflight("decode_step_batch", caches)
     ids = _as_ids(model, [int(t) for t in tokens])
     for i, c in enumerate(caches):
         if c.pos + 1 > c.max_ctx:
@@ -286,38 +235,47 @@ def decode_step_batch(model, tokens, caches) -> torch.Tensor:
     computed with exactly its B=1 shapes, or in a fixed-shape bucket verified on this model
     (memra.decode_plan).
     """
-    exact = model.settings.exact
-    if exact:
-        require_exact(model.dtype, model.device)
-    rt, dual = _pp_runtime(model), False
-    if rt is not None:
-        from memra.pp.walk import check_dual, refuse_unsplit
-
-        if not rt.doors.batch_pp:  # the unsplit batched body over the pipeline's placement
-            refuse_unsplit(rt, "decode_step_batch", "MEMRA_BATCH_PP=1 (the split batched body)")
-            rt = None
-        else:
-            dual = check_dual(rt, len(caches))  # refuses before any cache moves
+    exact = _exact(model)
+    plan = _plan(model, exact)
     ids = _check_batch(model, tokens, caches)
-    rows = _decode_rows(model, ids, caches, exact, rt, dual)
+    rows = model.executor.run_decode(ids, caches, plan, batched=True)
     counters.bump("decode_batch_rows", len(caches))
     return rows
 
 
-def _decode_stacked(model, ids: torch.Tensor, caches) -> torch.Tensor:
-    """All rows in one stacked forward (matmuls over [B, E]). With MEMRA_EXACT=0 (torch kernels) a
-    row's bits may depend on B and on its place in the batch; under the exact `stacked` plan every op
-    is a batch-invariant kernel, and under `bucket` the shape is fixed (memra.decode_plan)."""
-    from memra.graphs import graphed_decode
+def verify_plan(model, exact: bool) -> str:
+    """The grouping of a verify's T columns: the decode plan's, so each column is computed exactly as
+    decode computes that token (row: alone, B=1 shapes; stacked: one forward on invariant kernels)."""
+    plan = decode_plan(model) if exact else "stacked"
+    if plan == "bucket":
+        raise MemraError("MEMRA_DECODE_PLAN=bucket has no verify body (its rows are padded sequences, not one "
+                         "sequence's tokens); use MEMRA_DECODE_PLAN=row or stacked with speculative decoding")
+    return model.executor.check_plan(plan)
 
-    logits = graphed_decode(model, ids, caches)  # the same step replayed from a CUDA graph, where it applies
-    if logits is not None:
-        return logits
-    ctxs = [model.context(c, c.pos, 1, recurrent=True) for c in caches]
-    h = model.forward_layers_stacked(model.embed_tokens(ids), ctxs)
-    for c in caches:
-        c.pos += 1
-    return model.logits(model.norm_out(h))
+
+@on_model_device
+@torch.inference_mode()
+def decode_step_t(model, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
+    """The verify forward: T = K+1 tokens fed at pos0 (= cache.pos) in one call.
+
+    -> (logits [T, V] fp32, h_seed [T, E]). Column j's logits are bit-identical to what decode_step
+    would return after feeding chunk[0..j] one by one (promise E4); h_seed[j] is the final-normed
+    hidden of column j, the one a drafter (MTP) is re-seeded from after keeping tokens 0..j.
+    The cache advances by T; `Cache.rollback(pos0, keep, trail)` drops a rejected suffix.
+    Under an open PP door the forward takes the stage split (MEMRA_SPEC_PP, default on).
+    """
+    exact = _exact(model)
+    ids = _as_ids(model, chunk)
+    if pos0 != cache.pos:
+        raise MemraError(f"decode_step_t: pos0={pos0} but the cache stands at {cache.pos}; a verify continues the "
+                         f"sequence where it stands (roll back or restore first)")
+    plan = verify_plan(model, exact)
+    model.executor.preflight("decode_step_t", [cache])
+    cache.reserve(ids.numel())  # refuses (context overflow) before any state changes
+    logits, h_seed = model.executor.run_verify(ids, cache, plan, trail)
+    counters.bump("spec_verify_forwards")
+    counters.bump("spec_verify_columns", ids.numel())
+    return logits, h_seed
 
 
 @on_model_device

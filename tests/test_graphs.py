@@ -15,7 +15,7 @@ from conftest import DEVICE, hf_dir
 from memra import counters, graphs
 from memra.cache import Cache, RecurrentPool, kv_pool
 from memra.graphs import BUCKETS, StaticDecode, bucket_for, table_blocks
-from memra.step import _decode_stacked
+from memra.runner.bodies import decode_stacked as _decode_stacked
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [43, 38, 32]]
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the GPU (run with MEMRA_TEST_DEVICE=cuda)")

@@ -252,7 +252,7 @@ def test_a_bug_is_a_500_that_tells_the_client_nothing_internal(demo, capfd):
     gets a 500 with OpenAI's shape and no internals; the server log gets the details."""
     engine = Engine(demo, EngineConfig(max_batch=2, max_ctx=256), Metrics("demo"))
     srv = ServerThread(build_app(engine, "demo")).start()
-    real_encode, real_prime = demo.tokenizer.encode, demo.prime
+    real_encode, real_prime = demo.tokenizer.encode, demo.prime_batch
 
     def broken(*a, **k):
         raise ValueError("secret internals at 0xdeadbeef")
@@ -262,13 +262,13 @@ def test_a_bug_is_a_500_that_tells_the_client_nothing_internal(demo, capfd):
         err = assert_openai_error(post(srv.url, "/tokenize", {"prompt": "x"}, headers={}), 500, "incident")
         assert "secret" not in err["message"] and err["type"] == "server_error"
         demo.tokenizer.encode = real_encode
-        demo.prime = broken
+        demo.prime_batch = broken  # the engine primes through prime_batch
         err = assert_openai_error(post(srv.url, "/v1/completions", {"prompt": "x", "max_tokens": 2}, headers={}), 500)
         assert "secret" not in err["message"] and "server log" in err["message"]
         assert_openai_error(httpx.get(srv.url + "/health"), 503, "engine stopped")
         assert_openai_error(post(srv.url, "/v1/completions", {"prompt": "x"}, headers={}), 503, "restart the server")
     finally:
-        demo.tokenizer.encode, demo.prime = real_encode, real_prime
+        demo.tokenizer.encode, demo.prime_batch = real_encode, real_prime
         srv.stop()
     assert "secret internals" in capfd.readouterr().err  # the log has what the client did not get
 

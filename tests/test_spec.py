@@ -196,7 +196,7 @@ def test_stacked_verify_body_follows_decode_order(load_model):
     """The stacked verify (the GPU plan) on CPU's torch kernels, which are not batch-invariant, so
     the bits are the GPU's business (MEMRA_TEST_DEVICE=cuda); here: the same numbers up to fp32
     rounding, i.e. KV order, GDN sequencing and the trail are those of decode."""
-    from memra import step
+    from memra.runner import bodies
 
     model = load_model(hf_dir("qwen3_5_moe"))
     a, b = _primed(model), _primed(model)
@@ -204,12 +204,12 @@ def test_stacked_verify_body_follows_decode_order(load_model):
         ref = []
         for t in CHUNK:
             a.reserve(1)
-            ref.append(step._decode_stacked(model, torch.tensor([t], device=model.device), [a])[0])
+            ref.append(bodies.decode_stacked(model, torch.tensor([t], device=model.device), [a])[0])
         b.reserve(len(CHUNK))
         trail = StateTrail()
-        h = step.verify_layers(model, model.embed_tokens(torch.tensor(CHUNK, device=model.device)), b, b.pos,
-                               "stacked", trail=trail)
-        logits, _ = step.verify_head(model, h, "stacked")
+        h = bodies.verify_layers(model, model.embed_tokens(torch.tensor(CHUNK, device=model.device)), b, b.pos,
+                                 "stacked", trail=trail)
+        logits, _ = bodies.verify_head(model, h, "stacked")
     for j, row in enumerate(ref):
         assert (logits[j] - row).abs().max().item() < 1e-4 * row.abs().max().item()
     for i in model.cfg.gdn_layers:

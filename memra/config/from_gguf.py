@@ -145,6 +145,6 @@ def from_gguf_metadata(meta: dict[str, Any], source: str = "model.gguf", vocab_s
 
 
 def _id(meta: dict[str, Any], key: str) -> int | None:
-    """A special token id as the config keeps it; the tokenizer (memra.loading.gguf_vocab) checks its range."""
+    """A special token id as the config keeps it; the tokenizer (memra.tokenizer.gguf_vocab) checks its range."""
     value = meta.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -32,10 +32,8 @@ class InProcess:
     preemption = True
 
     def __init__(self, model, cfg: EngineConfig):
-        from memra.pp.walk import active_runtime
-
         self.model = model
-        self.rt = active_runtime(model)  # stage-owned pools when the PP door is open
+        self.rt = model.executor.runtime  # stage-owned pools when the model was loaded with the PP door open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
         want = cfg.kv_blocks or cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)
         self.pools = ModelPools(model.cfg, model.dtype, model.device, model.kv_budget.bytes_on(model.device),

@@ -10,7 +10,8 @@ step() runs on the caller's thread (offline: run_until_idle) or on the serving t
 Every request's tokens are the ones the reference loop (memra.generate.generate_tokens) produces for
 it alone, bit for bit:
 - prefill chunks are cut at absolute multiples of 64 (the scheduler's alignment), which is the very
-  set of forwards a one-shot prime runs (E5);
+  set of forwards a one-shot prime runs (E5); a step's chunks share forwards only where a token's
+  bits cannot depend on its forward (memra.step.prime_batch; the gate's prime-batch arm);
 - a decode row is bit-identical to that sequence decoded alone (E1: decode_step_batch);
 - each token is chosen by the reference rule: penalties over its own prompt and output, step counter
   = its output index, noise = f(seed, counter, id) (E3), so what else runs cannot change it;
@@ -42,7 +43,7 @@ from memra.cache import BLOCK_SIZE, Cache
 from memra.engine.backends import backend_for
 from memra.engine.sampler import Picked, RowSpec, pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
-from memra.engine.types import EngineConfig, TokenEvent, Unavailable
+from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
@@ -146,7 +147,7 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         if self.error is not None:
-            raise Unavailable(f"the engine has stopped after an error: {_public(self.error)}; restart the server")
+            raise Unavailable(f"the engine has stopped after an error: {public_error(self.error)}; restart the server")
         problem = self.backend.problem()
         if problem is not None:
             raise Unavailable(f"{problem}; restart the server")
@@ -154,7 +155,7 @@ class Engine:
     def health(self) -> str | None:
         """Why the engine cannot serve now (GET /health answers 503 with it), or None."""
         if self.error is not None:
-            return f"engine stopped: {_public(self.error)}"
+            return f"engine stopped: {public_error(self.error)}"
         return self.backend.problem()
 
     def cancel(self, rids: list[str], finish_reason: str | None = None) -> None:
@@ -244,7 +245,7 @@ class Engine:
             self.error = err
             print("memra engine: stopped by an internal error:", file=sys.stderr, flush=True)
             traceback.print_exc()
-            self._abort_all(f"engine error: {_public(err)}", "engine")
+            self._abort_all(f"engine error: {public_error(err)}", "engine")
         finally:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
 
@@ -296,18 +297,21 @@ class Engine:
         prefilled: dict[str, int] = {}
         ready: list[_Seq] = []  # sequences that get a token this step, in the order of `logits`' rows
         logits: list[torch.Tensor] = []
-        for rid, start, n in plan.prefill:
-            s = self.seqs[rid]
-            if s.cache is None:
-                s.cache = self._new_cache(s)
-            assert s.cache.pos == start, f"{rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
-            last = self.model.prime(s.prompt[start : start + n], s.cache)
-            prefilled[rid] = n
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(n)
-            if start + n == len(s.prompt):  # its first token comes from the last prompt position
-                ready.append(s)
-                logits.append(last[None])
+        if plan.prefill:  # every prefill chunk of the step in shared forwards (memra.step.prime_batch)
+            chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
+            for s, start, _ in chunks:
+                if s.cache is None:
+                    s.cache = self._new_cache(s)
+                assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
+            lasts = self.model.prime_batch([s.prompt[start : start + n] for s, start, n in chunks],
+                                           [s.cache for s, _, _ in chunks])
+            for (s, start, n), last in zip(chunks, lasts):
+                prefilled[s.rid] = n
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(n)
+                if start + n == len(s.prompt):  # its first token comes from the last prompt position
+                    ready.append(s)
+                    logits.append(last[None])
         if plan.decode:
             rows = [self.seqs[rid] for rid in plan.decode]
             logits.append(self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows]))
@@ -389,10 +393,3 @@ class Engine:
         if batch:
             self.metrics.batch_size.observe(batch)
 
-
-def _public(err: BaseException) -> str:
-    """What a client may read about an engine failure: our own errors say what happened in their own
-    words; anything else is a bug whose details belong in the server log, not in a response body."""
-    if isinstance(err, MemraError):
-        return str(err)
-    return "an internal error; the server log has the details"

@@ -58,3 +58,11 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None  # why an aborted sequence ended, in words a client may read
     error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
+
+
+def public_error(err: BaseException) -> str:
+    """What a client may read about an engine failure: our own errors say what happened in their own
+    words; anything else is a bug whose details belong in the server log, not in a response body."""
+    if isinstance(err, MemraError):
+        return str(err)
+    return "an internal error; the server log has the details"

@@ -10,6 +10,9 @@
            (b) a seeded sampled stream at B=N == the same stream run alone;
            (c) lean mode with mixed rows (greedy device / seeded device / host): same tokens as the
            full mode, parked device logits bit-identical to the full row, host rows unchanged.
+    gate4  the speculative verify's columns == decode_step, across rollbacks (E4).
+    prime-batch  several prompts primed in shared forwards == each primed alone, logits and cache bits
+           (memra.gate.prime_batch_arm; skipped where prime batching is not live).
     liveness  the process counters prove the batched, device-sampled and lean paths actually ran.
 
 MEMRA_GATE_SEED varies the prompts; MEMRA_GATE_CANARY=1 feeds the batched lanes one wrong token at
@@ -25,6 +28,7 @@ import torch
 
 from memra import counters
 from memra.errors import MemraError
+from memra.gate.prime_batch_arm import PRIME_BATCH_LONG, prime_batch_prompts, run_prime_batch_arm
 from memra.kernels.exact import platform_report
 from memra.sampling import DevSamp
 
@@ -247,6 +251,9 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
 
     # ---- gate4: the speculative verify's columns == decode_step, across rollbacks (E4) ----
     verified = _gate4_verify(model, prompts[0], steps, ctx, canary, led)
+
+    # ---- prime-batch: each prompt's prime in shared forwards == alone (cross-request prefill) ----
+    run_prime_batch_arm(model, prime_batch_prompts(plen, seed, vocab), plen + PRIME_BATCH_LONG + 8, canary, led)
 
     # ---- liveness: the paths under test ran ----
     live = counters.delta(live_before)

@@ -14,6 +14,8 @@ Then, per batch width B (uneven prompts, so rows sit at different positions):
     arm4  B=1 path         decode_step (the B=1 body) under the split == the batched body at B=1
     dual negative cells    (dual routed) MEMRA_DUAL_PP=1 with MEMRA_PP_OVERLAP=0, and with
                            MEMRA_PP_HOST_BOUNCE=1: the exact refusal, every cache position unmoved
+    prime-batch            several prompts primed in shared forwards through the split == each alone
+                           (memra.gate.prime_batch_arm; PRIME_BATCHES and PRIME_BATCH_SPLITS advance)
     liveness               split walks ran; under dual, DUAL_PP_OVERLAPS advanced; prime pieces
                            crossed the split (PRIME_SPLIT_CHUNKS)
 
@@ -32,6 +34,7 @@ import torch
 from memra import counters
 from memra.errors import MemraError
 from memra.gate.battery import Ledger, bits_equal, gate_prompts, maxdiff
+from memra.gate.prime_batch_arm import PRIME_BATCH_LONG, prime_batch_prompts, run_prime_batch_arm
 from memra.pp import fence as pf
 from memra.sampling import DevSamp
 
@@ -149,6 +152,9 @@ def run_pp_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4, 8),
             z = split.decode_step_batch([toks[0]], [c2])[0].cpu()
             if not (bits_equal(a, z) and bits_equal(a, ref[s][0])):
                 ledger.fail("arm4", f"B={b} step {s}: B=1 body {maxdiff(a, ref[s][0]):.3g} from the reference")
+
+    # ---- the cross-request prefill through the split: each prompt's prime == alone ----
+    run_prime_batch_arm(split, prime_batch_prompts(plen, seed, vocab), ctx + PRIME_BATCH_LONG, canary, ledger, split=True)
 
     ledger.verdict("arm1", f"split == unsplit, batches {list(batches)} x {reps} reps, bit-checked")
     ledger.verdict("arm2", "unsplit walk over stage-owned caches == reference")

@@ -1,7 +1,7 @@
 """Pre-tokenizers for GGUF vocabularies: how text is cut into words before BPE runs inside each word.
 
 A GGUF file names its pre-tokenizer (`tokenizer.ggml.pre`) instead of storing the regex; this table
-says what each name means, as llama.cpp's own table does (memra.loading.gguf_vocab builds the tokenizer).
+says what each name means, as llama.cpp's own table does (memra.tokenizer.gguf_vocab builds the tokenizer).
 """
 
 from __future__ import annotations

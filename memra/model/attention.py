@@ -30,6 +30,16 @@ class Attention:
         o = self._attend(q, k, v, ctx)
         return self._output(o, gate)
 
+    def forward_segments(self, x: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """x [N, E]: prompt pieces of several sequences, piece i in rows bounds[i] with context ctxs[i].
+        Projections, norms and rope run over all N rows at once (row-wise ops); each piece writes its
+        K/V and attends over its own sequence's prefix, with exactly the shapes of its solo forward."""
+        cos = torch.cat([c.cos for c in ctxs])
+        sin = torch.cat([c.sin for c in ctxs])
+        q, k, v, gate = self._project(x, cos, sin)
+        o = torch.cat([self._attend(q[a:b], k[a:b], v[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
+        return self._output(o, gate)
+
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """x [B, E]: row i is one new token of step.ctxs[i]'s sequence — B sequences of a batched decode,
         or the T consecutive tokens of one sequence in a verify. Projections batched; attention row by

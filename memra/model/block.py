@@ -25,6 +25,13 @@ class Block:
         """h [T, E] -> [T, E]: T tokens of one sequence."""
         return self._ffn(h, self.mixer.forward(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx))
 
+    def forward_segments(self, h: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """h [N, E] -> [N, E]: prompt pieces of several sequences in one forward (cross-request prefill).
+        Row-wise work (norms, projections, FFN / MoE) runs over all N rows; the mixer's sequence-mixing
+        part runs piece by piece. Exact only where every row-wise op is batch-invariant (memra.step)."""
+        x = self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
+        return self._ffn(h, self.mixer.forward_segments(x, ctxs, bounds))
+
     def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
         return self._ffn(h, self.mixer.forward_stacked(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step))

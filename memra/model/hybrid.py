@@ -1,7 +1,9 @@
 """HybridModel: the whole network as a list of blocks, walked over a layer range.
 
-One range [0, n_layers) is the unsplit model; pipeline parallelism (later) walks N ranges with a
-boundary between them. The step bodies (prime, decode) live in memra.step and call the pieces here.
+One range [0, n_layers) is the unsplit model; pipeline parallelism walks N ranges with a boundary
+between them. The model is built with the executor that runs its steps (memra.runner.choose: unsplit,
+or the in-process pipeline its doors describe — placed, sharded and probed here, at load); the step
+API's front is memra.step, its bodies memra.runner.bodies, which call the pieces here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 
 import torch
 
-from memra.cache import Cache, CacheSnapshot, StateTrail
+from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
 from memra.pools import KvBudget, ModelPools
 from memra.settings import Settings
 from memra.config import ModelConfig, RopeConfig
@@ -19,6 +21,8 @@ from memra.kernels.table import KernelTable
 from memra.model.block import Block
 from memra.model.context import StackedStep, StepContext
 from memra.model.mtp import MtpBlock
+from memra import step
+from memra.runner.choose import choose_executor
 
 
 def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,7 +65,6 @@ class HybridModel:
 
         self.plan_verified: dict[tuple, bool] = {}  # decode_plan: on-model checks already run, by (plan, device, kernels)
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
-        self.pp_runtimes: dict = {}  # memra.pp: one runtime per placement the doors have asked for
         self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
         self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
         self.kv_budget = kv_budget  # how much memory the cache pools may grow to (memra.pools.KvBudget)
@@ -69,6 +72,7 @@ class HybridModel:
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), self.ops)
                        for i in range(cfg.n_layers)]
         self.mtp = [MtpBlock(cfg, j, sub(f"mtp.{j}."), self.ops) for j in range(cfg.n_mtp)]
+        self.executor = choose_executor(self)  # where the steps run: fixed now, with the placement
 
     def with_settings(self, settings: Settings) -> "HybridModel":
         """A second view of this model with other settings (another kernel table, plan, graphs, pools,
@@ -108,6 +112,14 @@ class HybridModel:
             h = block.forward(h, ctx)
         return h
 
+    def forward_layers_segments(self, h: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]],
+                                start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Prompt pieces of several sequences in one walk over layers [start, stop): h [N, E], piece i in
+        rows bounds[i], at the positions ctxs[i] describes (cross-request prefill, memra.step.prime_batch)."""
+        for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
+            h = block.forward_segments(h, ctxs, bounds)
+        return h
+
     def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
                                stop: int | None = None, tokens: bool = False) -> torch.Tensor:
         """The stacked walk over layers [start, stop): h [B, E], one new token per row — B sequences of a
@@ -124,7 +136,7 @@ class HybridModel:
         """[T, E] -> [T, V] fp32."""
         return self.ops.linear(h_normed, self.lm_head).float()
 
-    # --- the public step API (bodies in memra.step) ---
+    # --- the public step API (its front: memra.step) ---
     def pools(self, layer_devices: dict[int, torch.device] | None = None) -> ModelPools:
         """The model's cache pools for a placement (None: every layer on the model's device), made on first
         use with the model's KV budget."""
@@ -136,38 +148,28 @@ class HybridModel:
         return pools
 
     def new_cache(self, max_ctx: int) -> Cache:
-        """A sequence's cache, drawn from the model's pools: any caches of one model decode as one batch
-        (decode_step_batch), on the CUDA-graphed step where it applies."""
-        if max_ctx > self.cfg.max_position:
-            raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.cfg.max_position} positions")
-        if max_ctx <= 0:
-            raise MemraError(f"max_ctx must be positive, got {max_ctx}")
-        return self.pools().new_cache(max_ctx)
+        """A sequence's cache, drawn from the pools of the model's placement: any caches of one model decode
+        as one batch (decode_step_batch), on the CUDA-graphed step where it applies."""
+        return step.new_cache(self, max_ctx)
 
     def prime(self, ids, cache: Cache, all_logits: bool = False, chunk_size: int | None = None, hidden: bool = False):
-        from memra.step import prime
+        return step.prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size, hidden=hidden)
 
-        return prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size, hidden=hidden)
+    def prime_batch(self, prompts, caches, chunk_size: int | None = None,
+                    wave_tokens: int = PRIME_CHUNK_MAX_TOKENS) -> list[torch.Tensor]:
+        return step.prime_batch(self, prompts, caches, chunk_size=chunk_size, wave_tokens=wave_tokens)
 
     def decode_step(self, token: int, cache: Cache) -> torch.Tensor:
-        from memra.step import decode_step
-
-        return decode_step(self, token, cache)
+        return step.decode_step(self, token, cache)
 
     def decode_step_batch(self, tokens, caches) -> torch.Tensor:
-        from memra.step import decode_step_batch
-
-        return decode_step_batch(self, tokens, caches)
+        return step.decode_step_batch(self, tokens, caches)
 
     def decode_step_batch_sampled(self, tokens, caches, samp, lean: bool = False):
-        from memra.step import decode_step_batch_sampled
-
-        return decode_step_batch_sampled(self, tokens, caches, samp, lean=lean)
+        return step.decode_step_batch_sampled(self, tokens, caches, samp, lean=lean)
 
     def decode_step_t(self, chunk, pos0: int, cache: Cache, trail: StateTrail | None = None):
-        from memra.step import decode_step_t
-
-        return decode_step_t(self, chunk, pos0, cache, trail=trail)
+        return step.decode_step_t(self, chunk, pos0, cache, trail=trail)
 
     def restore(self, cache: Cache, snap: CacheSnapshot) -> None:
         cache.restore(snap)

@@ -46,7 +46,7 @@ from memra.pp.dist_launch import (
 )
 from memra.pp.dist_stage import fingerprint, release_foreign_weights
 from memra.pp.dist_worker import run_worker
-from memra.settings import process_env
+from memra.settings import Settings, process_env
 
 __all__ = ["DistCache", "DistPipeline", "PipelineError", "join_from_env", "launch_local", "pipeline_for_serving"]
 
@@ -71,6 +71,13 @@ def _bring_up(model, cfg: DistConfig, fence: pf.StageFence, workers: LocalWorker
     return pipe
 
 
+def _refuse_in_process_split(model) -> None:
+    if model.executor.n_stages > 1:
+        raise PipelineError("this model was loaded with an in-process pipeline (MEMRA_PP_STAGES); a process "
+                            "pipeline's rank 0 runs stage 0 only: load it with MEMRA_PP_STAGES unset, or pass "
+                            "the model path and let the pipeline load it")
+
+
 def worker_source(model) -> str:
     """What a worker loads to hold the same model: its checkpoint path, or for a random-weight model
     (memra.random_model, source `random:NAME`) the recipe `random:NAME:LAYERS` that rebuilds it. Weights
@@ -90,7 +97,8 @@ def launch_local(model, stages: int | None = None, *, device: str | None = None,
     import memra
 
     if isinstance(model, (str, os.PathLike)):
-        model = memra.load(model, device=device, dtype=dtype)
+        model = memra.load(model, device=device, dtype=dtype, settings=Settings.from_env().in_one_process())
+    _refuse_in_process_split(model)
     n = stages if stages is not None else int(process_env().get("MEMRA_PP_STAGES") or 0)
     if n < 2:
         raise PipelineError("launch_local needs stages >= 2 (or MEMRA_PP_STAGES)")
@@ -126,7 +134,8 @@ def join_from_env(model, device: str | None = None, dtype: str | None = None) ->
         path = model if isinstance(model, (str, os.PathLike)) else model.source
         raise SystemExit(run_worker(str(path), cfg, dev, dtype))
     if isinstance(model, (str, os.PathLike)):
-        model = memra.load(model, device=dev, dtype=dtype)
+        model = memra.load(model, device=dev, dtype=dtype, settings=Settings.from_env().in_one_process())
+    _refuse_in_process_split(model)
     fence = dist_fence(model.cfg.n_layers, cfg.world_size)
     join_group(cfg)
     try:

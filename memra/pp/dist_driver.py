@@ -1,10 +1,11 @@
 """The driver of a process-per-stage pipeline (rank 0): DistPipeline and its sequence handles.
 
 DistPipeline offers the model's step API (new_cache, prime, decode_step, decode_step_batch[_sampled],
-decode_step_t) over the pipeline: rank 0 runs stage 0 itself (embedding + its layers, through the
+decode_step_t) over the pipeline, through memra.step's front with itself as the executor
+(memra.runner.executor's protocol): rank 0 runs stage 0 itself (embedding + its layers, through the
 same stage bodies as every rank, memra.pp.dist_stage), sends each command with its boundary payload
 down the chain (memra.pp.dist_wire) and waits, bounded by MEMRA_PP_DIST_TIMEOUT_S, for the last
-stage's reply. Every refusal happens here, before any rank moves. Any transport failure or a rank's
+stage's reply. Every refusal happens before any rank moves (the front's checks, then the preflight's). Any transport failure or a rank's
 ERROR makes the call raise PipelineError and marks the pipeline down: later calls refuse until it is
 shut down and started again (a half-advanced pipeline cannot be trusted). How pipelines are started:
 memra.pp.dist.
@@ -19,14 +20,15 @@ import weakref
 
 import torch
 
-from memra import counters
-from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
+from memra import counters, step
+from memra.cache import Cache, StateTrail
 from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.dist_launch import DistConfig, LocalWorkers, leave_group
 from memra.pp.dist_stage import PLANS, StageState
 from memra.pp.dist_wire import Flag, Link, Message, Op
 from memra.pp.dist_worker import REPLY, STAT_WORDS, comm_device, links_for
+from memra.runner.bodies import verify_layers
 
 PipelineError = pf.PipelineError
 STAT_NAMES = ("rank", "messages", "rows", "pieces", "verifies", "canaries", "sequences", "bytes")
@@ -189,29 +191,6 @@ class DistPipeline:
         the next command's reply."""
         self._send(msg.but(cmd=self._next_cmd()))
 
-    def _ids(self, ids) -> torch.Tensor:
-        t = torch.as_tensor(ids, dtype=torch.long).flatten()
-        if t.numel() == 0:
-            raise MemraError("cannot prime an empty prompt")
-        bad = (t < 0) | (t >= self.cfg.vocab_size)
-        if bool(bad.any()):
-            raise MemraError(f"token id {int(t[bad][0])} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        return t.to(self.device)
-
-    def _exact(self) -> bool:
-        exact = self.model.settings.exact
-        if exact:
-            from memra.kernels.exact import require_exact
-
-            require_exact(self.dtype, self.device)
-        return exact
-
-    def _plan(self, exact: bool) -> str:
-        from memra.decode_plan import decode_plan
-        from memra.pp.walk import plan_for_pp
-
-        return plan_for_pp(decode_plan(self.model) if exact else "stacked")
-
     def _mine(self, cache) -> DistCache:
         if not isinstance(cache, DistCache) or cache.pipe is not self:
             raise MemraError(f"{cache!r} is not a cache of this pipeline; make it with pipeline.new_cache()")
@@ -223,20 +202,6 @@ class DistPipeline:
         """Negative control for the gate: the next decode's boundary payload gets one byte flipped by the
         stage that receives it (a real corruption on the real path, which the gate must catch)."""
         self._canary = True
-
-    # --- sequences ---
-    def new_cache(self, max_ctx: int) -> DistCache:
-        """A sequence on every rank, each holding its own layers' KV and recurrent state."""
-        with self._lock:
-            self._check_up()
-            if max_ctx > self.cfg.max_position:
-                raise MemraError(f"max_ctx {max_ctx} exceeds the model's {self.cfg.max_position} positions")
-            if max_ctx <= 0:
-                raise MemraError(f"max_ctx must be positive, got {max_ctx}")
-            self._seq += 1
-            local = self.stage.new_seq(self._seq, max_ctx)
-            self._post(Message(Op.NEW, seqs=(self._seq,), args=(max_ctx,)))
-            return DistCache(self, self._seq, local)
 
     def _free(self, cache: DistCache) -> None:
         with self._lock:
@@ -253,32 +218,82 @@ class DistPipeline:
             self._post(Message(Op.ROLLBACK, seqs=(cache.seq,), args=(pos0, keep)))
             cache.last_logits_dev = None
 
-    # --- the step API ---
-    @torch.inference_mode()
+    # --- the step API: memra.step's front (the same checks, cuts, plans and counters as in one process),
+    # with this pipeline as its executor ---
+    def new_cache(self, max_ctx: int) -> DistCache:
+        """A sequence on every rank, each holding its own layers' KV and recurrent state."""
+        return step.new_cache(self, max_ctx)
+
     def prime(self, ids, cache: DistCache, all_logits: bool = False, chunk_size: int | None = None,
               hidden: bool = False):
-        """Prompt tokens through every stage, in memra.step.prime's pieces (chunks of chunk_size, cut
-        where memra.step.forward_cuts cuts them). Stage 0 runs piece k+1 while the next stages run
-        piece k. -> the last position's logits [V] (or [T, V] with all_logits), fp32."""
-        from memra.step import forward_cuts
+        """Prompt tokens through every stage, in memra.step.prime's pieces; stage 0 runs piece k+1 while
+        the next stages run piece k. -> the last position's logits [V] (or [T, V] with all_logits), fp32."""
+        if hidden:
+            raise PipelineError("prime(hidden=True) (the MTP drafter's seed) is not wired across processes")
+        return step.prime(self, ids, cache, all_logits=all_logits, chunk_size=chunk_size)
 
+    def prime_batch(self, prompts, caches, chunk_size: int | None = None) -> list[torch.Tensor]:
+        """Several prompts, each primed on its own: the wire carries one sequence's pieces per command."""
+        return step.prime_batch(self, prompts, caches, chunk_size=chunk_size)
+
+    def decode_step(self, token: int, cache: DistCache) -> torch.Tensor:
+        """Feed one generated token; -> next-token logits [V] fp32."""
+        return step.decode_step(self, token, cache)
+
+    def decode_step_batch(self, tokens, caches) -> torch.Tensor:
+        """One decode step for B sequences at their own positions. -> logits [B, V] fp32; row i is
+        bit-identical to the single-process model's decode of that sequence (E1 + E2)."""
+        return step.decode_step_batch(self, tokens, caches)
+
+    def decode_step_batch_sampled(self, tokens, caches, samp, lean: bool = False):
+        """decode_step_batch, then each device row's next token chosen on rank 0 (memra.step's contract)."""
+        return step.decode_step_batch_sampled(self, tokens, caches, samp, lean=lean)
+
+    def decode_step_t(self, chunk, pos0: int, cache: DistCache, trail: StateTrail | None = None):
+        """The verify forward of T = K+1 tokens at pos0 across the stages (memra.step.decode_step_t's
+        contract). With `trail`, every rank records its GDN states per column, so
+        cache.rollback(pos0, keep, trail) can drop a rejected suffix everywhere."""
+        return step.decode_step_t(self, chunk, pos0, cache, trail=trail)
+
+    def restore(self, cache, snap) -> None:
+        raise PipelineError("cache snapshots are not wired across processes; roll back through the verify trail")
+
+    # --- the executor protocol (memra.runner.executor): what memra.step asks of this placement ---
+    @property
+    def executor(self) -> DistPipeline:
+        return self
+
+    runtime = None  # no in-process stage runtime: the stages are processes
+    batches_prime = False  # a PRIME command carries one sequence's piece
+
+    @property
+    def plan_verified(self) -> dict:
+        """The decode plan's on-model checks, run on rank 0's full model at bring-up (memra.pp.dist)."""
+        return self.model.plan_verified
+
+    def open_cache(self, max_ctx: int) -> DistCache:
         with self._lock:
             self._check_up()
-            cache = self._mine(cache)
-            if hidden:
-                raise PipelineError("prime(hidden=True) (the MTP drafter's seed) is not wired across processes")
-            chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
-            if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
-                raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
-            exact = self._exact()
-            tokens = self._ids(ids)
-            cache.reserve(tokens.numel())  # refuses (context overflow) before any rank moves
-            pieces, pos = [], cache.pos
-            for start in range(0, tokens.numel(), chunk):
-                part = tokens[start : start + chunk]
-                for a, b in forward_cuts(self.model, part.numel(), pos, exact):
-                    pieces.append(part[a:b])
-                    pos += b - a
+            self._seq += 1
+            local = self.stage.new_seq(self._seq, max_ctx)
+            self._post(Message(Op.NEW, seqs=(self._seq,), args=(max_ctx,)))
+            return DistCache(self, self._seq, local)
+
+    def check_plan(self, plan: str) -> str:
+        if plan not in PLANS:
+            raise MemraError(f"MEMRA_DECODE_PLAN={plan} has no stage split; use row or stacked with pipeline "
+                             "parallelism")
+        return plan
+
+    def preflight(self, call: str, caches) -> None:
+        with self._lock:
+            self._check_up()
+            for c in caches:
+                self._mine(c)
+
+    def run_prime(self, pieces, cache: DistCache, all_logits: bool, hidden: bool):
+        with self._lock:
+            self._check_up()
             cmd = self._next_cmd()
             for k, piece in enumerate(pieces):
                 pos0 = cache.pos
@@ -290,20 +305,9 @@ class DistPipeline:
             cache.last_logits_dev = None
             return self._reply(cmd).tensors[0].to(self.device)
 
-    @torch.inference_mode()
-    def decode_step(self, token: int, cache: DistCache) -> torch.Tensor:
-        """Feed one generated token; -> next-token logits [V] fp32 (the batched body at B=1, as in memra.step)."""
-        return self.decode_step_batch([int(token)], [cache])[0]
-
-    @torch.inference_mode()
-    def decode_step_batch(self, tokens, caches) -> torch.Tensor:
-        """One decode step for B sequences at their own positions. -> logits [B, V] fp32; row i is
-        bit-identical to the single-process model's decode of that sequence (E1 + E2)."""
+    def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         with self._lock:
             self._check_up()
-            exact = self._exact()
-            plan = self._plan(exact)
-            ids = self._check_batch(tokens, caches)
             seqs = tuple(c.seq for c in caches)
             positions = tuple(c.pos for c in caches)
             h = self.stage.rows(self.model.embed_tokens(ids), seqs, positions, plan)  # [B, E]; positions advance
@@ -313,69 +317,21 @@ class DistPipeline:
                                        args=(PLANS[plan],), tensors=(h,)))
             for c in caches:
                 c.last_logits_dev = None
-            counters.bump("decode_batch_rows", len(caches))
             return reply.tensors[0].to(self.device)
 
-    def _check_batch(self, tokens, caches) -> torch.Tensor:
-        """Every refusal of a batched step, before any rank moves (memra.step's, for pipeline caches)."""
-        if len(tokens) != len(caches):
-            raise MemraError(f"decode_step_batch got {len(tokens)} tokens for {len(caches)} caches")
-        if not caches:
-            raise MemraError("decode_step_batch needs at least one sequence")
-        if len({id(c) for c in caches}) != len(caches):
-            raise MemraError("decode_step_batch got the same cache twice; each row must be its own sequence")
-        for c in caches:
-            self._mine(c)
-        ids = self._ids([int(t) for t in tokens])
-        for i, c in enumerate(caches):
-            if c.pos + 1 > c.max_ctx:
-                raise MemraError(f"row {i}: its cache is full ({c.max_ctx} tokens); grow it or finish the sequence")
-        for c in caches:
-            c.reserve(1)
-        return ids
-
-    @torch.inference_mode()
-    def decode_step_batch_sampled(self, tokens, caches, samp, lean: bool = False):
-        """decode_step_batch, then each device row's next token chosen on rank 0 (memra.step's contract:
-        -> (rows, next_tokens); lean parks device rows' logits in cache.last_logits_dev)."""
-        from memra.step import check_samp, sample_rows
-
-        check_samp(samp, caches)
-        return sample_rows(self.ops, self.decode_step_batch(tokens, caches), caches, samp, lean)
-
-    @torch.inference_mode()
-    def decode_step_t(self, chunk, pos0: int, cache: DistCache, trail: StateTrail | None = None):
-        """The verify forward of T = K+1 tokens at pos0 across the stages (memra.step.decode_step_t's
-        contract). -> (logits [T, V] fp32, h_seed [T, E]). With `trail`, every rank records its GDN
-        states per column, so cache.rollback(pos0, keep, trail) can drop a rejected suffix everywhere."""
-        from memra.step import verify_layers, verify_plan
-
+    def run_verify(self, ids: torch.Tensor, cache: DistCache, plan: str, trail: StateTrail | None):
         with self._lock:
             self._check_up()
-            cache = self._mine(cache)
-            exact = self._exact()
-            ids = self._ids(chunk)
-            if pos0 != cache.pos:
-                raise MemraError(f"decode_step_t: pos0={pos0} but the cache stands at {cache.pos}; a verify continues "
-                                 "the sequence where it stands (roll back first)")
-            from memra.pp.walk import plan_for_pp
-
-            plan = plan_for_pp(verify_plan(self.model, exact))
-            cache.reserve(ids.numel())
-            local = cache.local
+            pos0, local = cache.pos, cache.local
+            # stage 0 records its GDN states into the caller's trail: DistCache.rollback hands it back
             h = verify_layers(self.model, self.model.embed_tokens(ids), local, pos0, plan, 0, self.first_stop,
                               trail=trail, device=self.device)  # [T, E]
             local.pos += ids.numel()
             reply = self._call(Message(Op.VERIFY, flags=Flag.TRAIL if trail is not None else Flag.NONE,
                                        seqs=(cache.seq,), positions=(pos0,), args=(PLANS[plan],), tensors=(h,)))
             cache.last_logits_dev = None
-            counters.bump("spec_verify_forwards")
-            counters.bump("spec_verify_columns", ids.numel())
             logits, h_seed = reply.tensors
             return logits.to(self.device), h_seed.to(self.device)
-
-    def restore(self, cache, snap) -> None:
-        raise PipelineError("cache snapshots are not wired across processes; roll back through the verify trail")
 
     # --- inspection ---
     def stats(self) -> list[dict[str, int]]:

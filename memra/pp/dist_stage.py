@@ -1,8 +1,8 @@
 """One rank's stage: its layer range, the caches of its own layers, and the stage bodies.
 
-The bodies are the in-process split walk's (memra.pp.walk) and the step bodies' (memra.step), run over
-this stage's layer range [a, b) on this rank's device: `model.forward_layers` / `forward_layers_stacked`
-for decode rows and prime pieces, `memra.step.verify_layers` / `verify_head` for the verify forward.
+The bodies are every executor's (memra.runner.bodies), run over this stage's layer range [a, b) on
+this rank's device: rows_layers / rows_head for decode rows, piece_layers for prime pieces,
+verify_layers / verify_head for the verify forward.
 Same kernels, same shapes, same order as the unsplit walk — so with the boundary moving bytes
 unchanged, a walk split across processes is bit-identical to the unsplit one (E2).
 
@@ -21,7 +21,7 @@ import torch
 
 from memra.cache import Cache, StateTrail, new_cache
 from memra.pp.fence import PipelineError, StageFence
-from memra.pp.walk import head, rows_body
+from memra.runner.bodies import piece_layers, rows_head, rows_layers, verify_head, verify_layers
 
 PLANS = {"row": 1, "stacked": 2}  # the decode plans a stage split can run (bucket has none)
 PLAN_NAMES = {v: k for k, v in PLANS.items()}
@@ -85,18 +85,6 @@ def release_foreign_weights(model, fence: StageFence, stage: int) -> None:
         torch.cuda.empty_cache()
 
 
-# --- the stage bodies ---------------------------------------------------------------------------------
-
-
-def piece_body(model, h: torch.Tensor, cache: Cache, a: int, b: int) -> torch.Tensor:
-    """One prompt piece h [n, E] at cache.pos through layers [a, b), GDN in its chunked (prompt) form.
-    Advances the cache position by n. -> [n, E]."""
-    ctx = model.context(cache, cache.pos, h.shape[0], recurrent=False)
-    out = model.forward_layers(h, ctx, a, b)
-    cache.pos += h.shape[0]
-    return out
-
-
 class StageState:
     """What one rank knows: its stage of the fence, its model (own weights), and a cache per sequence."""
 
@@ -143,19 +131,20 @@ class StageState:
         caches = [self.cache(s, p) for s, p in zip(seqs, positions)]
         for c in caches:
             c.reserve(1)
-        out = rows_body(self.model, h, caches, plan, *self.layers)
+        out = rows_layers(self.model, h, caches, plan, *self.layers)
         for c in caches:
             c.pos += 1
         self.counts["rows"] += len(caches)
-        return head(self.model, out, plan) if self.last else out
+        return rows_head(self.model, out, plan) if self.last else out
 
     def piece(self, h: torch.Tensor, seq: int, pos0: int, last_piece: bool, all_logits: bool):
         """A prime piece: h [n, E] in; -> [n, E] for the next stage. On the last stage: None until the
         final piece, then the prime's logits ([V], or [T, V] with all_logits) — computed as
-        memra.step.prime computes them (each piece's normed rows, or the final piece's last row)."""
+        the unsplit prime computes them (each piece's normed rows, or the final piece's last row)."""
         c = self.cache(seq, pos0)
         c.reserve(h.shape[0])
-        out = piece_body(self.model, h, c, *self.layers)
+        out = piece_layers(self.model, h, c, pos0, *self.layers)
+        c.pos += h.shape[0]
         self.counts["pieces"] += 1
         if not self.last:
             return out
@@ -172,9 +161,7 @@ class StageState:
 
     def verify(self, h: torch.Tensor, seq: int, pos0: int, plan: str, record: bool):
         """The verify forward of T tokens: h [T, E] in; -> [T, E], or on the last stage (logits [T, V],
-        h_seed [T, E]) — memra.step.verify_layers / verify_head over this stage's range."""
-        from memra.step import verify_head, verify_layers
-
+        h_seed [T, E]) — verify_layers / verify_head over this stage's range."""
         c = self.cache(seq, pos0)
         c.reserve(h.shape[0])
         trail = self.trails.setdefault(seq, StateTrail()) if record else None

@@ -170,14 +170,16 @@ def load_stage_model(source: str, device: torch.device, dtype: str | None):
     """This rank's copy of the model (weights outside its stage are dropped later): a checkpoint path,
     or `random:NAME[:LAYERS]`, rebuilt by memra.random_model with seed 0 on this rank's device."""
     import memra
+    from memra.settings import Settings
 
+    settings = Settings.from_env().in_one_process()  # this rank is one stage: no in-process split of its own
     if not source.startswith("random:"):
-        return memra.load(source, device=device, dtype=dtype, tokenizer=False)
+        return memra.load(source, device=device, dtype=dtype, tokenizer=False, settings=settings)
     from memra.random_model import random_model
 
     name, _, layers = source.removeprefix("random:").partition(":")
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return random_model(name, device, torch_dtype, n_layers=int(layers) if layers else None)
+    return random_model(name, device, torch_dtype, n_layers=int(layers) if layers else None, settings=settings)
 
 
 def run_worker(model_path: str, cfg: DistConfig, device: torch.device, dtype: str | None) -> int:

@@ -9,8 +9,9 @@ bit (E2); the boundary only moves bytes.
 Bodies:
   walk_rows      one decode step for rows of a wave (B=1 decode_step, decode_step_batch, dual waves)
   walk_tokens    T tokens of one sequence (prime pieces)
-  walk_verify    the T = K+1 verify forward of speculative decoding (step.verify_layers per stage)
+  walk_verify    the T = K+1 verify forward of speculative decoding (bodies.verify_layers per stage)
   prime_split    prime through the split, piece by piece, or as the PP-2 chunk pipeline
+  walk_wave      one prompt piece of each of several sequences in one forward (cross-request prefill)
   decode_waves   the dual-active PP-2 body: two waves in flight on alternating boundary slots
 """
 
@@ -22,83 +23,29 @@ import time
 import torch
 
 from memra import counters
-from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.runtime import PpRuntime
-
-# --- bring-up ----------------------------------------------------------------------------------------
+from memra.runner.bodies import piece_layers, rows_head, rows_layers, segment_layers, verify_head, verify_layers
 
 
 def active_runtime(model) -> PpRuntime | None:
-    """The runtime for the placement the model's doors describe (built on first use: its settings are
-    fixed, so it is the same runtime every call), or None when the PP door is shut. Bad door values
-    follow memra.pp.fence: warn-and-off, or PipelineError."""
-    env = model.settings.pp_env  # the doors as the model was loaded with them
-    if env.get("MEMRA_PP_STAGES") in (None, "", "0", "1"):
-        return None  # the door is shut
-    doors = pf.PpDoors.from_env(env)
-    fence = doors.fence(model.cfg.n_layers)
-    if fence is None:
-        return None
-    cuda = model.device.type == "cuda"
-    if doors.devices is not None and not cuda:
-        raise pf.PipelineError(f"MEMRA_PP_DEVICES={doors.devices!r} names CUDA devices but the model is on "
-                               f"{model.device}; unset it to run every stage on {model.device}")
-    primary = (model.device.index or 0) if cuda else 0
-    placement = pf.plan_placement(doors, primary, torch.cuda.device_count() if cuda else 1)
-    if placement.n_stages != fence.n_stages:
-        raise pf.PipelineError(f"MEMRA_PP_DEVICES places {placement.n_stages} stages but the fence has "
-                               f"{fence.n_stages}; make MEMRA_PP_DEVICES, MEMRA_PP_STAGES and MEMRA_PP_SPLITS agree")
-    key = (fence, placement, doors.streams, doors.overlap)
-    rt = model.pp_runtimes.get(key)
-    if rt is None:
-        if cuda:  # before anything moves: native peer transport needs access both ways between every pair
-            pf.peer_capable_pairs(placement, torch.cuda.can_device_access_peer)
-        from memra.pp.probe import bring_up
-        from memra.pp.shard import shard_weights
-
-        rt = PpRuntime(model, fence, placement, doors)
-        if placement.shard:
-            shard_weights(model, rt)
-        bring_up(rt)
-        model.pp_runtimes[key] = rt
-    return rt
-
-
-# --- the per-stage pieces ----------------------------------------------------------------------------
-
-
-def rows_body(model, h: torch.Tensor, caches, plan: str, a: int, b: int, device=None) -> torch.Tensor:
-    """Layers [a, b) for rows h [n, E] (one token per cache, at cache.pos), in the decode plan's
-    grouping (row: each row alone with B=1 shapes). -> [n, E]; positions not advanced. The stage body
-    of the in-process walk and of a stage in its own process (memra.pp.dist_stage)."""
-    ctxs = [model.context(c, c.pos, 1, recurrent=True, device=device) for c in caches]
-    if plan == "stacked":
-        return model.forward_layers_stacked(h, ctxs, a, b)
-    return torch.cat([model.forward_layers(h[i : i + 1], ctx, a, b) for i, ctx in enumerate(ctxs)])
+    """The in-process pipeline's runtime the model was loaded with (memra.pp.executor), or None."""
+    return model.executor.runtime
 
 
 def _stage_rows(model, rt: PpRuntime, s: int, h: torch.Tensor, caches, plan: str) -> torch.Tensor:
     """Stage s's layers for rows h [n, E], on its device."""
-    return rows_body(model, h, caches, plan, *rt.stages[s].layers, device=rt.stages[s].device)
+    return rows_layers(model, h, caches, plan, *rt.stages[s].layers, device=rt.stages[s].device)
 
 
-def head(model, h: torch.Tensor, plan: str) -> torch.Tensor:
-    """Final norm + lm_head, grouped as the unsplit body groups it (per row under the row plan)."""
-    if plan == "stacked":
-        return model.logits(model.norm_out(h))
-    return torch.cat([model.logits(model.norm_out(h[i : i + 1])) for i in range(h.shape[0])])
-
-
-
-def _caller_stream(model) -> torch.cuda.Stream | None:
+def caller_stream(model) -> torch.cuda.Stream | None:
     return torch.cuda.current_stream(model.device) if model.device.type == "cuda" else None
 
 
 def _walk_stages(model, rt: PpRuntime, ids: torch.Tensor, stage_body, pipelined: bool = False) -> torch.Tensor:
     """Embed `ids` on stage 0, run `stage_body(s, h)` in each stage's scope with the residual handed
     across every boundary, and return the last stage's result (ordered for the caller's stream)."""
-    caller = _caller_stream(model)
+    caller = caller_stream(model)
     rt.fence_stages_behind(caller)
     h, slot = None, 0
     for s, st in enumerate(rt.stages):
@@ -117,7 +64,7 @@ def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipeli
     stage (ordered for the caller's stream). Cache positions advance after the last stage."""
     def body(s: int, h: torch.Tensor) -> torch.Tensor:
         h = _stage_rows(model, rt, s, h, caches, plan)
-        return head(model, h, plan) if s == rt.n_stages - 1 else h
+        return rows_head(model, h, plan) if s == rt.n_stages - 1 else h
 
     out = _walk_stages(model, rt, ids, body, pipelined)
     for c in caches:
@@ -125,24 +72,21 @@ def walk_rows(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str, pipeli
     return out
 
 
-def walk_tokens(model, rt: PpRuntime, piece: torch.Tensor, cache, recurrent: bool) -> torch.Tensor:
+def walk_tokens(model, rt: PpRuntime, piece: torch.Tensor, cache) -> torch.Tensor:
     """T tokens of one sequence through every stage (cache.pos is their first position).
     -> the last stage's hidden states [T, E] (pre-norm); the cache position is not advanced."""
     def body(s: int, h: torch.Tensor) -> torch.Tensor:
         st = rt.stages[s]
-        ctx = model.context(cache, cache.pos, piece.numel(), recurrent=recurrent, device=st.device)
-        return model.forward_layers(h, ctx, *st.layers)
+        return piece_layers(model, h, cache, cache.pos, *st.layers, device=st.device)
 
     return _walk_stages(model, rt, piece, body)
 
 
 def walk_verify(model, rt: PpRuntime, ids: torch.Tensor, cache, plan: str, trail=None):
     """The verify forward (T = K+1 tokens of one sequence) through the stage split: each stage runs
-    step.verify_layers over its range — the body the unsplit verify runs over [0, L) — and the [T, E]
+    memra.runner.bodies.verify_layers over its range — the body the unsplit verify runs over [0, L) — and the [T, E]
     residual crosses each boundary by byte copy. -> (logits [T, V], h_seed [T, E]) on the last stage;
-    the cache position is not advanced (decode_step_t does that once)."""
-    from memra.step import verify_head, verify_layers
-
+    the cache position is not advanced (the executor does that once)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def body(s: int, h: torch.Tensor) -> torch.Tensor:
@@ -155,6 +99,22 @@ def walk_verify(model, rt: PpRuntime, ids: torch.Tensor, cache, plan: str, trail
     _walk_stages(model, rt, ids, body)
     counters.bump("spec_verify_split_walks")
     return out[0]
+
+
+def walk_wave(model, rt: PpRuntime, pieces, caches, bounds) -> torch.Tensor:
+    """Several sequences' prompt pieces, concatenated, through every stage in one forward per stage.
+    -> the last stage's hidden states [N, E] (pre-norm), ordered for the caller's stream; positions not
+    advanced."""
+    pos0s = [c.pos for c in caches]
+
+    def body(s: int, h: torch.Tensor) -> torch.Tensor:
+        st = rt.stages[s]
+        return segment_layers(model, h, caches, pos0s, bounds, *st.layers, device=st.device)
+
+    h = _walk_stages(model, rt, torch.cat(list(pieces)), body)
+    counters.bump("prime_split_chunks", len(pieces))
+    counters.bump("prime_batch_splits")
+    return h
 
 
 # --- prime ---------------------------------------------------------------------------------------------
@@ -170,7 +130,7 @@ def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_log
     else:
         outs = []
         for piece in pieces:
-            h = walk_tokens(model, rt, piece, cache, recurrent=False)
+            h = walk_tokens(model, rt, piece, cache)
             cache.pos += piece.numel()
             counters.bump("prime_split_chunks")
             counters.bump("prime_pieces")
@@ -179,13 +139,13 @@ def prime_split(model, rt: PpRuntime, pieces: list[torch.Tensor], cache, all_log
         normed = [model.norm_out(h) for h in outs] if keep_all else []
         out = torch.cat([model.logits(n) for n in normed]) if all_logits else model.logits(model.norm_out(outs[-1][-1:]))[0]
         result = (out, torch.cat(normed)) if hidden else out
-    rt.publish_to(rt.n_stages - 1, _caller_stream(model))
+    rt.publish_to(rt.n_stages - 1, caller_stream(model))
     return result
 
 
 def _prime_pipelined(model, rt: PpRuntime, pieces, cache, keep_all: bool) -> list[torch.Tensor]:
     """-> each piece's last-stage hidden [n, E] (pre-norm; only its last row unless keep_all), in order."""
-    caller = _caller_stream(model)
+    caller = caller_stream(model)
     rt.fence_stages_behind(caller)
     starts = []
     pos = cache.pos
@@ -199,8 +159,8 @@ def _prime_pipelined(model, rt: PpRuntime, pieces, cache, keep_all: bool) -> lis
     def stage0() -> None:
         for piece, p0 in zip(pieces, starts):
             with rt.section("prime_pipe_overlaps"), st0.scope():
-                ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st0.device)
-                h = model.forward_layers(model.embed_tokens(piece.to(st0.device)), ctx, *st0.layers)
+                h = piece_layers(model, model.embed_tokens(piece.to(st0.device)), cache, p0, *st0.layers,
+                                 device=st0.device)
                 rt.tx(0, h, pipelined=True)
 
     def stage1() -> list[torch.Tensor]:
@@ -208,8 +168,7 @@ def _prime_pipelined(model, rt: PpRuntime, pieces, cache, keep_all: bool) -> lis
         for k, (piece, p0) in enumerate(zip(pieces, starts)):
             with rt.section("prime_pipe_overlaps"), st1.scope():
                 h = rt.rx(0, (base + k) % 2)
-                ctx = model.context(cache, p0, piece.numel(), recurrent=False, device=st1.device)
-                h = model.forward_layers(h, ctx, *st1.layers)
+                h = piece_layers(model, h, cache, p0, *st1.layers, device=st1.device)
                 outs.append(h if keep_all else h[-1:])
         return outs
 
@@ -247,7 +206,7 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
     Each wave's rows see exactly the per-row arithmetic of the serial body."""
     mid = pf.dual_pp_wave_mid(len(caches))
     waves = [(ids[:mid], caches[:mid]), (ids[mid:], caches[mid:])]
-    caller = _caller_stream(model)
+    caller = caller_stream(model)
     rt.fence_stages_behind(caller)
     st0, st1 = rt.stages
     bd = rt.boundaries[0]
@@ -273,7 +232,7 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
         for w, (_, w_caches) in enumerate(waves):
             with rt.section("dual_pp_overlaps"), st1.scope(), _timed(timing, st1, f"wave_{'ab'[w]}_stage1"):
                 h = _stage_rows(model, rt, 1, rt.rx(0, slots[w]), w_caches, plan)
-                outs.append(head(model, h, plan))
+                outs.append(rows_head(model, h, plan))
         return outs
 
     _, outs = rt.run_concurrent([stage0, stage1])
@@ -298,17 +257,3 @@ def _timed(on: bool, stage, name: str):
         stage.stream.synchronize()
     counters.bump(f"dual_pp_stage_ns_{name}", time.perf_counter_ns() - t0)
     counters.bump(f"dual_pp_stage_samples_{name}")
-
-
-def refuse_unsplit(rt: PpRuntime, path: str, alt: str) -> None:
-    """The unsplit body over a sharded cross-device placement: refused unless overridden."""
-    view = pf.UnsplitView(rt.placement.sharded_cross_device,
-                          rt.latch.host_bounce or (rt.placement.host_bounce and rt.placement.sharded_cross_device),
-                          rt.doors.allow_unsplit_batch)
-    pf.refuse_unsplit_if_remote(path, alt, view)
-
-
-def plan_for_pp(plan: str) -> str:
-    if plan == "bucket":
-        raise MemraError("MEMRA_DECODE_PLAN=bucket has no stage split; use row or stacked with pipeline parallelism")
-    return plan
