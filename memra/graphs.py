@@ -99,7 +99,10 @@ class StaticDecode:
         """Write the rows' inputs (live rows first, then inert padding on the pools' scratch block and
         slot) into `args`. The scratch comes with each call, not with the graph: a bucket's graph may
         first be captured by a full batch, which pads nothing."""
-        b, host = len(caches), torch.zeros(self.bucket, 2 + self.nb, dtype=torch.long)
+        # Only the table columns some row uses are sent: a column past a row's blocks is never read
+        # (attention stops at its length), so a wide table (a long max_ctx) costs no copy per step.
+        b, used = len(caches), max(len(c.blocks) for c in caches)
+        host = torch.zeros(self.bucket, 2 + used, dtype=torch.long)
         for i, c in enumerate(caches):
             host[i, 0] = c.pos
             host[i, 1] = c.slot if c.slot is not None else 0
@@ -111,7 +114,7 @@ class StaticDecode:
             block, slot = scratch
             host[b:, 1] = slot if slot is not None else 0
             host[b:, 2:] = block
-        self.args[:, 1:].copy_(host)  # a pageable copy: the host buffer is free again when it returns
+        self.args[:, 1 : 3 + used].copy_(host)  # a pageable copy: the host buffer is free again when it returns
         self.args[:b, 0].copy_(ids)
         self.args[b:, 0] = 0
 

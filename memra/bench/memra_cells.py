@@ -7,11 +7,10 @@ Also the seeded prompts every cell uses, so memra, its user paths and the HF pee
 
 from __future__ import annotations
 
-import time
 
 import torch
 
-from memra.bench.timing import Timing, best_seconds, sync
+from memra.bench.timing import Timing, best_seconds, greedy_step_seconds
 
 
 def mode_view(model, mode: str):
@@ -53,14 +52,7 @@ def time_decode(model, batch: int, steps: int, warmup: int, prompt_tokens: int, 
     vocab = model.cfg.vocab_size
     caches = shared_caches(model, batch, prompt_tokens + warmup + steps + 1)
     toks = [int(model.prime(prompt_ids(vocab, prompt_tokens, i, seed), c).argmax()) for i, c in enumerate(caches)]
-    for _ in range(warmup):
-        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    sync(model.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    sync(model.device)
-    seconds = (time.perf_counter() - t0) / steps
+    seconds = greedy_step_seconds(model, toks, caches, warmup, steps)
     return Timing(seconds, batch, steps, context=prompt_tokens + warmup + steps // 2)
 
 

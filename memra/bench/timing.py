@@ -36,3 +36,16 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def greedy_step_seconds(model, toks: list[int], caches: list, warmup: int, steps: int) -> float:
+    """Seconds per decode_step_batch over `caches`, each step's greedy tokens fed back through the host
+    (as a caller of the step API does), after `warmup` untimed steps."""
+    for _ in range(warmup):
+        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
+    sync(model.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
+    sync(model.device)
+    return (time.perf_counter() - t0) / steps

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from memra.bench.timing import Timing, sync
+from memra.bench.timing import Timing, greedy_step_seconds, sync
 from memra.engine.engine import Engine
 from memra.engine.types import EngineConfig
 from memra.sampling import SamplingParams
@@ -50,14 +50,7 @@ def time_new_cache_decode(model, batch: int, steps: int, warmup: int, prompts: l
     prompt_tokens = len(prompts[0])
     caches = [model.new_cache(prompt_tokens + warmup + steps + 1) for _ in prompts]
     toks = [int(model.prime(ids, c).argmax()) for ids, c in zip(prompts, caches)]
-    for _ in range(warmup):
-        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    sync(model.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        toks = model.decode_step_batch(toks, caches).argmax(-1).tolist()
-    sync(model.device)
-    seconds = (time.perf_counter() - t0) / steps
+    seconds = greedy_step_seconds(model, toks, caches, warmup, steps)
     for c in caches:
         c.free()
     return Timing(seconds, batch, steps, context=prompt_tokens + warmup + steps // 2)

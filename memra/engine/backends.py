@@ -14,7 +14,7 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache
 from memra.pools import ModelPools
 from memra.errors import MemraError
-from memra.graphs import reserve_scratch
+from memra.graphs import BUCKETS, bucket_for, reserve_scratch
 from memra.pp.fence import PipelineError
 from memra.engine.types import EngineConfig
 
@@ -48,6 +48,25 @@ class InProcess:
             self.pools.reserve_all()
         reserve_scratch(model, self.kv, self.rec)
         self.slots = cfg.max_batch if self.rec is not None else None
+
+    def warm_graphs(self, max_batch: int, max_ctx: int) -> None:
+        """Capture the decode graph of every batch bucket a step of up to max_batch rows can use, now,
+        rather than on the first step that meets each bucket (a capture costs tens of steps). Scratch
+        sequences of one token at the engine's table width (max_ctx); each batch size is the largest
+        that lands in its bucket, up to max_batch. GPU only (graphs are a CUDA feature)."""
+        if self.model.device.type != "cuda":
+            return
+        rows = min(max_batch, len(self.kv.free), self.slots or max_batch)
+        top = bucket_for(rows) or rows
+        sizes = sorted({min(b, rows) for b in BUCKETS if b <= top})
+        caches = [self.new_cache(max_ctx) for _ in range(rows)]
+        try:
+            self.model.prime_batch([[1]] * rows, caches)
+            for n in sizes:
+                self.model.decode_step_batch([1] * n, caches[:n])
+        finally:
+            for c in caches:
+                c.free()
 
     def describe(self) -> str:
         """One line for the server's log: what the pools may hold and hold now."""
@@ -144,6 +163,9 @@ class ProcessPipeline:
                             "this is a bug in the engine's sizing")
 
     swap_in = swap_out  # never reached either: nothing is ever swapped out
+
+    def warm_graphs(self, max_batch: int, max_ctx: int) -> None:
+        pass  # a pipeline's walks are not graphed
 
     def describe(self) -> str:
         return "KV cache: each rank's own, for max_batch sequences of max_ctx tokens"

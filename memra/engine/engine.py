@@ -1,7 +1,7 @@
 """The engine: the one loop that decides every next token, for the server, `memra generate`,
 `memra chat` and memra.LLM alike.
 
-    submit() --> [commands] --> step(): schedule -> swap out/in -> prefill chunks -> one batched decode
+    submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode -> prefill chunks
                                         -> every row's token on the device (memra.engine.sampler)
                                         -> token events to each request's sink
 
@@ -167,15 +167,16 @@ class Engine:
 
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does: kernel compilation, the decode plan's
-        on-model check, the B=1 decode graph of the engine's own pool (a scratch sequence as long as
-        the longest request, so the graph's table width is the one requests use), allocator growth."""
-        c = self.backend.new_cache(self.cfg.max_ctx)
-        n = min(EXACT_PIECE + 2, self.cfg.max_ctx - 1)  # a piece boundary crossed, where the context allows
+        on-model check, allocator growth, and on a GPU the decode graph of every batch bucket up to
+        max_batch (memra.engine.backends.InProcess.warm_graphs), at the table width requests use."""
+        c = self.backend.new_cache(self.max_len)
+        n = min(EXACT_PIECE + 2, self.max_len - 1)  # a piece boundary crossed, where the context allows
         try:
             logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(n)], c)
             self.model.decode_step_batch([int(logits.argmax())], [c])
         finally:
             c.free()
+        self.backend.warm_graphs(self.cfg.max_batch, self.max_len)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
@@ -297,6 +298,11 @@ class Engine:
         prefilled: dict[str, int] = {}
         ready: list[_Seq] = []  # sequences that get a token this step, in the order of `logits`' rows
         logits: list[torch.Tensor] = []
+        if plan.decode:  # first: a graphed step returns once launched, and the GPU runs it while the host
+            # issues the prefill's kernels (disjoint sequences: the order of the two forwards changes no bits)
+            rows = [self.seqs[rid] for rid in plan.decode]
+            logits.append(self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows]))
+            ready += rows
         if plan.prefill:  # every prefill chunk of the step in shared forwards (memra.step.prime_batch)
             chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
             for s, start, _ in chunks:
@@ -312,10 +318,6 @@ class Engine:
                 if start + n == len(s.prompt):  # its first token comes from the last prompt position
                     ready.append(s)
                     logits.append(last[None])
-        if plan.decode:
-            rows = [self.seqs[rid] for rid in plan.decode]
-            logits.append(self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows]))
-            ready += rows
         if ready:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
             for s, picked in zip(ready, pick(self.model.ops, batch, [s.row for s in ready])):
@@ -329,7 +331,10 @@ class Engine:
         self._publish_gauges(len(plan.decode))
 
     def _new_cache(self, s: _Seq):
-        return self.backend.new_cache(len(s.prompt) + s.params.max_tokens)
+        # Every sequence's cache is as wide as the engine's longest: the decode graphs key on the table
+        # width, so one width means one graph per batch bucket, all captured at warm-up. The blocks are
+        # taken as positions arrive; a sequence's own bound is check_request's and the scheduler's.
+        return self.backend.new_cache(self.max_len)
 
     def _emit(self, s: _Seq, picked: Picked) -> None:
         """Record the token the sampler chose for `s` and send it out."""
@@ -382,7 +387,7 @@ class Engine:
         saved, s.swapped = s.swapped, None
         if saved is None or saved.get("empty"):
             return
-        s.cache = self.backend.swap_in(saved, len(s.prompt) + s.params.max_tokens)
+        s.cache = self.backend.swap_in(saved, self.max_len)
 
     def _publish_gauges(self, batch: int) -> None:
         if self.metrics is None:
