@@ -168,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                         speculative=spec) if not text.stopped)
     else:
         params = _fit(params, len(ids), model.cfg.max_position)
-        llm = LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens)
+        llm = LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens, warm_up=False)
         t0 = time.perf_counter()
         llm.engine.warm_up()  # first-use costs, apart from the generation they would otherwise hide in
         warm_s = time.perf_counter() - t0
@@ -222,7 +222,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         params = _fit(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
                                      max_tokens=args.max_tokens), len(ids), model.cfg.max_position)
         reply = []
-        for piece in LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens).stream(ids, params):
+        for piece in LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens, warm_up=False).stream(ids, params):
             reply.append(piece)
             print(piece, end="", flush=True)
         print()

@@ -13,8 +13,8 @@ and everything else is derived on the device inside the graph: rotary tables fro
 flat KV rows of every row's prefix from its block table ([Bp, NB * BLOCK_SIZE], read up to position +
 1 by the attention kernel, which takes the lengths from memory), the row each new K/V is written to.
 NB, the table width, is a power of two covering the rows' max_ctx, so a graph serves any context up
-to it. The pools' tensors are captured by address: a KV pool that is enlarged (Cache.grow) bumps its
-version, and graphs of the old version are dropped and captured again.
+to it. The pools' tensors are captured by address: a KV pool or recurrent pool that is enlarged bumps
+its version, and graphs of the old version are dropped and captured again.
 
 Buckets: a batch of B rows replays the graph of the smallest bucket >= B (BUCKETS). The Bp - B padding
 rows are inert: they point at a scratch KV block and a scratch recurrent slot taken from the pools for
@@ -66,6 +66,7 @@ class GraphKey:
     kv: int  # id() of the KV pool
     kv_version: int
     rec: int | None  # id() of the recurrent pool
+    rec_version: int | None
 
 
 class StaticDecode:
@@ -99,8 +100,9 @@ class StaticDecode:
         """Write the rows' inputs (live rows first, then inert padding on the pools' scratch block and
         slot) into `args`. The scratch comes with each call, not with the graph: a bucket's graph may
         first be captured by a full batch, which pads nothing."""
-        # Only the table columns some row uses are sent: a column past a row's blocks is never read
-        # (attention stops at its length), so a wide table (a long max_ctx) costs no copy per step.
+        # Only the table columns some row uses come from the host, so a wide table (a long max_ctx) costs
+        # no copy per step; the rest are zeroed on the device (block 0: a valid index for paths that
+        # gather a row's whole table and mask by length, never a stale block of an earlier fill).
         b, used = len(caches), max(len(c.blocks) for c in caches)
         host = torch.zeros(self.bucket, 2 + used, dtype=torch.long)
         for i, c in enumerate(caches):
@@ -115,6 +117,7 @@ class StaticDecode:
             host[b:, 1] = slot if slot is not None else 0
             host[b:, 2:] = block
         self.args[:, 1 : 3 + used].copy_(host)  # a pageable copy: the host buffer is free again when it returns
+        self.args[:, 3 + used :].zero_()
         self.args[:b, 0].copy_(ids)
         self.args[b:, 0] = 0
 
@@ -141,6 +144,13 @@ class StaticDecode:
             self.graph.replay()
             counters.bump("graph_replays")
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
+
+
+def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None) -> GraphKey:
+    """Which captured step serves this bucket and width over these pools as they are now (an enlarged
+    pool has new tensors, so its version is part of the key)."""
+    return GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None,
+                    rec.version if rec is not None else None)
 
 
 def _eligible(model, caches: list[Cache]) -> bool:
@@ -181,11 +191,12 @@ def graphed_decode(model, ids: torch.Tensor, caches: list[Cache]) -> torch.Tenso
     if bucket is None or (bucket > b and scratch is None):
         bucket = b  # no room for inert rows (or wider than every bucket): a graph of exactly this width
     nb = table_blocks(max(c.max_ctx for c in caches))
-    key = GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None)
+    key = graph_key(bucket, nb, kv, rec)
     static = model.decode_graphs.get(key)
     if static is None:
-        for old in [k for k in model.decode_graphs if k.kv == key.kv and k.kv_version != key.kv_version]:
-            del model.decode_graphs[old]  # captured against tensors the pool has replaced
+        for old in [k for k in model.decode_graphs if (k.kv, k.rec) == (key.kv, key.rec)
+                    and (k.kv_version, k.rec_version) != (key.kv_version, key.rec_version)]:
+            del model.decode_graphs[old]  # captured against tensors a pool has replaced (KV blocks or state slots)
         static = model.decode_graphs[key] = StaticDecode(model, kv, rec, bucket, nb)
     logits = static.run(ids, caches, scratch)
     for c in caches:

@@ -68,8 +68,14 @@ class ModelPools:
     @torch.inference_mode(False)  # pools made during a step are still updated in place outside one
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, budget_bytes: int,
                  layer_devices: dict[int, torch.device] | None = None, *, max_slots: int | None = None,
-                 max_blocks: int | None = None, first_tokens: int = 4096):
+                 max_blocks: int | None = None, first_tokens: int = 4096, grow_ahead: bool | None = None):
         self.budget_bytes = budget_bytes
+        # On a GPU the KV pool grows when a cache is made, to what every live cache may come to hold (its
+        # max_ctx), not between two decode steps: growing replaces the tensors the captured graphs read,
+        # so they would be captured again (and the pool copied) in the middle of a stream. On CPU (no
+        # graphs) the pool grows only as blocks are taken, so RAM tracks what sequences really hold.
+        self.grow_ahead = device.type == "cuda" if grow_ahead is None else grow_ahead
+        self._promised = [0]  # blocks the live caches may come to hold (a list: their give-backs share it)
         probe_kv = kv_pool(cfg, 1, dtype, "meta")
         probe_rec = RecurrentPool(cfg, 1, dtype, "meta") if cfg.gdn_layers else None
         block, slot = probe_kv.block_bytes, (probe_rec.slot_bytes if probe_rec is not None else 0)
@@ -108,15 +114,22 @@ class ModelPools:
         """A cache drawing from these pools; its blocks and slot come back when it is freed or dropped."""
         slot = self.rec.allocate() if self.rec is not None else None
         cache = Cache(kv=self.kv, rec=self.rec, max_ctx=max_ctx, slot=slot)
+        need = -(-max_ctx // BLOCK_SIZE)
+        if self.grow_ahead and self._promised[0] + need > self.kv.n_blocks:
+            self.kv.enlarge(min(self.kv.max_blocks, max(self._promised[0] + need, 2 * self.kv.n_blocks)))
+        self._promised[0] += need
         # `cache.blocks` is only ever changed in place, so the give-back sees the blocks held at the time
-        cache._on_free = weakref.finalize(cache, _give_back, self.kv, cache.blocks, self.rec, slot)
+        cache._on_free = weakref.finalize(cache, _give_back, self.kv, cache.blocks, self.rec, slot,
+                                          self._promised, need)
         cache._on_free.atexit = False  # the process is ending: nothing to give back to
         return cache
 
 
-def _give_back(kv: KvPool, blocks: list[int], rec: RecurrentPool | None, slot: int | None) -> None:
+def _give_back(kv: KvPool, blocks: list[int], rec: RecurrentPool | None, slot: int | None, promised: list[int],
+               need: int) -> None:
     """What a cache held, back to its pools: when it is freed, or dropped unfreed (weakref.finalize runs
     this at most once)."""
+    promised[0] -= need
     kv.release(list(blocks))
     blocks.clear()
     if rec is not None and slot is not None:

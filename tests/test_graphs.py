@@ -174,3 +174,36 @@ def test_graphed_full_bucket_then_smaller_batch_equals_eager(load_model, arch):
         assert (counters.delta(before)["graph_replays"] > 0) == (flag == "1")
     assert _bits(out["0"][0], out["1"][0])
     assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))
+
+
+def test_an_enlarged_pool_gets_a_graph_of_its_own(load_model):
+    """A captured step holds the pools' tensors by address: when the recurrent pool (or the KV pool) is
+    enlarged, the key changes, so the old graph is never replayed over the new tensors."""
+    model = load_model(hf_dir("qwen3_5"))
+    kv = kv_pool(model.cfg, 8, model.dtype, model.device)
+    rec = RecurrentPool(model.cfg, 2, model.dtype, model.device, max_slots=8)
+    before = graphs.graph_key(2, 16, kv, rec)
+    rec.enlarge(4)
+    assert graphs.graph_key(2, 16, kv, rec) != before
+    kv.enlarge(16)
+    assert graphs.graph_key(2, 16, kv, rec) != graphs.graph_key(2, 16, kv_pool(model.cfg, 8, model.dtype, model.device), rec)
+
+
+@cuda_only
+def test_graphed_decode_after_the_state_pool_grows_equals_eager(load_model):
+    """Two rows captured in bucket 2, then the recurrent pool doubles and two rows in its new slots run
+    the same bucket: a new graph, and the eager step's bits."""
+    base = load_model(hf_dir("qwen3_5"))
+    out = {}
+    for flag in ("0", "1"):
+        model = base.with_doors(MEMRA_CUDA_GRAPHS=flag)
+        kv = kv_pool(model.cfg, 16, model.dtype, model.device)
+        rec = RecurrentPool(model.cfg, 2, model.dtype, model.device, max_slots=8)
+        rows = []
+        for _ in range(2):  # the second pair's slots only exist once the pool has grown past the first's graph
+            caches = [Cache(kv=kv, rec=rec, max_ctx=64, slot=rec.allocate()) for _ in range(2)]
+            toks = [int(model.prime(p, c).argmax()) for p, c in zip(PROMPTS, caches)]
+            rows.append(model.decode_step_batch(toks, caches))
+        assert rec.n_slots == 4
+        out[flag] = torch.cat(rows)
+    assert _bits(out["0"], out["1"])

@@ -64,6 +64,29 @@ def test_the_budget_bounds_the_pools():
     assert KvBudget(gib=0.5).bytes_on(torch.device("cpu")) == 1 << 29
 
 
+def test_on_a_gpu_the_pool_grows_when_a_cache_is_made_not_mid_decode():
+    """grow_ahead (the GPU's rule, forced here on CPU): making a cache grows the KV pool to what every live
+    cache may hold, so decoding up to max_ctx never enlarges it (which would re-capture the graphs);
+    a freed cache's promise is returned. Without it (CPU) the pool grows only as blocks are taken."""
+    cfg = memra.load(hf_dir("llama"), tokenizer=False).cfg
+    block = 2 * BLOCK_SIZE * cfg.attn.n_kv_heads * cfg.attn.head_dim * 4 * len(cfg.attention_layers)
+    ahead = ModelPools(cfg, torch.float32, torch.device("cpu"), budget_bytes=64 * block, first_tokens=BLOCK_SIZE,
+                       grow_ahead=True)
+    caches = [ahead.new_cache(5 * BLOCK_SIZE) for _ in range(3)]
+    assert ahead.kv.n_blocks >= 15
+    version = ahead.kv.version
+    for c in caches:
+        c.reserve(5 * BLOCK_SIZE)
+    assert ahead.kv.version == version  # no growth while the caches fill up
+    for c in caches:
+        c.free()
+    assert ahead._promised == [0]
+    lazy = ModelPools(cfg, torch.float32, torch.device("cpu"), budget_bytes=64 * block, first_tokens=BLOCK_SIZE)
+    assert not lazy.grow_ahead
+    lazy.new_cache(5 * BLOCK_SIZE)
+    assert lazy.kv.n_blocks == 1
+
+
 def test_a_batch_of_new_cache_caches_equals_each_alone(model):
     """E1 over the model's pools: rows decoded together equal each sequence decoded alone."""
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79], [43, 38, 32, 7, 7, 7, 1]]

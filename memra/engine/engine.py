@@ -104,6 +104,11 @@ class Engine:
         """The most tokens (prompt + completion) one sequence may hold."""
         return min(self.cfg.max_ctx, self.model.cfg.max_position)
 
+    @property
+    def cache_ctx(self) -> int:
+        """Positions a sequence's cache may address: max_len, or what the pools hold if that is fewer."""
+        return min(self.max_len, self.backend.blocks * BLOCK_SIZE)
+
     # --- the caller's side (any thread) ---
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Every refusal a request can get before it is queued (HTTP 400). The length is checked first:
@@ -167,16 +172,15 @@ class Engine:
 
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does: kernel compilation, the decode plan's
-        on-model check, allocator growth, and on a GPU the decode graph of every batch bucket up to
-        max_batch (memra.engine.backends.InProcess.warm_graphs), at the table width requests use."""
-        c = self.backend.new_cache(self.max_len)
-        n = min(EXACT_PIECE + 2, self.max_len - 1)  # a piece boundary crossed, where the context allows
+        check, and on a GPU every batch bucket's decode graph (memra.engine.backends.InProcess.warm_graphs)."""
+        c = self.backend.new_cache(self.cache_ctx)
+        n = min(EXACT_PIECE + 2, self.cache_ctx - 1)  # a piece boundary crossed, where the context allows
         try:
             logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(n)], c)
             self.model.decode_step_batch([int(logits.argmax())], [c])
         finally:
             c.free()
-        self.backend.warm_graphs(self.cfg.max_batch, self.max_len)
+        self.backend.warm_graphs(self.cfg.max_batch, self.cache_ctx)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
@@ -331,10 +335,9 @@ class Engine:
         self._publish_gauges(len(plan.decode))
 
     def _new_cache(self, s: _Seq):
-        # Every sequence's cache is as wide as the engine's longest: the decode graphs key on the table
-        # width, so one width means one graph per batch bucket, all captured at warm-up. The blocks are
-        # taken as positions arrive; a sequence's own bound is check_request's and the scheduler's.
-        return self.backend.new_cache(self.max_len)
+        # Every cache is as wide as the engine's longest: the decode graphs key on the table width, so one
+        # graph per batch bucket (captured at warm-up). Blocks come as positions do; check_request bounds a sequence.
+        return self.backend.new_cache(self.cache_ctx)
 
     def _emit(self, s: _Seq, picked: Picked) -> None:
         """Record the token the sampler chose for `s` and send it out."""
@@ -387,14 +390,8 @@ class Engine:
         saved, s.swapped = s.swapped, None
         if saved is None or saved.get("empty"):
             return
-        s.cache = self.backend.swap_in(saved, self.max_len)
+        s.cache = self.backend.swap_in(saved, self.cache_ctx)
 
     def _publish_gauges(self, batch: int) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.running.set(self.scheduler.num_running())
-        self.metrics.waiting.set(self.scheduler.num_waiting())
-        self.metrics.kv_usage.set(self.scheduler.kv_usage)
-        if batch:
-            self.metrics.batch_size.observe(batch)
-
+        if self.metrics is not None:
+            self.metrics.publish(self.scheduler, batch)

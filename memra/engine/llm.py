@@ -61,10 +61,11 @@ class LLM:
     model: a path (HF directory, .gguf, "demo", "random:SHAPE") or a model memra.load returned.
     max_batch: sequences decoded together; max_ctx: prompt + completion tokens per sequence (default the
     model's context). The engine's caches take at most the model's KV budget (memra.load's kv_budget).
+    warm_up: pay kernel compilation and (on a GPU) every batch bucket's graph capture now (Engine.warm_up).
     """
 
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
-                 max_ctx: int | None = None, **load_options):
+                 max_ctx: int | None = None, warm_up: bool = True, **load_options):
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load
 
@@ -74,6 +75,8 @@ class LLM:
         self.model, self.tokenizer = model, model.tokenizer
         ctx = min(max_ctx or model.cfg.max_position, model.cfg.max_position)
         self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30))
+        if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
+            self.engine.warm_up()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -50,11 +50,13 @@ class HybridModel:
     its cache pools, and the step API (bodies in memra.step)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget(), settings: Settings | None = None):
+                 tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget(), settings: Settings | None = None,
+                 view: bool = False):
         self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.settings = settings if settings is not None else Settings()
         self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
         self._weights = weights  # what a view with other settings is built from (with_settings)
+        self.is_view = view  # built by with_settings: the weights belong to the model it views
         self.embed = weights["embed"]  # [V, E]
         self.final_norm = weights["final_norm"]  # [E] fp32
         self.lm_head = weights.get("lm_head", self.embed)  # [V, E]; tied models share the embedding
@@ -82,7 +84,7 @@ class HybridModel:
             raise MemraError("this model's weights were sharded over a pipeline's devices; a view with other "
                              "settings needs the unsharded model (load it again)")
         return HybridModel(self.cfg, self._weights, self.device, self.dtype, tokenizer=self.tokenizer,
-                           source=self.source, kv_budget=self.kv_budget, settings=settings)
+                           source=self.source, kv_budget=self.kv_budget, settings=settings, view=True)
 
     def with_doors(self, **doors: str | None) -> "HybridModel":
         """This model as it runs with these MEMRA_* doors set (or unset: None): a view over the same weights

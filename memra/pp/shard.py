@@ -29,9 +29,16 @@ def _move(obj, device: torch.device, seen: set[int]) -> None:
             _move(value, device, seen)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as the device it means now (`cuda:N`), so one GPU named two ways is one device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def shard_weights(model, rt: PpRuntime) -> None:
-    devices = {st.device for st in rt.stages}
-    if devices == {model.device}:
+    devices = {_indexed(st.device) for st in rt.stages}
+    if devices == {_indexed(model.device)}:
         return
     for s, st in enumerate(rt.stages):
         a, b = st.layers
@@ -40,7 +47,8 @@ def shard_weights(model, rt: PpRuntime) -> None:
     last = rt.stages[-1].device
     for mtp in model.mtp:
         _move(mtp, last, set())
-    model._weights = None  # the unsharded tensors go (their memory with them); so does with_settings
+    if not model.is_view:  # a loaded model's unsharded tensors go (their memory with them), and with_settings
+        model._weights = None  # with them; a view's belong to the model it views, which keeps them anyway
     tied = model.lm_head is model.embed
     model.embed = model.embed.to(rt.stages[0].device)
     model.lm_head = (model.embed if tied else model.lm_head).to(last)

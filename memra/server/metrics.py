@@ -48,5 +48,13 @@ class Metrics:
         self.info.labels(**label).set(1)
         r.register(_LivenessCounters())
 
+    def publish(self, scheduler, batch: int) -> None:
+        """After an engine step: the scheduler's gauges, and the decode batch's width if one ran."""
+        self.running.set(scheduler.num_running())
+        self.waiting.set(scheduler.num_waiting())
+        self.kv_usage.set(scheduler.kv_usage)
+        if batch:
+            self.batch_size.observe(batch)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
