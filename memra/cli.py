@@ -202,6 +202,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
+    llm = LLM(model, max_batch=1)  # one engine for the session: its warm-up and graphs serve every turn
     turn = 0
     while True:
         if interactive:
@@ -222,7 +223,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         params = _fit(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
                                      max_tokens=args.max_tokens), len(ids), model.cfg.max_position)
         reply = []
-        for piece in LLM(model, max_batch=1, max_ctx=len(ids) + params.max_tokens, warm_up=False).stream(ids, params):
+        for piece in llm.stream(ids, params):
             reply.append(piece)
             print(piece, end="", flush=True)
         print()
