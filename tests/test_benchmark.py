@@ -75,7 +75,8 @@ FAST = dict(batches=(1, 2), decode_steps=2, warmup=1, repeats=1, prefill_chunk=6
 def full_run(tmp_path_factory):
     factory = Factory()
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    cfg = BenchConfig(models=("tiny-llama", "tiny-hybrid"), json_path=str(path), model_factory=factory, **FAST)
+    cfg = BenchConfig(models=("tiny-llama", "tiny-hybrid"), json_path=str(path), model_factory=factory,
+                      peers=("hf", "hf-static"), **FAST)
     return run_bench(cfg, progress=False), factory, path
 
 
@@ -85,7 +86,7 @@ def test_every_cell_runs_and_ratios_come_from_this_run(full_run):
     planned = {(m, mode, phase, b) for m in cfg.models for mode, phase, b in planned_cells(cfg, m)}
     got = {(r.model, r.mode, r.phase, r.batch) for r in report.rows}
     assert got == planned and len(report.rows) == len(planned)
-    assert {"exact", "fast", "hf"} == {r.mode for r in report.rows}
+    assert {"exact", "fast", "hf", "hf-static"} == {r.mode for r in report.rows}
     assert all(r.status == "ok" for r in report.rows), [r.note for r in report.rows if r.status != "ok"]
     bw, peak = report.probes.read_bytes_per_s, report.probes.matmul_flops_per_s
     assert bw > 0 and peak > 0
@@ -99,11 +100,12 @@ def test_every_cell_runs_and_ratios_come_from_this_run(full_run):
                                                  bw, peak)
         assert r.roofline_tokens_per_s == pytest.approx(roof)
         assert r.vs_roofline == pytest.approx(r.tokens_per_s / roof)
-        if r.mode == "hf":
-            assert r.vs_hf is None and r.vs_fast is None
+        if r.mode in ("hf", "hf-static"):
+            assert r.vs_hf is None and r.vs_hf_static is None and r.vs_fast is None
             continue
-        hf = report.row(r.model, "hf", r.phase, r.batch)
+        hf, static = (report.row(r.model, peer, r.phase, r.batch) for peer in ("hf", "hf-static"))
         assert r.vs_hf == pytest.approx(r.tokens_per_s / hf.tokens_per_s)
+        assert r.vs_hf_static == pytest.approx(r.tokens_per_s / static.tokens_per_s)
         if r.mode == "exact":
             assert r.vs_fast == pytest.approx(r.tokens_per_s / report.row(r.model, "fast", r.phase, r.batch).tokens_per_s)
         else:
@@ -118,11 +120,14 @@ def test_table_and_json_round_trip(full_run):
     text = report.table()
     for r in report.rows:
         assert r.model in text
-    for word in ("exact", "fast", "hf", "decode", "prefill", "ttft", "roofline", "vs HF", "exact/fast", "GB/s"):
+    for word in ("exact", "fast", "hf", "decode", "prefill", "ttft", "roofline", "vs HF", "vs HF static", "exact/fast", "GB/s"):
         assert word in text
     data = json.loads(json.dumps(report.to_json()))
     back = BenchReport.from_json(data)
     assert back == report
+    old = dict(data["config"], peer_hf=False)  # a report written when the peer was one flag
+    del old["peers"]
+    assert BenchConfig.from_json(old).peers == ()
     assert json.loads(json.dumps(back.to_json())) == data
     on_disk = json.loads(path.read_text())
     assert on_disk == data
@@ -133,7 +138,7 @@ def test_out_of_budget_cells_are_recorded_as_skipped():
     factory = Factory()
     # Each clock read is one "second" (the run reads it at its start, before each model and before each
     # cell), so a budget of 4 lets the first model's first cells run and skips every later one.
-    cfg = BenchConfig(models=("tiny-llama", "tiny-hybrid"), peer_hf=False, budget_s=4, model_factory=factory, **FAST)
+    cfg = BenchConfig(models=("tiny-llama", "tiny-hybrid"), peers=(), budget_s=4, model_factory=factory, **FAST)
     report = run_bench(cfg, clock=lambda: next(ticks), progress=False)
     planned = sum(len(planned_cells(cfg, m)) for m in cfg.models)
     assert len(report.rows) == planned
@@ -195,7 +200,7 @@ def test_cli(capsys):
     args = build_parser().parse_args(["bench", "model", "--models", "llama-3-8b,qwen3.5-9b", "--batches", "1,32",
                                       "--layers", "qwen3.5-9b=4", "--no-hf", "--budget", "60", "--device", "cpu"])
     cfg = config_from_args(args)
-    assert cfg.models == ("llama-3-8b", "qwen3.5-9b") and cfg.batches == (1, 32) and not cfg.peer_hf
+    assert cfg.models == ("llama-3-8b", "qwen3.5-9b") and cfg.batches == (1, 32) and cfg.peers == ()
     assert cfg.layers_for("qwen3.5-9b") == 4 and cfg.layers_for("llama-3-8b") is None and cfg.budget_s == 60
     assert parse_layers("6", ("a", "b")) == (("a", 6), ("b", 6))
 

@@ -162,7 +162,10 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
     p.add_argument("--ttft-tokens", type=int, default=d.ttft_tokens)
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="each decode row's primed prompt")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument("--peer", default=",".join(d.peers),
+                   help="HF transformers peers: hf (generate, dynamic cache) and/or hf-static "
+                        "(cache_implementation='static', which compiles the forward on a GPU)")
+    p.add_argument("--no-hf", action="store_true", help="no HF peer at all")
     p.add_argument("--budget", type=float, default=None, metavar="S",
                    help="start no cell after S seconds; the rest are recorded as skipped")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -176,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        weights=args.weights, exact_modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                        decode_steps=args.steps, warmup=args.warmup, repeats=args.repeats,
                        prefill_chunk=args.prefill_chunk, ttft_tokens=args.ttft_tokens,
-                       prompt_tokens=args.prompt_tokens, peer_hf=not args.no_hf, budget_s=args.budget,
+                       prompt_tokens=args.prompt_tokens, budget_s=args.budget,
+                       peers=() if args.no_hf else tuple(p.strip() for p in args.peer.split(",") if p.strip()),
                        seed=args.seed, json_path=args.json)
 
 

@@ -1,8 +1,8 @@
 """What one `memra bench model` run measures: the model shapes, batch widths, modes, weight format and
 budgets (BenchConfig), validated when built so a bad flag fails before any model is allocated.
 
-Also the names the other bench modules share: the weight formats, memra's modes (exact | fast) and the
-user paths timed beside them (engine | newcache).
+Also the names the other bench modules share: the weight formats, memra's modes (exact | fast), the
+user paths timed beside them (engine | newcache) and the HF peers (hf | hf-static).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from memra.random_model import SHAPES
 WEIGHT_FORMATS = {"bf16": (torch.bfloat16, None), "q8_0": (torch.bfloat16, "q8_0"), "q4_k": (torch.bfloat16, "q4_k")}
 MODES = ("exact", "fast")  # memra's exact path, and the non-exact stacked path (MEMRA_EXACT=0)
 PATHS = ("engine", "newcache")  # the paths users run, timed beside the pooled step (memra.bench.user_paths)
+# HF transformers `generate` on the same weights: with its default dynamic cache, and with
+# cache_implementation="static" (which makes transformers compile the forward on a GPU)
+PEERS = ("hf", "hf-static")
 GIB = 2**30
 
 
@@ -47,7 +50,7 @@ class BenchConfig:
     repeats: int = 3  # prefill / TTFT / probes: best of this many
     layers: tuple[tuple[str, int], ...] = ()  # per-model layer count, e.g. (("qwen3.5-35b-a3b", 20),)
     weights: str = "bf16"
-    peer_hf: bool = True
+    peers: tuple[str, ...] = ("hf",)  # which of PEERS run; () = none
     exact_modes: tuple[str, ...] = MODES
     device: str = "cuda"
     json_path: str | None = None  # also write the report here (after each model, so a crash keeps results)
@@ -76,6 +79,8 @@ class BenchConfig:
             raise MemraError(f"batch widths must be positive, got {self.batches}")
         if bad := [m for m in self.exact_modes if m not in MODES + PATHS]:
             raise MemraError(f"unknown mode(s) {bad}; modes are {', '.join(MODES + PATHS)}")
+        if bad := [p for p in self.peers if p not in PEERS]:
+            raise MemraError(f"unknown peer(s) {bad}; peers are {', '.join(PEERS)}")
         if not 1 <= self.prefill_chunk <= PRIME_CHUNK_MAX_TOKENS:
             raise MemraError(f"prefill_chunk must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {self.prefill_chunk}")
         for name in ("ttft_tokens", "prompt_tokens", "decode_steps", "repeats"):
@@ -107,7 +112,9 @@ class BenchConfig:
         against SHAPES), and compares equal to the original."""
         d = dict(d)
         factory = d.pop("model_factory", None)
-        for k in ("models", "batches", "exact_modes"):
+        if "peer_hf" in d:  # a report written before there was more than one peer
+            d["peers"] = ("hf",) if d.pop("peer_hf") else ()
+        for k in ("models", "batches", "exact_modes", "peers"):
             d[k] = tuple(d[k])
         d["layers"] = tuple((k, int(v)) for k, v in d["layers"].items())
         return cls(**d, model_factory=None if factory is None else _UnserializedFactory(factory))

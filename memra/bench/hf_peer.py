@@ -190,11 +190,12 @@ def hf_notes(hf, cfg: ModelConfig) -> str:
     return "; ".join(notes)
 
 
-def _hf_generate_seconds(hf, ids: torch.Tensor, new_tokens: int) -> float:
+def _hf_generate_seconds(hf, ids: torch.Tensor, new_tokens: int, static: bool = False) -> float:
     sync(ids.device)
     t0 = time.perf_counter()
+    cache = {"cache_implementation": "static"} if static else {}
     hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False)
+                min_new_tokens=new_tokens, do_sample=False, **cache)
     sync(ids.device)
     return time.perf_counter() - t0
 
@@ -205,17 +206,17 @@ def _hf_ids(vocab: int, batch: int, tokens: int, seed: int, device: torch.device
 
 @torch.inference_mode()
 def time_hf_decode(hf, vocab: int, batch: int, steps: int, warmup: int, prompt_tokens: int, device: torch.device,
-                   seed: int = 0) -> Timing:
+                   seed: int = 0, static: bool = False) -> Timing:
     """HF decode tokens/s at B: generate(steps + 1 tokens) minus generate(1 token), each the best of three — the
     difference is `steps` decode steps, with the prompt's prefill and the first token taken out."""
     ids = _hf_ids(vocab, batch, prompt_tokens, seed, device)
-    if warmup:
-        _hf_generate_seconds(hf, ids, 2)
+    if warmup or static:  # the longest call first: a static cache keeps its length (and compiled forward) after it
+        _hf_generate_seconds(hf, ids, steps + 1, static)
     # Best of three of each, interleaved: one noisy generate must not decide the difference of two.
     first = total = float("inf")
     for _ in range(3):
-        first = min(first, _hf_generate_seconds(hf, ids, 1))
-        total = min(total, _hf_generate_seconds(hf, ids, steps + 1))
+        first = min(first, _hf_generate_seconds(hf, ids, 1, static))
+        total = min(total, _hf_generate_seconds(hf, ids, steps + 1, static))
     if total <= first:
         raise MemraError(f"HF generate of {steps + 1} tokens took {total:.4f} s, of 1 token {first:.4f} s: "
                          f"timing noise exceeds {steps} decode steps; use more --steps")
@@ -223,7 +224,9 @@ def time_hf_decode(hf, vocab: int, batch: int, steps: int, warmup: int, prompt_t
 
 
 @torch.inference_mode()
-def time_hf_first_token(hf, vocab: int, tokens: int, repeats: int, device: torch.device, seed: int = 0) -> Timing:
-    """HF prefill and TTFT: generate(1 token) from a `tokens`-token prompt, best of `repeats`."""
+def time_hf_first_token(hf, vocab: int, tokens: int, repeats: int, device: torch.device, seed: int = 0,
+                        static: bool = False) -> Timing:
+    """HF prefill and TTFT: generate(1 token) from a `tokens`-token prompt, best of `repeats` (after an
+    untimed call, which is where a static cache's compile happens)."""
     ids = _hf_ids(vocab, 1, tokens, seed, device)
-    return Timing(best_seconds(lambda: _hf_generate_seconds(hf, ids, 1), device, repeats), tokens, repeats)
+    return Timing(best_seconds(lambda: _hf_generate_seconds(hf, ids, 1, static), device, repeats), tokens, repeats)

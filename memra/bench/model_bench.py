@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from memra.bench.config import MODES, PATHS, WEIGHT_FORMATS, BenchConfig
+from memra.bench.config import MODES, PATHS, PEERS, WEIGHT_FORMATS, BenchConfig
 from memra.bench.fit import fit_layers
 from memra.bench.hf_peer import hf_notes, hf_peer, time_hf_decode, time_hf_first_token
 from memra.bench.memra_cells import mode_view, prompt_ids, time_decode, time_prefill, time_ttft
@@ -90,8 +90,8 @@ class _Progress:
 
 
 def planned_cells(cfg: BenchConfig, model: str) -> list[tuple[str, str, int]]:
-    """Every (mode, phase, batch) cell of one model, in run order: memra modes first, then the peer."""
-    modes = [m for m in cfg.exact_modes if m in MODES] + (["hf"] if cfg.peer_hf else [])
+    """Every (mode, phase, batch) cell of one model, in run order: memra modes first, then the peers."""
+    modes = [m for m in cfg.exact_modes if m in MODES] + [p for p in PEERS if p in cfg.peers]
     cells = [(mode, phase, b) for mode in modes
              for phase, batches in (("decode", cfg.batches), ("prefill", (1,)), ("ttft", (1,))) for b in batches]
     return cells + [(mode, "decode", b) for mode in cfg.exact_modes if mode in PATHS for b in cfg.batches]
@@ -237,9 +237,9 @@ def _bench_model(run: _Run, name: str, device: torch.device, probes: Probes) -> 
     if any(r.model == name and r.mode == "exact" and r.phase == "decode" and r.status == "ok" for r in run.rows):
         notes.append(f"exact decode plan: {_exact_plan(model)}")  # already resolved (and cached) by those cells
     hf_how = "off (--no-hf)"
-    if cfg.peer_hf and WEIGHT_FORMATS[cfg.weights][1] is not None:
+    if cfg.peers and WEIGHT_FORMATS[cfg.weights][1] is not None:
         hf_how = f"off (the HF peer runs bf16 weights; these are {cfg.weights})"
-    elif cfg.peer_hf:
+    elif cfg.peers:
         hf_how = _bench_peer(run, name, model, roofs)
     run.models.append(ModelInfo(name, mcfg.arch, mcfg.n_layers, full, sum(tensor_numel(t) for t in trunk.values()),
                                 sum(tensor_bytes(t) for t in trunk.values()), build_s, hf_how,
@@ -270,31 +270,35 @@ def _exact_plan(model) -> str:
 
 
 def _bench_peer(run: _Run, name: str, model, roofs: dict) -> str:
-    """The HF peer's cells for one model. -> how the peer was built (or why it was not)."""
+    """The HF peers' cells for one model (one HF model serves both). -> how the peer was built (or why
+    it was not)."""
     cfg, device, mcfg = run.cfg, model.device, model.cfg
-    hf_cells = [(phase, b) for mode, phase, b in planned_cells(cfg, name) if mode == "hf"]
+    peer_cells = [(mode, phase, b) for mode, phase, b in planned_cells(cfg, name) if mode in PEERS]
     if run.over_budget():
-        for phase, b in hf_cells:
-            run.record(BenchResult(name, cfg.weights, "hf", phase, b, status="skipped",
+        for mode, phase, b in peer_cells:
+            run.record(BenchResult(name, cfg.weights, mode, phase, b, status="skipped",
                                    note=f"time budget of {cfg.budget_s:g} s spent before the peer was built"))
         return "skipped (time budget)"
     try:
         hf, how = hf_peer(model)
     except (MemraError, RuntimeError) as e:
         why = f"no HF peer: {e}"[:300]
-        for phase, b in hf_cells:
-            run.record(BenchResult(name, cfg.weights, "hf", phase, b, status="skipped", note=why))
+        for mode, phase, b in peer_cells:
+            run.record(BenchResult(name, cfg.weights, mode, phase, b, status="skipped", note=why))
         return why
     run.log(f"HF peer for {name}: {how}")
     note = hf_notes(hf, mcfg)
     vocab = mcfg.vocab_size
     fixed = lambda key: (lambda t: roofs[key])
-    for b in cfg.batches:
-        run.cell(name, "hf", "decode", b,
-                 lambda: time_hf_decode(hf, vocab, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, device, cfg.seed),
-                 fixed(("decode", b)), note)
-    run.cell(name, "hf", "prefill", 1, lambda: time_hf_first_token(hf, vocab, cfg.prefill_chunk, cfg.repeats, device,
-                                                                    cfg.seed), fixed(("prefill", 1)), note)
-    run.cell(name, "hf", "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats, device,
-                                                                 cfg.seed + 1), fixed(("ttft", 1)), note)
+    for mode in (p for p in PEERS if p in cfg.peers):
+        static = mode == "hf-static"
+        for b in cfg.batches:
+            run.cell(name, mode, "decode", b,
+                     lambda: time_hf_decode(hf, vocab, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, device,
+                                            cfg.seed, static), fixed(("decode", b)), note)
+        run.cell(name, mode, "prefill", 1, lambda: time_hf_first_token(hf, vocab, cfg.prefill_chunk, cfg.repeats,
+                                                                        device, cfg.seed, static),
+                 fixed(("prefill", 1)), note)
+        run.cell(name, mode, "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats, device,
+                                                                     cfg.seed + 1, static), fixed(("ttft", 1)), note)
     return how

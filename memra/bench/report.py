@@ -13,13 +13,14 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
-from memra.bench.config import PATHS, BenchConfig
+from memra.bench.config import PATHS, PEERS, BenchConfig
 from memra.bench.probes import Probes
 
 
 @dataclass(frozen=True)
 class BenchResult:
-    """One cell: a model, a mode (exact | fast | hf) and a phase (decode at batch B, prefill, ttft)."""
+    """One cell: a model, a mode (exact | fast | a user path | an HF peer) and a phase (decode at batch B,
+    prefill, ttft)."""
 
     model: str
     weights: str
@@ -33,6 +34,7 @@ class BenchResult:
     roofline_tokens_per_s: float | None = None
     vs_roofline: float | None = None  # tokens_per_s / roofline_tokens_per_s (<= 1 unless the model is wrong)
     vs_hf: float | None = None  # tokens_per_s / the HF peer's, same phase and batch
+    vs_hf_static: float | None = None  # tokens_per_s / the HF static-cache peer's, same phase and batch
     vs_fast: float | None = None  # exact rows: exact / fast tokens/s (the exactness overhead target: >= 0.9)
     vs_pooled: float | None = None  # engine / newcache rows: tokens/s / the exact pooled step's, same B
     context: int = 0  # decode: mean context length the roofline assumes
@@ -103,8 +105,8 @@ class BenchReport:
             lines.append(f"{m.name}: {m.arch}, {layers} layers, {si(m.params)} trunk params, "
                          f"{si(m.weight_bytes)}B; HF peer: {m.hf_peer}")
             lines += [f"  note: {n}" for n in m.notes]
-        head = ("model", "mode", "phase", "B", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "exact/fast",
-                "of pooled", "notes")
+        head = ("model", "mode", "phase", "B", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "vs HF static",
+                "exact/fast", "of pooled", "notes")
         body = [head]
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
         for r in self.rows:
@@ -113,6 +115,7 @@ class BenchReport:
                          fmt(None if r.seconds is None else r.seconds * 1e3, ".2f"),
                          fmt(r.roofline_tokens_per_s, ".1f"), fmt(r.vs_roofline, ".1%"),
                          fmt(r.vs_hf, ".2f") + ("x" if r.vs_hf else ""),
+                         fmt(r.vs_hf_static, ".2f") + ("x" if r.vs_hf_static else ""),
                          fmt(r.vs_fast, ".3f"), fmt(r.vs_pooled, ".3f"), r.note))
         widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]
         lines.append("")
@@ -136,15 +139,18 @@ def si(x: float) -> str:
 
 
 def link_ratios(rows: Sequence[BenchResult]) -> tuple[BenchResult, ...]:
-    """Fill vs_hf (each memra row against the HF row of the same model, phase and batch) and vs_fast
-    (each exact row against the fast row of the same cell) — both from this run's rows only."""
+    """Fill vs_hf / vs_hf_static (each memra row against the HF peers' rows of the same model, phase and
+    batch), vs_fast (each exact row against the fast row of the same cell) and vs_pooled (a user path
+    against the exact pooled step) — all from this run's rows only."""
     by = {(r.mode, *r.key): r for r in rows if r.status == "ok" and r.tokens_per_s}
     out = []
     for r in rows:
-        if r.status == "ok" and r.tokens_per_s and r.mode != "hf":
-            hf, fast = by.get(("hf", *r.key)), by.get(("fast", *r.key))
+        if r.status == "ok" and r.tokens_per_s and r.mode not in PEERS:
+            hf, static = by.get(("hf", *r.key)), by.get(("hf-static", *r.key))
+            fast = by.get(("fast", *r.key))
             pooled = by.get(("exact", *r.key)) if r.mode in PATHS else None
             r = dataclasses.replace(r, vs_hf=r.tokens_per_s / hf.tokens_per_s if hf else None,
+                                    vs_hf_static=r.tokens_per_s / static.tokens_per_s if static else None,
                                     vs_fast=r.tokens_per_s / fast.tokens_per_s if fast and r.mode == "exact" else None,
                                     vs_pooled=r.tokens_per_s / pooled.tokens_per_s if pooled else None)
         out.append(r)
