@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from memra.errors import MemraError
-from memra.bench.serve_checks import check_against_offline, check_metrics, list_models, scrape_metrics
+from memra.bench.serve_checks import check_against_offline, check_metrics, engine_time, list_models, scrape_metrics
 from memra.bench.serve_client import _plan, make_prompts, run_serve_bench
 from memra.bench.serve_report import ServeBenchConfig
 from memra.cli import main
@@ -304,3 +304,14 @@ def test_command_line(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "check failed: memra:generation_tokens_total" in printed and "error       #" in printed
     assert main(["bench", "serve", server.url, "--requests", "0"]) == 2
+
+
+def test_engine_time_splits_the_wall_by_step_kind():
+    before = {"memra:engine_step_seconds_count{kind=decode}": 10.0, "memra:engine_step_seconds_sum{kind=decode}": 0.5}
+    after = {"memra:engine_step_seconds_count{kind=decode}": 110.0, "memra:engine_step_seconds_sum{kind=decode}": 1.5,
+             "memra:engine_step_seconds_count{kind=prefill}": 4.0, "memra:engine_step_seconds_sum{kind=prefill}": 0.2}
+    lines = engine_time(before, after, wall_s=2.0)
+    assert "100 steps" in lines[0] and "10.00 ms each" in lines[0] and "50% of wall" in lines[0]
+    assert "prefill" in lines[1] and "50.00 ms each" in lines[1]
+    assert "idle" in lines[-1] and "0.80 s" in lines[-1]
+    assert engine_time({}, {}, 2.0) == []  # a server that does not export it: nothing to say

@@ -39,6 +39,7 @@ def test_load_test_loses_nothing_and_answers_as_offline(device, capsys):
     out = capsys.readouterr().out
     assert code == 0, out  # 0 only with nothing lost / duplicated / failed and every check passed
     assert "check failed" not in out
+    assert "engine      decode" in out and "engine      idle" in out  # where the server's time went
 
 
 def rss() -> int:

@@ -232,6 +232,9 @@ def test_metrics_match_the_traffic(server):
     assert after["memra:generation_tokens_total"] - before["memra:generation_tokens_total"] == 9
     assert after["memra:prompt_tokens_total"] - before["memra:prompt_tokens_total"] == r.usage.prompt_tokens
     assert after["memra:time_to_first_token_seconds_count"] - before["memra:time_to_first_token_seconds_count"] == 1
+    # the engine's steps, timed: one prefill of the prompt, then the 8 decode steps that produce tokens 2..9
+    steps = after["memra:engine_step_seconds_count"] - before.get("memra:engine_step_seconds_count", 0.0)
+    assert steps == 9 and after["memra:engine_step_seconds_sum"] > before.get("memra:engine_step_seconds_sum", 0.0)
 
 
 def _scrape(url: str) -> dict[str, float]:

@@ -16,7 +16,8 @@ from typing import Sequence
 
 from memra import settings as memra_settings
 from memra.bench.config import BenchConfig, default_device
-from memra.bench.serve_checks import check_against_offline, check_metrics, list_models, memra_offline, scrape_metrics
+from memra.bench.serve_checks import (check_against_offline, check_metrics, engine_time, list_models, memra_offline,
+                                      scrape_metrics)
 from memra.bench.serve_client import run_serve_bench
 from memra.bench.serve_report import ServeBenchConfig
 from memra.errors import MemraError
@@ -108,7 +109,10 @@ def _bench(args, cfg: ServeBenchConfig, server) -> int:
     print(report.table())
     problems = []
     if before is not None:
-        problems += check_metrics(before, scrape_metrics(args.url, args.api_key), report, prefix=args.metrics_prefix)
+        after = scrape_metrics(args.url, args.api_key)
+        for line in engine_time(before, after, report.wall_s, prefix=args.metrics_prefix):
+            print(line)
+        problems += check_metrics(before, after, report, prefix=args.metrics_prefix)
     if args.offline_check or (server is not None and not args.no_offline_check):
         target = server.model if server is not None else args.offline_check
         problems += check_against_offline(report, memra_offline(target, args.device, args.dtype))

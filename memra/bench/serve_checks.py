@@ -41,7 +41,8 @@ def list_models(url: str, api_key: str | None = None) -> list[str]:
 
 
 def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
-    """Sample name -> value summed over its label sets, from the server's /metrics.
+    """Sample name -> value summed over its label sets, from the server's /metrics; a labelled sample is
+    also kept on its own as `name{label=value,...}`.
 
     Keyed by sample name, not family name: prometheus_client's parser names a counter's family without
     its `_total` suffix, while its sample keeps the name the server exported."""
@@ -52,9 +53,29 @@ def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
         for family in text_string_to_metric_families(_get(url, "/metrics", api_key).text):
             for s in family.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
+                labels = {k: v for k, v in s.labels.items() if k != "le"}
+                if labels and "le" not in s.labels:
+                    out[s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"] = s.value
     except ValueError as e:
         raise MemraError(f"{server_root(url)}/metrics is not Prometheus text: {e}") from None
     return out
+
+
+def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float, prefix: str = "memra:") -> list[str]:
+    """Where the server's engine spent the run (memra:engine_step_seconds by kind): steps, their mean
+    time and their share of the client's wall time. Empty when the server does not export it."""
+    lines, busy = [], 0.0
+    for kind in ("decode", "prefill", "mixed"):
+        key = f"{prefix}engine_step_seconds_%s{{kind={kind}}}"
+        n = after.get(key % "count", 0.0) - before.get(key % "count", 0.0)
+        s = after.get(key % "sum", 0.0) - before.get(key % "sum", 0.0)
+        if n > 0:
+            busy += s
+            share = f" ({s / wall_s:.0%} of wall)" if wall_s > 0 else ""
+            lines.append(f"engine      {kind:8s}{int(n):7d} steps, {s / n * 1e3:8.2f} ms each, {s:7.2f} s{share}")
+    if lines:
+        lines.append(f"engine      idle    {max(wall_s - busy, 0.0):7.2f} s of {wall_s:.2f} s wall")
+    return lines
 
 
 def _first_difference(want: str, got: str) -> str:

@@ -294,6 +294,7 @@ class Engine:
                         self._finish(s, reason or "abort")
 
     def _step(self, plan) -> None:
+        t0 = time.perf_counter()  # the step ends with the tokens on the host: its wall time is the GPU's too
         self.backend.before_step()
         for rid in plan.swap_out:
             self._swap_out(self.seqs[rid])
@@ -332,7 +333,8 @@ class Engine:
         for rid in finished:
             self._release(self.seqs.pop(rid))
         self.steps += 1
-        self._publish_gauges(len(plan.decode))
+        kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
+        self._publish_gauges(len(plan.decode), kind, time.perf_counter() - t0)
 
     def _new_cache(self, s: _Seq):
         # Every cache is as wide as the engine's longest: the decode graphs key on the table width, so one
@@ -392,6 +394,6 @@ class Engine:
             return
         s.cache = self.backend.swap_in(saved, self.cache_ctx)
 
-    def _publish_gauges(self, batch: int) -> None:
+    def _publish_gauges(self, batch: int, kind: str | None = None, seconds: float = 0.0) -> None:
         if self.metrics is not None:
-            self.metrics.publish(self.scheduler, batch)
+            self.metrics.publish(self.scheduler, batch, kind, seconds)

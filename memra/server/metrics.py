@@ -44,17 +44,23 @@ class Metrics:
                                      registry=r, buckets=_LATENCY_BUCKETS)
         self.batch_size = Histogram("memra:decode_batch_size", "Rows per batched decode step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        # where the engine's time goes: a step that only decodes, only prefills, or does both
+        self.step_seconds = Histogram("memra:engine_step_seconds", "Wall time of one engine step, by what it ran",
+                                      ["kind"], registry=r, buckets=_LATENCY_BUCKETS)
         self.info = Gauge("memra:model_info", "The served model", list(label), registry=r)
         self.info.labels(**label).set(1)
         r.register(_LivenessCounters())
 
-    def publish(self, scheduler, batch: int) -> None:
-        """After an engine step: the scheduler's gauges, and the decode batch's width if one ran."""
+    def publish(self, scheduler, batch: int, kind: str | None = None, seconds: float = 0.0) -> None:
+        """After an engine step: the scheduler's gauges, the decode batch's width if one ran, and the
+        step's wall time by kind (decode | prefill | mixed; None: nothing ran)."""
         self.running.set(scheduler.num_running())
         self.waiting.set(scheduler.num_waiting())
         self.kv_usage.set(scheduler.kv_usage)
         if batch:
             self.batch_size.observe(batch)
+        if kind is not None:
+            self.step_seconds.labels(kind=kind).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
