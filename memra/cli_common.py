@@ -8,6 +8,9 @@ import argparse
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--packed-weights", action="store_true",
+                   help="keep a GGUF's Q8_0 / Q4_K weights packed in memory (about half the RAM on CPU, the same "
+                        "output, slower today)")
     p.add_argument("--check-tensors", action="store_true",
                    help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "
                         "quantization scales are always checked)")
@@ -29,4 +32,4 @@ def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
     from memra.pools import KvBudget
 
     return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer, check_tensors=args.check_tensors,
-                      kv_budget=KvBudget(args.kv_memory, args.kv_fraction))
+                      kv_budget=KvBudget(args.kv_memory, args.kv_fraction), packed_weights=args.packed_weights)

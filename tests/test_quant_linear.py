@@ -103,6 +103,29 @@ def test_quant_weight_api():
     same_bits(wrapped.dequantize(), qw.dequantize())
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K])
+def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
+    """What the packed GGUF loader and the CPU linear do with packed rows: move them (map_rows,
+    cat_rows), look rows up (an embedding), and decode a tile at a time — every value and every bit as
+    the whole weight decoded."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(320, 256, generator=gen)
+    qw = quant.quantize(w, qtype, torch.float32)
+    full = qw.dequantize()
+    perm = torch.randperm(320, generator=gen)
+    assert torch.equal(qw.map_rows(lambda t: t[perm]).dequantize(), full[perm])
+    assert torch.equal(QuantWeight.cat_rows([qw, qw.map_rows(lambda t: t[:64])]).dequantize(),
+                       torch.cat((full, full[:64])))
+    ids = torch.tensor([5, 0, 319, 5])
+    assert torch.equal(qw[ids], full[ids]) and torch.equal(qw[7], full[7:8])
+    x = torch.randn(3, 256, generator=gen)
+    monkeypatch.setattr(quant, "TILE_BYTES", 64 * 256 * 4)  # five tiles of 64 rows
+    assert quant.splits_keep_bits(x.device, x.dtype)  # this CPU's BLAS (else the linear decodes whole weights)
+    assert torch.equal(quant.tiled_linear(x, qw), quant.reference_linear(x, qw))
+    with pytest.raises(MemraError, match="one format"):
+        QuantWeight.cat_rows([qw, quant.quantize(torch.randn(4, 512), qtype, torch.float32)])
+
+
 def test_bad_shapes_and_types_are_refused_clearly():
     with pytest.raises(MemraError, match="multiple of 32"):
         quant.quantize_q8_0(rnd(4, 48))

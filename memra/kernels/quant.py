@@ -100,6 +100,29 @@ class QuantWeight:
     def to(self, device: torch.device | str) -> "QuantWeight":
         return dataclasses.replace(self, data=self.data.to(device))
 
+    def __getitem__(self, rows) -> torch.Tensor:
+        """Rows as values in self.dtype, decoding only those: `embed[ids]` is an embedding lookup on a
+        packed table. `rows`: a tensor of row indices, a list or a slice."""
+        data = self.data[rows]
+        if data.dim() == 1:  # one row by an int
+            data = data[None]
+        return dequant.dequantize(data, self.qtype, (data.shape[0], self.shape[1])).to(self.dtype)
+
+    def map_rows(self, fn) -> "QuantWeight":
+        """The weight with its rows moved by `fn` ([N, bytes] -> [N', bytes]: a slice, a permutation, a
+        regrouping of whole rows — the loader's row reorders run on the packed rows unchanged)."""
+        data = fn(self.data).contiguous()
+        return QuantWeight(self.qtype, data, (data.shape[0], self.shape[1]), self.dtype)
+
+    @staticmethod
+    def cat_rows(parts: "list[QuantWeight]") -> "QuantWeight":
+        """Row-concatenation of weights of one format and width (a fused qkv or gate_up, still packed)."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            raise MemraError("cat_rows needs weights of one format and one width")
+        data = torch.cat([p.data for p in parts])
+        return QuantWeight(first.qtype, data, (data.shape[0], first.shape[1]), first.dtype)
+
 
 def _check_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> None:
     """The refusals every implementation shares, so the kernels and the twin fail the same way."""
@@ -121,7 +144,50 @@ def reference_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None
     return reference.linear(x, qw.dequantize(x.dtype), bias)
 
 
-linear = reference_linear  # the name the op table calls (memra.kernels.table.KernelTable.linear)
+TILE_BYTES = 32 << 20  # decoded weight per tile: bounds the scratch a packed linear needs on CPU
+
+
+def tiled_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """reference_linear with bounded memory: the weight is decoded a tile of output rows at a time (at
+    most TILE_BYTES), each tile's outputs computed by reference.linear, so a packed model never holds
+    more than one decoded tile beside its packed bytes (on CPU, RSS tracks the file's size). Its bits
+    are reference_linear's where splitting a matmul's output columns keeps each column's bits
+    (splits_keep_bits, probed once per device and dtype); elsewhere it decodes the whole weight."""
+    _check_linear(x, qw, bias)
+    n, k = qw.shape
+    rows = max(64, TILE_BYTES // (k * 4) // 64 * 64)
+    if rows >= n or not splits_keep_bits(x.device, x.dtype):
+        return reference.linear(x, qw.dequantize(x.dtype), bias)
+    out = x.new_empty(*x.shape[:-1], n)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        w = dequant.dequantize(qw.data[a:b], qw.qtype, (b - a, k)).to(x.dtype)
+        out[..., a:b] = reference.linear(x, w, None if bias is None else bias[a:b])
+    return out
+
+
+_SPLITS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def splits_keep_bits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does reference.linear give each output column the same bits whether it computes all the columns
+    or a 64-aligned range of them? A property of the BLAS, probed once per (device, dtype) on shapes
+    like a decode row and a prefill chunk. (Measured true on the CPUs this was written on.)"""
+    key = (str(device), dtype)
+    if key not in _SPLITS:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ok = True
+        for m, n, k in ((1, 320, 256), (7, 320, 256), (64, 256, 512)):
+            x = torch.randn(m, k, generator=gen).to(device, dtype)
+            w = torch.randn(n, k, generator=gen).to(device, dtype)
+            full = reference.linear(x, w, None)
+            parts = torch.cat([reference.linear(x, w[a : a + 64], None) for a in range(0, n, 64)], dim=-1)
+            ok &= torch.equal(full, parts)
+        _SPLITS[key] = ok
+    return _SPLITS[key]
+
+
+linear = tiled_linear  # the name the op table calls off the GPU kernels (memra.kernels.table.KernelTable.linear)
 
 
 # --- quantizers (torch, any device) -----------------------------------------------------------------

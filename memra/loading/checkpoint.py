@@ -131,15 +131,23 @@ def _open_gguf(path: Path):
     return cfg, names, tokenizer, "gguf"
 
 
-def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None, check_tensors: bool = False):
+def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None, check_tensors: bool = False,
+                 packed: bool = False):
     """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32.
     `opened` is open_checkpoint(path)'s result when the caller already has it. The fp32 weights (and GGUF
     block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
-    it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks)."""
+    it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks).
+    `packed`: keep a GGUF's Q8_0 / Q4_K projections as their bytes (memra.loading.gguf), decoded a tile at
+    a time inside each linear: about half the memory on CPU, the same bits, but slower today (the tiles
+    are decoded from the file's interleaved blocks), so off unless asked for."""
+    from memra.kernels.quant import QuantWeight
+    from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
 
     cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
     src = names.src
+    if isinstance(names, GgufNames):
+        names.packed = bool(packed)
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -147,13 +155,19 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
             # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
-            out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
+            if isinstance(t, QuantWeight):  # packed bytes: moved, never converted; decoded to `want` when used
+                out[prefix + k] = dataclasses.replace(t, data=t.data.to(device=device, copy=True), dtype=want)
+            else:
+                out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
 
     def load_part(prefix: str, make) -> dict[str, torch.Tensor]:
         with src.recording() as read:
             placed = place(prefix, make())
-        scanned = placed if check_tensors else {k: t for k, t in placed.items() if k.rsplit(".", 1)[-1] in FP32_WEIGHTS}
+        if check_tensors:  # the full scan reads every value, packed ones decoded (the scales were checked on read)
+            scanned = {k: t.dequantize() if isinstance(t, QuantWeight) else t for k, t in placed.items()}
+        else:
+            scanned = {k: t for k, t in placed.items() if k.rsplit(".", 1)[-1] in FP32_WEIGHTS}
         if bad := nonfinite(scanned):
             raise blame(src, read, bad[0], placed[bad[0]].dtype, check_tensors)
         return placed
@@ -168,10 +182,11 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
          tokenizer: bool = True, check_tensors: bool = False, kv_budget: KvBudget | None = None,
-         settings: Settings | None = None):
+         settings: Settings | None = None, packed_weights: bool = False):
     """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
     .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
+    `packed_weights`: a GGUF's Q8_0 / Q4_K projections stay packed in memory (load_weights; default off).
     `settings`: the MEMRA_* doors (memra.settings); by default read from the environment now, once —
     nothing reads the environment after load. Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
     small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the
@@ -190,7 +205,7 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
         return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer, budget, settings)
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
-    cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors)
+    cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors, packed=packed_weights)
     return HybridModel(cfg, weights, dev, dt, tokenizer=tok, source=str(resolve_model_path(path)), kv_budget=budget,
                        settings=settings)
 

@@ -17,6 +17,12 @@ What llama.cpp's converter did, and what we do about it (docs: QWEN35.md §6):
   restores HF's half-split (NeoX) order, the one our RoPE uses.
 - expert stacking: `*_exps` tensors are [X, ...] stacks already; gate and up are concatenated.
 - tied embeddings: no `output.weight` means the LM head is `token_embd`.
+
+Packed (`packed=True`: memra.load(..., packed_weights=True)): the projections, the embedding and the LM head
+that the file stores as Q8_0 / Q4_K stay GGUF bytes (memra.kernels.quant.QuantWeight), decoded a tile
+at a time inside the linear, so memory tracks the file's size. Every reorder above that moves whole
+rows runs on the packed rows (`rows`, `cat_rows`); one that moves columns (qwen35's ssm_out) decodes
+that tensor at load, as does a fused weight whose parts differ in format.
 """
 
 from __future__ import annotations
@@ -24,8 +30,22 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
+from memra.kernels.quant import FORMATS, QuantWeight
 from memra.loading.hf import ungroup_qkvz
 from memra.loading.sources import GgufSource
+
+
+def rows(w, fn):
+    """fn (a move of whole rows of an [N, X] tensor) applied to a float weight or to a packed one's rows."""
+    return w.map_rows(fn) if isinstance(w, QuantWeight) else fn(w)
+
+
+def cat_rows(parts: list) -> torch.Tensor | QuantWeight:
+    """Row-concatenation: packed where every part is packed in one format, else floats (fp32 decoding
+    gives the values an unpacked load reads)."""
+    if all(isinstance(p, QuantWeight) for p in parts) and len({(p.qtype, p.shape[1]) for p in parts}) == 1:
+        return QuantWeight.cat_rows(parts)
+    return torch.cat([p.dequantize(torch.float32) if isinstance(p, QuantWeight) else p for p in parts])
 
 
 def untile_value_heads(t: torch.Tensor, dim: int, nk: int, r: int) -> torch.Tensor:
@@ -49,9 +69,17 @@ class GgufNames:
     def __init__(self, cfg: ModelConfig, src: GgufSource, gguf_arch: str):
         self.cfg, self.src, self.gguf_arch = cfg, src, gguf_arch
         self.tiled_v = gguf_arch in ("qwen35", "qwen35moe")
+        self.packed = False  # set by the loader: keep Q8_0 / Q4_K projections as GGUF bytes (module doc)
 
     def get(self, name: str, shape: tuple[int, ...], why: str) -> torch.Tensor:
         return self.src.get(name, shape, why)
+
+    def proj(self, name: str, shape: tuple[int, int], why: str) -> torch.Tensor | QuantWeight:
+        """A weight read by a linear (or an embedding lookup): packed where this load packs and the file
+        stores it in a packed format, else floats."""
+        if self.packed and self.src.has(name) and self.src.qtype(name) in FORMATS:
+            return self.src.packed(name, shape, why)
+        return self.get(name, shape, why)
 
     def norm(self, name: str, dim: int, why: str) -> torch.Tensor:
         return self.get(name, (dim,), why).float()  # stored as the effective multiplier (see module doc)
@@ -60,11 +88,11 @@ class GgufNames:
         c = self.cfg
         ve = (c.vocab_size, c.hidden_size)
         out = {
-            "embed": self.get("token_embd.weight", ve, "the token embedding"),
+            "embed": self.proj("token_embd.weight", ve, "the token embedding"),
             "final_norm": self.norm("output_norm.weight", c.hidden_size, "the final norm"),
         }
         if self.src.has("output.weight"):
-            out["lm_head"] = self.get("output.weight", ve, "the LM head")
+            out["lm_head"] = self.proj("output.weight", ve, "the LM head")
         if self.src.has("rope_freqs.weight"):
             out["rope_freqs"] = self.get("rope_freqs.weight", (c.rope.dim // 2,), "RoPE frequency factors").float()
         return out
@@ -76,7 +104,7 @@ class GgufNames:
         e = self.cfg.hidden_size
         p, why = f"blk.{self.cfg.n_layers + j}.", f"MTP block {j}"
         out = {
-            "fc": self.get(p + "nextn.eh_proj.weight", (e, 2 * e), why),
+            "fc": self.proj(p + "nextn.eh_proj.weight", (e, 2 * e), why),
             "enorm": self.norm(p + "nextn.enorm.weight", e, why),
             "hnorm": self.norm(p + "nextn.hnorm.weight", e, why),
             "norm": self.norm(p + "nextn.shared_head_norm.weight", e, why),
@@ -104,15 +132,18 @@ class GgufNames:
         q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
         kv_rows = a.n_kv_heads * a.head_dim
         if self.src.has(p + "attn_qkv.weight"):
-            wqkv = self.get(p + "attn_qkv.weight", (q_rows + 2 * kv_rows, e), why)
-            q, k, v = wqkv.split([q_rows, kv_rows, kv_rows])
+            wqkv = self.proj(p + "attn_qkv.weight", (q_rows + 2 * kv_rows, e), why)
+            q, k, v = (rows(wqkv, lambda t, a=a, b=b: t[a:b])
+                       for a, b in ((0, q_rows), (q_rows, q_rows + kv_rows), (q_rows + kv_rows, q_rows + 2 * kv_rows)))
         else:
-            q = self.get(p + "attn_q.weight", (q_rows, e), why)
-            k = self.get(p + "attn_k.weight", (kv_rows, e), why)
-            v = self.get(p + "attn_v.weight", (kv_rows, e), why)
+            q = self.proj(p + "attn_q.weight", (q_rows, e), why)
+            k = self.proj(p + "attn_k.weight", (kv_rows, e), why)
+            v = self.proj(p + "attn_v.weight", (kv_rows, e), why)
         if self.gguf_arch == "llama":
-            q, k = unpermute_rope_rows(q, a.n_heads), unpermute_rope_rows(k, a.n_kv_heads)
-        out = {"wqkv": torch.cat((q, k, v)), "wo": self.get(p + "attn_output.weight", (e, a.n_heads * a.head_dim), why)}
+            q = rows(q, lambda t: unpermute_rope_rows(t, a.n_heads))
+            k = rows(k, lambda t: unpermute_rope_rows(t, a.n_kv_heads))
+        out = {"wqkv": cat_rows([q, k, v]),
+               "wo": self.proj(p + "attn_output.weight", (e, a.n_heads * a.head_dim), why)}
         if a.qkv_bias:
             out["bqkv"] = torch.cat([self.get(p + f"attn_{x}.bias", (r,), why) for x, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
         if a.qk_norm:
@@ -128,28 +159,31 @@ class GgufNames:
             q, k, v, z = ungroup_qkvz(qkvz, nk, g.k_head_dim, r * g.v_head_dim)
             qkv = torch.cat((q, k, v))
         else:
-            qkv = self.get(p + "attn_qkv.weight", (g.conv_dim, e), why)
-            z = self.get(p + "attn_gate.weight", (g.value_dim, e), why)
+            qkv = self.proj(p + "attn_qkv.weight", (g.conv_dim, e), why)
+            z = self.proj(p + "attn_gate.weight", (g.value_dim, e), why)
         ba_name = next((p + n for n in ("ssm_ba.weight", "ssm_beta_alpha.weight") if self.src.has(p + n)), None)
         if ba_name is not None:  # qwen3next: per-key-head groups [b (r) | a (r)]
-            ba = self.get(ba_name, (2 * nv, e), why).view(nk, 2 * r, e)
-            b, a = ba[:, :r].reshape(nv, e), ba[:, r:].reshape(nv, e)
+            ba = self.proj(ba_name, (2 * nv, e), why)
+            b = rows(ba, lambda t: t.view(nk, 2 * r, -1)[:, :r].reshape(nv, -1))
+            a = rows(ba, lambda t: t.view(nk, 2 * r, -1)[:, r:].reshape(nv, -1))
         else:
-            b = self.get(p + "ssm_beta.weight", (nv, e), why)
-            a = self.get(p + "ssm_alpha.weight", (nv, e), why)
+            b = self.proj(p + "ssm_beta.weight", (nv, e), why)
+            a = self.proj(p + "ssm_alpha.weight", (nv, e), why)
         conv = self.get(p + "ssm_conv1d.weight", (g.conv_dim, g.conv_kernel), why)
         a_neg = self.get(p + "ssm_a", (nv,), why).float()
         dt_bias = self.get(p + "ssm_dt.bias", (nv,), why).float()
-        wo = self.get(p + "ssm_out.weight", (e, g.value_dim), why)
+        # qwen35 reorders ssm_out's columns: decoded at load (a packed row holds all of a row's columns)
+        wo = (self.get if self.tiled_v else self.proj)(p + "ssm_out.weight", (e, g.value_dim), why)
         if self.tiled_v:
             qk_rows = 2 * g.key_dim
-            qkv = torch.cat((qkv[:qk_rows], untile_value_heads(qkv[qk_rows:], 0, nk, r)))
+            untile = lambda t: untile_value_heads(t, 0, nk, r)  # noqa: E731
+            qkv = cat_rows([rows(qkv, lambda t: t[:qk_rows]), rows(qkv, lambda t: untile(t[qk_rows:]))])
             conv = torch.cat((conv[:qk_rows], untile_value_heads(conv[qk_rows:], 0, nk, r)))
-            z, b, a = (untile_value_heads(x, 0, nk, r) for x in (z, b, a))
+            z, b, a = (rows(x, untile) for x in (z, b, a))
             a_neg, dt_bias = untile_value_heads(a_neg, 0, nk, r), untile_value_heads(dt_bias, 0, nk, r)
             wo = untile_value_heads(wo, 1, nk, r)
         return {
-            "w_in": torch.cat((qkv, z, b, a)),
+            "w_in": cat_rows([qkv, z, b, a]),
             "conv": conv,
             "a_neg": a_neg,
             "dt_bias": dt_bias,
@@ -159,9 +193,9 @@ class GgufNames:
 
     def _mlp(self, p: str, suffix: str, width: int, why: str) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
-        gate = self.get(p + f"ffn_gate{suffix}.weight", (width, e), why)
-        up = self.get(p + f"ffn_up{suffix}.weight", (width, e), why)
-        return {"w_gate_up": torch.cat((gate, up)), "w_down": self.get(p + f"ffn_down{suffix}.weight", (e, width), why)}
+        gate = self.proj(p + f"ffn_gate{suffix}.weight", (width, e), why)
+        up = self.proj(p + f"ffn_up{suffix}.weight", (width, e), why)
+        return {"w_gate_up": cat_rows([gate, up]), "w_down": self.proj(p + f"ffn_down{suffix}.weight", (e, width), why)}
 
     def _moe(self, p: str, why: str) -> dict[str, torch.Tensor]:
         m, e = self.cfg.moe, self.cfg.hidden_size

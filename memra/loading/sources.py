@@ -55,6 +55,11 @@ class TensorSource(ABC):
         return name in self.names()
 
     def get(self, name: str, shape: tuple[int, ...] | None = None, why: str = "") -> torch.Tensor:
+        self._check(name, shape, why)
+        return self._read(name)
+
+    def _check(self, name: str, shape: tuple[int, ...] | None, why: str) -> None:
+        """The tensor exists with this shape (refused otherwise), and the journal notes its reading."""
         if not self.has(name):
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing" + (f" (needed for {why})" if why else ""))
         found = self.shape(name)
@@ -65,7 +70,6 @@ class TensorSource(ABC):
             )
         if self._journal is not None:
             self._journal.append(name)
-        return self._read(name)
 
     @contextmanager
     def recording(self) -> Iterator[list[str]]:
@@ -163,7 +167,21 @@ class GgufSource(TensorSource):
     def type_name(self, name: str) -> str:
         return self.qtype(name).name
 
+    def packed(self, name: str, shape: tuple[int, int], why: str = ""):
+        """The tensor as its GGUF bytes (memra.kernels.quant.QuantWeight, activation dtype fp32 until the
+        loader places it), with get()'s checks and the scale check; for a 2-D tensor in a format the
+        packed linear reads (quant.FORMATS)."""
+        from memra.kernels.quant import QuantWeight
+
+        self._check(name, shape, why)
+        return QuantWeight.from_gguf(self._raw(name), self.qtype(name), shape, torch.float32)
+
     def _read(self, name: str) -> torch.Tensor:
+        return dequant.dequantize(self._raw(name), self.qtype(name), self.shape(name))
+
+    def _raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as stored, after the checks every read makes: a type memra reads, no NaN / Inf
+        block scale."""
         qtype = self.qtype(name)
         if qtype not in dequant.SUPPORTED:
             raise CheckpointError(
@@ -179,7 +197,7 @@ class GgufSource(TensorSource):
                 "file is corrupt; re-download or re-convert it (--check-tensors / check_tensors=True also scans "
                 "every dequantized value)"
             )
-        return dequant.dequantize(raw, qtype, self.shape(name))
+        return raw
 
 
 def _one_line(e: BaseException) -> str:
