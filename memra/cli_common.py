@@ -8,9 +8,9 @@ import argparse
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    p.add_argument("--packed-weights", action="store_true",
-                   help="keep a GGUF's Q8_0 / Q4_K weights packed in memory (about half the RAM on CPU, the same "
-                        "output, slower today)")
+    p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep a GGUF's Q8_0 and Q4_K weights packed in memory, decoded a tile at a time (the same "
+                        "output); --no-packed-weights decodes all at load; default: Q8_0 packed on CPU")
     p.add_argument("--check-tensors", action="store_true",
                    help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "
                         "quantization scales are always checked)")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +97,8 @@ class KernelTable:
     exact: bool  # the exact path (MEMRA_EXACT)
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
+    # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
+    scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
 
     @classmethod
     def build(cls, device: torch.device | str, settings) -> "KernelTable":
@@ -133,6 +135,8 @@ class KernelTable:
     def linear(self, x, w, b=None):
         if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
             return (quant if self._impl(x) is reference else _quant_triton()).linear(x, w, b)
+        if isinstance(w, quant.Q8Split):  # Q8_0 repacked for the CPU: decoded a tile at a time
+            return quant.tiled_linear(x, w, b, self.scratch)
         return self._impl(x).linear(x, w, b)
 
     def rms_norm(self, x, w, eps, zero_centered):

@@ -132,22 +132,26 @@ def _open_gguf(path: Path):
 
 
 def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, opened=None, check_tensors: bool = False,
-                 packed: bool = False):
+                 packed: bool | None = False):
     """-> (ModelConfig, canonical weights on `device`, tokenizer factory). Norms and GDN gates stay fp32.
     `opened` is open_checkpoint(path)'s result when the caller already has it. The fp32 weights (and GGUF
     block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
     it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks).
-    `packed`: keep a GGUF's Q8_0 / Q4_K projections as their bytes (memra.loading.gguf), decoded a tile at
-    a time inside each linear: about half the memory on CPU, the same bits, but slower today (the tiles
-    are decoded from the file's interleaved blocks), so off unless asked for."""
-    from memra.kernels.quant import QuantWeight
+    `packed`: keep a GGUF's quantized projections packed (memra.loading.gguf), decoded a tile at a time
+    inside each linear, with the same bits: True for Q8_0 and Q4_K, False for none, None for what pays
+    off here — Q8_0 on CPU (split into quants and scales: a quarter of the fp32 memory, and faster),
+    nothing on a GPU (whose dense kernels beat the packed ones today)."""
+    from memra.kernels.quant import FORMATS, Q8Split, QuantWeight
     from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
 
     cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
     src = names.src
     if isinstance(names, GgufNames):
-        names.packed = bool(packed)
+        if packed is None:
+            names.packed = frozenset({Q8Split.qtype}) if device.type == "cpu" else frozenset()
+        else:
+            names.packed = frozenset(FORMATS) if packed else frozenset()
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -156,7 +160,9 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
             if isinstance(t, QuantWeight):  # packed bytes: moved, never converted; decoded to `want` when used
-                out[prefix + k] = dataclasses.replace(t, data=t.data.to(device=device, copy=True), dtype=want)
+                t = dataclasses.replace(t, data=t.data.to(device=device, copy=True), dtype=want)
+                # on CPU a Q8_0 weight is split into quants and scales: a tile then decodes in one multiply
+                out[prefix + k] = Q8Split.from_quant(t) if device.type == "cpu" and t.qtype == Q8Split.qtype else t
             else:
                 out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
@@ -165,7 +171,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
         with src.recording() as read:
             placed = place(prefix, make())
         if check_tensors:  # the full scan reads every value, packed ones decoded (the scales were checked on read)
-            scanned = {k: t.dequantize() if isinstance(t, QuantWeight) else t for k, t in placed.items()}
+            scanned = {k: t.dequantize() if isinstance(t, (QuantWeight, Q8Split)) else t for k, t in placed.items()}
         else:
             scanned = {k: t for k, t in placed.items() if k.rsplit(".", 1)[-1] in FP32_WEIGHTS}
         if bad := nonfinite(scanned):
@@ -182,11 +188,12 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
          tokenizer: bool = True, check_tensors: bool = False, kv_budget: KvBudget | None = None,
-         settings: Settings | None = None, packed_weights: bool = False):
+         settings: Settings | None = None, packed_weights: bool | None = None):
     """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
     .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
-    `packed_weights`: a GGUF's Q8_0 / Q4_K projections stay packed in memory (load_weights; default off).
+    `packed_weights`: a GGUF's quantized projections stay packed in memory (load_weights: None = Q8_0 on
+    CPU, True = Q8_0 and Q4_K, False = none).
     `settings`: the MEMRA_* doors (memra.settings); by default read from the environment now, once —
     nothing reads the environment after load. Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
     small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the

@@ -18,9 +18,10 @@ What llama.cpp's converter did, and what we do about it (docs: QWEN35.md §6):
 - expert stacking: `*_exps` tensors are [X, ...] stacks already; gate and up are concatenated.
 - tied embeddings: no `output.weight` means the LM head is `token_embd`.
 
-Packed (`packed=True`: memra.load(..., packed_weights=True)): the projections, the embedding and the LM head
-that the file stores as Q8_0 / Q4_K stay GGUF bytes (memra.kernels.quant.QuantWeight), decoded a tile
-at a time inside the linear, so memory tracks the file's size. Every reorder above that moves whole
+Packed (the loader's `packed`: by default Q8_0 on CPU): the projections, the embedding and the LM head
+that the file stores in a packed format stay GGUF bytes (memra.kernels.quant.QuantWeight, on CPU a
+Q8_0 one split into quants and scales), decoded a tile at a time inside the linear, so memory tracks
+the file's size. Every reorder above that moves whole
 rows runs on the packed rows (`rows`, `cat_rows`); one that moves columns (qwen35's ssm_out) decodes
 that tensor at load, as does a fused weight whose parts differ in format.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels.quant import FORMATS, QuantWeight
+from memra.kernels.quant import QuantWeight
 from memra.loading.hf import ungroup_qkvz
 from memra.loading.sources import GgufSource
 
@@ -69,7 +70,7 @@ class GgufNames:
     def __init__(self, cfg: ModelConfig, src: GgufSource, gguf_arch: str):
         self.cfg, self.src, self.gguf_arch = cfg, src, gguf_arch
         self.tiled_v = gguf_arch in ("qwen35", "qwen35moe")
-        self.packed = False  # set by the loader: keep Q8_0 / Q4_K projections as GGUF bytes (module doc)
+        self.packed: frozenset = frozenset()  # set by the loader: the formats kept as GGUF bytes (module doc)
 
     def get(self, name: str, shape: tuple[int, ...], why: str) -> torch.Tensor:
         return self.src.get(name, shape, why)
@@ -77,7 +78,7 @@ class GgufNames:
     def proj(self, name: str, shape: tuple[int, int], why: str) -> torch.Tensor | QuantWeight:
         """A weight read by a linear (or an embedding lookup): packed where this load packs and the file
         stores it in a packed format, else floats."""
-        if self.packed and self.src.has(name) and self.src.qtype(name) in FORMATS:
+        if self.src.has(name) and self.src.qtype(name) in self.packed:
             return self.src.packed(name, shape, why)
         return self.get(name, shape, why)
 
