@@ -124,6 +124,11 @@ def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
     assert torch.equal(quant.tiled_linear(x, qw), quant.reference_linear(x, qw))
     with pytest.raises(MemraError, match="one format"):
         QuantWeight.cat_rows([qw, quant.quantize(torch.randn(4, 512), qtype, torch.float32)])
+    if qtype == QType.Q8_0:  # the CPU's split layout: the same values, rows and tiled products
+        split = quant.Q8Split.from_quant(qw)
+        assert split.shape == qw.shape and split.nbytes == 320 * 256 + 320 * 8 * 4
+        assert torch.equal(split.dequantize(), full) and torch.equal(split[ids], full[ids])
+        assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
 
 
 def test_bad_shapes_and_types_are_refused_clearly():

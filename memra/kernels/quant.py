@@ -151,9 +151,9 @@ TILE_BYTES = 8 << 20  # decoded weight per tile: bounds the scratch a packed lin
 class Q8Split:
     """A Q8_0 weight [N, K] repacked for the CPU: int8 quants `q` [N, K] beside fp32 scales `d` [N, K/32].
     The file interleaves each block's fp16 scale with its 32 quants, so decoding a tile from it means a
-    strided read and a widening per block; split, a tile decodes in one multiply (q * d, broadcast over
-    each block), to the very values memra.loading.dequant gives (fp16 -> fp32 is exact, then one fp32
-    product). 1.125 bytes a value against the file's 1.0625."""
+    strided read and a widening per block; split, a tile decodes in a widening copy and one multiply
+    (q * d, broadcast over each block), to the very values memra.loading.dequant gives (fp16 -> fp32 is
+    exact, then one fp32 product). 1.125 bytes a value against the file's 1.0625."""
 
     q: torch.Tensor  # int8 [N, K]
     d: torch.Tensor  # fp32 [N, K // 32]
