@@ -100,6 +100,23 @@ class Drafter(Protocol):
         and chose `nxt` (emitted, not yet fed)."""
 
 
+class ReplayDrafter:
+    """Proposes a known stream's next tokens (e.g. plain decoding's own output), so every draft is
+    accepted: the speed ceiling of speculation, and a test that a fully accepted verify is exact."""
+
+    def __init__(self, stream: Sequence[int]):
+        self.stream = list(stream)
+
+    def start(self, prompt, prompt_hidden, first) -> None:
+        pass
+
+    def propose(self, k: int, ctr: int) -> list[int]:
+        return self.stream[ctr : ctr + k]
+
+    def advance(self, kept, h_seed, nxt) -> None:
+        pass
+
+
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the longest suffix (ngram_max down to
     ngram_min tokens) of everything seen so far, and propose the tokens that followed it."""

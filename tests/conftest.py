@@ -116,3 +116,14 @@ def process_doors(**values: str | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def shape_9b():
+    """The Qwen3.5-9B shape with 4 layers of random weights on the GPU (the cuda tests' real-size model)."""
+    from memra.random_model import random_model
+
+    model = random_model("qwen3.5-9b", "cuda", torch.bfloat16, n_layers=4)
+    yield model
+    del model
+    torch.cuda.empty_cache()

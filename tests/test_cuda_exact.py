@@ -19,7 +19,6 @@ import memra
 from cuda_marks import needs_cuda
 from memra.gate import run_battery
 from memra.kernels.exact import self_test
-from memra.random_model import random_model
 
 pytestmark = needs_cuda
 
@@ -29,14 +28,6 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.fixture(scope="module")
 def demo():
     return memra.load("demo", device="cuda", dtype="bfloat16", tokenizer=False)
-
-
-@pytest.fixture(scope="module")
-def shape_9b():
-    model = random_model("qwen3.5-9b", "cuda", torch.bfloat16, n_layers=4)
-    yield model
-    del model
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -44,12 +44,7 @@ def test_gdn_prefill_kernel_at_the_9b_layer_shape():
     ops = table()
     assert ops.gdn_kernel, "the kernel table did not pick the GDN Triton kernel on CUDA"
     t, h, dk, dv = 4096, 32, 128, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1)
-    v, s0 = rnd(t, h, dv), rnd(h, dk, dv) * 0.1
-    beta, decay = torch.sigmoid(rnd(t, h)), -torch.nn.functional.softplus(rnd(t, h)) * 0.2
+    q, k, v, beta, decay, s0 = reference.gdn_prefill_inputs(t, h, dk, dv)
     o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 0)
     o, s = ops.gdn_prefill(q, k, v, beta, decay, s0, 0)
     # fp32 noise only (the tf32x3 products are fp32-level): a wrong kernel is off by O(1)

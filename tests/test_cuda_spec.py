@@ -13,39 +13,21 @@ streams, and the demo's drafters, are tests/test_spec.py. Tokens/s and the verif
 from __future__ import annotations
 
 import pytest
-import torch
 
 import memra
 import memra.spec
 from cuda_marks import cuda_only, needs_cuda
 from memra.generate import GenerationStats, generate_tokens
-from memra.random_model import random_model
 from memra.sampling import SamplingParams
-from memra.spec import SpecConfig
+from memra.spec import ReplayDrafter, SpecConfig
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
-
-
-class OracleDrafter:
-    """Proposes the plain stream's own next tokens: every draft is right."""
-
-    def __init__(self, stream: list[int]):
-        self.stream = stream
-
-    def start(self, prompt, hidden, first) -> None:
-        pass
-
-    def propose(self, k: int, ctr: int) -> list[int]:
-        return self.stream[ctr : ctr + k]
-
-    def advance(self, kept, h_seed, nxt) -> None:
-        pass
 
 
 def plain_and_spec(model, ids, params, spec, monkeypatch, oracle: bool = False):
     plain = list(generate_tokens(model, ids, params))
     if oracle:
-        monkeypatch.setattr(memra.spec, "make_drafter", lambda *a: OracleDrafter(plain))
+        monkeypatch.setattr(memra.spec, "make_drafter", lambda *a: ReplayDrafter(plain))
     stats = GenerationStats()
     got = list(generate_tokens(model, ids, params, stats, speculative=spec))
     monkeypatch.undo()
@@ -98,14 +80,6 @@ def test_demo_speculation_is_token_identical(device, case, monkeypatch):
     assert s.verifies > 0 and s.accepted <= s.drafted
     if case.startswith("oracle"):
         assert s.accepted == s.drafted > 0, s.summary()
-
-
-@pytest.fixture(scope="module")
-def shape_9b():
-    model = random_model("qwen3.5-9b", "cuda", torch.bfloat16, n_layers=4)
-    yield model
-    del model
-    torch.cuda.empty_cache()
 
 
 @cuda_only

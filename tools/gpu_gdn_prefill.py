@@ -32,12 +32,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time the launch configs around the frozen one")
     a = ap.parse_args()
     t, h, dk, dv = a.tokens, a.heads, a.dk, a.dv
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1)
-    v, s0 = rnd(t, h, dv), rnd(h, dk, dv) * 0.1
-    beta, decay = torch.sigmoid(rnd(t, h)), -torch.nn.functional.softplus(rnd(t, h)) * 0.2
+    q, k, v, beta, decay, s0 = reference.gdn_prefill_inputs(t, h, dk, dv)
     o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 0)
     o, s = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0)
     rel = lambda x, y: ((x - y).abs().max() / y.abs().max()).item()  # noqa: E731

@@ -31,23 +31,7 @@ import memra.spec  # noqa: E402
 from memra.generate import GenerationStats, generate_tokens  # noqa: E402
 from memra.random_model import random_model  # noqa: E402
 from memra.sampling import SamplingParams  # noqa: E402
-from memra.spec import SpecConfig  # noqa: E402
-
-
-class OracleDrafter:
-    """Proposes the plain stream's own next tokens: every draft is accepted (the speed ceiling)."""
-
-    def __init__(self, stream: list[int]):
-        self.stream = stream
-
-    def start(self, prompt, hidden, first) -> None:
-        pass
-
-    def propose(self, k: int, ctr: int) -> list[int]:
-        return self.stream[ctr : ctr + k]
-
-    def advance(self, kept, h_seed, nxt) -> None:
-        pass
+from memra.spec import ReplayDrafter, SpecConfig  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -59,7 +43,7 @@ def run(model, device, ids, params, spec=None, oracle=None):
     """-> (tokens, decode tok/s, stats). Times the decode phase (prefill excluded), after a sync."""
     original = memra.spec.make_drafter
     if oracle is not None:
-        memra.spec.make_drafter = lambda *a: OracleDrafter(oracle)
+        memra.spec.make_drafter = lambda *a: ReplayDrafter(oracle)
     try:
         stats = GenerationStats()
         sync(device)
