@@ -20,6 +20,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.errors import ContextOverflowError, MemraError
+from memra.upload import upload_values
 
 BLOCK_SIZE = 16  # tokens per KV block
 PRIME_CHUNK_MAX_TOKENS = 4096  # the largest prefill chunk a single forward may take
@@ -203,7 +204,7 @@ class Cache:
         key = str(device)
         cached = self._tables.get(key)
         if cached is None or cached[0] != self.blocks:
-            cached = (list(self.blocks), torch.tensor(self.blocks, dtype=torch.long, device=device))
+            cached = (list(self.blocks), upload_values(self.blocks, torch.long, device))
             self._tables[key] = cached
         pos = torch.arange(stop, device=device)
         return cached[1][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE

@@ -35,6 +35,7 @@ from memra.decode_plan import decode_plan
 from memra.errors import MemraError
 from memra.kernels.cuts import TILE, aligned_cuts
 from memra.kernels.exact import platform_report, require_exact
+from memra.upload import upload
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
 INVARIANT_PIECE = PRIME_CHUNK_MAX_TOKENS  # ... where every prefill op is batch-invariant (exact_piece)
@@ -64,7 +65,7 @@ def _as_ids(model, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     bad = (t < 0) | (t >= model.cfg.vocab_size)
     if bool(bad.any()):
         raise MemraError(f"token id {int(t[bad][0])} is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
-    return t.to(model.device)
+    return upload(t, model.device)
 
 
 def _exact(model) -> bool:

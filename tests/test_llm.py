@@ -5,6 +5,8 @@ printed before it ran on the engine."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -83,3 +85,31 @@ def test_the_engine_step_is_the_pooled_batch(llm):
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4))
     backend = llm.engine.backend
     assert backend.kv is backend.pools.kv and isinstance(backend.kv.k[3], torch.Tensor)
+
+
+def test_events_reach_the_reader_when_and_in_the_order_expected(llm):
+    """Stepped on the caller's thread, a step's token reaches the sink before step() returns (so
+    `memra generate` prints it at once). On the engine thread, a step's events go out while the next
+    step runs; none is held back when the engine falls idle, and each sequence's events keep their order."""
+    engine, ids = llm.engine, llm.tokenizer.encode(PROMPTS[1], add_special=True)
+    events = []
+    engine.submit(ids, SamplingParams(max_tokens=3), events.append)
+    for n in (1, 2, 3):
+        assert engine.step()
+        assert [e.token_id is not None for e in events] == [True] * n
+    assert events[-1].finish_reason == "length"
+    engine.run_until_idle()
+
+    served = memra.LLM("demo", device=DEVICE, max_batch=4, max_ctx=256, warm_up=False)
+    served.engine.start(warm_up=False)
+    try:
+        got: list = []
+        done = threading.Event()
+        served.engine.submit(ids, SamplingParams(max_tokens=5),
+                             lambda ev: (got.append(ev), ev.finish_reason is not None and done.set()))
+        assert done.wait(60), "the last event never arrived"
+        assert [e.completion_tokens for e in got] == [1, 2, 3, 4, 5]
+        assert got[-1].finish_reason == "length"
+        assert [e.token_id for e in got] == llm.generate([ids], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
+    finally:
+        served.engine.shutdown(drain_timeout=1)

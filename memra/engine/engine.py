@@ -3,7 +3,9 @@
 
     submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode -> prefill chunks
                                         -> every row's token on the device (memra.engine.sampler)
-                                        -> token events to each request's sink
+                                        -> token events to each request's sink (on the engine
+                                           thread: once the next step's forwards are launched, so
+                                           the readers' threads run while the GPU does)
 
 step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
 
@@ -34,15 +36,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from memra.cache import BLOCK_SIZE, Cache
+from memra.cache import BLOCK_SIZE
 from memra.engine.backends import backend_for
-from memra.engine.sampler import Picked, RowSpec, pick
+from memra.engine.sampler import Picked, pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from memra.engine.seq_state import SeqState
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
@@ -51,29 +53,6 @@ from memra.step import EXACT_PIECE
 __all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
 
 SHUTDOWN_MESSAGE = "the server shut down before this request finished"
-
-
-@dataclass
-class _Seq:
-    """Engine-side state of one sequence (one choice of one request)."""
-
-    rid: str
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    logprobs: int | None
-    eos: frozenset[int]
-    sink: Callable[[TokenEvent], None]
-    arrival: float = field(default_factory=time.perf_counter)
-    out: list[int] = field(default_factory=list)
-    cache: Cache | None = None
-    swapped: dict | None = None  # host copies while preempted
-    last_token_at: float | None = None
-    done: bool = False
-    row: RowSpec | None = None  # what the sampler needs (shares `prompt` and `out`)
-
-    def __post_init__(self) -> None:
-        self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)
 
 
 class Engine:
@@ -87,7 +66,12 @@ class Engine:
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
             total_slots=self.backend.slots, preemption=self.backend.preemption))
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[str, SeqState] = {}
+        # On the engine thread (start()) a step's token events wait here until the next step's forwards
+        # are launched: the readers' threads (text, HTTP) then take the GIL while the GPU runs, not while
+        # the engine launches. A caller stepping on its own thread reads them when step() returns.
+        self._outbox: list[tuple[SeqState, TokenEvent]] = []
+        self._defer_events = False
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -143,7 +127,7 @@ class Engine:
             for i in range(n):
                 p = params if n == 1 else dataclasses.replace(params, seed=params.seed + i)
                 self._next += 1
-                seqs.append(_Seq(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
+                seqs.append(SeqState(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]
@@ -185,6 +169,7 @@ class Engine:
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
             self.warm_up()
+        self._defer_events = True
         self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
         self._thread.start()
         return self
@@ -213,19 +198,20 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs) or not self._commands.empty()
+        return bool(self.seqs) or not self._commands.empty() or bool(self._outbox)
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
-        """Take the queued commands, then schedule and run one plan. -> whether anything ran. Offline
-        callers (memra.LLM, `memra generate`) call it in a loop; the serving thread between waits."""
+        """Take the queued commands, then schedule and run one plan. -> whether anything ran or any event
+        went out. Offline callers (memra.LLM, `memra generate`) call it in a loop; the serving thread
+        between waits. On the engine thread a step's events go out during the next step (_outbox)."""
         self._drain_commands()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
         plan = self.scheduler.schedule()
         if plan.empty:
             self._publish_gauges(0)
-            return False
+            return self._send_events()
         self._step(plan)
         return True
 
@@ -301,7 +287,7 @@ class Engine:
         for rid in plan.swap_in:
             self._swap_in(self.seqs[rid])
         prefilled: dict[str, int] = {}
-        ready: list[_Seq] = []  # sequences that get a token this step, in the order of `logits`' rows
+        ready: list[SeqState] = []  # sequences that get a token this step, in the order of `logits`' rows
         logits: list[torch.Tensor] = []
         if plan.decode:  # first: a graphed step returns once launched, and the GPU runs it while the host
             # issues the prefill's kernels (disjoint sequences: the order of the two forwards changes no bits)
@@ -323,6 +309,8 @@ class Engine:
                 if start + n == len(s.prompt):  # its first token comes from the last prompt position
                     ready.append(s)
                     logits.append(last[None])
+        if self._defer_events:
+            self._send_events()  # the last step's, while the GPU runs this one
         if ready:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
             for s, picked in zip(ready, pick(self.model.ops, batch, [s.row for s in ready])):
@@ -332,16 +320,18 @@ class Engine:
         self.scheduler.step_done(prefilled, sampled, finished)
         for rid in finished:
             self._release(self.seqs.pop(rid))
+        if not self._defer_events:
+            self._send_events()
         self.steps += 1
         kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
         self._publish_gauges(len(plan.decode), kind, time.perf_counter() - t0)
 
-    def _new_cache(self, s: _Seq):
+    def _new_cache(self, s: SeqState):
         # Every cache is as wide as the engine's longest: the decode graphs key on the table width, so one
         # graph per batch bucket (captured at warm-up). Blocks come as positions do; check_request bounds a sequence.
         return self.backend.new_cache(self.cache_ctx)
 
-    def _emit(self, s: _Seq, picked: Picked) -> None:
+    def _emit(self, s: SeqState, picked: Picked) -> None:
         """Record the token the sampler chose for `s` and send it out."""
         token = picked.token
         s.out.append(token)
@@ -354,14 +344,23 @@ class Engine:
                 self.metrics.inter_token.observe(now - s.last_token_at)
         s.last_token_at = now
         finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
-        s.sink(TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt), len(s.out)))
+        self._outbox.append((s, TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt),
+                                           len(s.out))))
         if finish is not None:
             s.done = True
             if self.metrics is not None:
                 self.metrics.request_success.labels(finish_reason=finish).inc()
 
-    def _finish(self, s: _Seq, reason: str, error: str | None = None, kind: str | None = None) -> None:
+    def _send_events(self) -> bool:
+        """Hand the waiting token events to their readers, in order. -> whether there were any."""
+        out, self._outbox = self._outbox, []
+        for s, ev in out:
+            s.sink(ev)
+        return bool(out)
+
+    def _finish(self, s: SeqState, reason: str, error: str | None = None, kind: str | None = None) -> None:
         """End a sequence from outside the normal flow (cancel, shutdown, engine error)."""
+        self._send_events()  # its tokens before its end
         try:
             if s.rid in self.seqs:
                 self.seqs.pop(s.rid)
@@ -373,13 +372,13 @@ class Engine:
                 s.sink(TokenEvent(s.index, None, finish_reason=reason, prompt_tokens=len(s.prompt),
                                   completion_tokens=len(s.out), error=error, error_kind=kind if error else None))
 
-    def _release(self, s: _Seq) -> None:
+    def _release(self, s: SeqState) -> None:
         cache, s.cache, s.swapped = s.cache, None, None
         if cache is not None:
             cache.free()
 
     # --- preemption: swap to host and back, byte for byte (the backend's copies) ---
-    def _swap_out(self, s: _Seq) -> None:
+    def _swap_out(self, s: SeqState) -> None:
         if s.cache is None:  # preempted before its first prefill chunk: nothing to keep
             s.swapped = {"empty": True}
             return
@@ -388,7 +387,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.preemptions.inc()
 
-    def _swap_in(self, s: _Seq) -> None:
+    def _swap_in(self, s: SeqState) -> None:
         saved, s.swapped = s.swapped, None
         if saved is None or saved.get("empty"):
             return

@@ -20,6 +20,7 @@ import torch
 
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
+from memra.upload import upload_values
 
 
 @dataclass
@@ -48,7 +49,7 @@ class PenaltyState:
     def observe(self, out: list[int]) -> None:
         """Count the output tokens not yet counted (the last step's, usually one)."""
         if len(out) > self.produced:
-            new = torch.tensor(out[self.produced:], dtype=torch.long, device=self.counts.device)
+            new = upload_values(out[self.produced:], torch.long, self.counts.device)
             self.seen[new] = True
             self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
             self.produced = len(out)

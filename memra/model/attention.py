@@ -34,10 +34,8 @@ class Attention:
         """x [N, E]: prompt pieces of several sequences, piece i in rows bounds[i] with context ctxs[i].
         Projections, norms and rope run over all N rows at once (row-wise ops); each piece writes its
         K/V and attends over its own sequence's prefix, with exactly the shapes of its solo forward."""
-        cos = torch.cat([c.cos for c in ctxs])
-        sin = torch.cat([c.sin for c in ctxs])
-        q, k, v, gate = self._project(x, cos, sin)
-        o = torch.cat([self._attend(q[a:b], k[a:b], v[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
+        q, k, v, gate = self._project(x, _joined([c.cos for c in ctxs]), _joined([c.sin for c in ctxs]))
+        o = _joined([self._attend(q[a:b], k[a:b], v[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
         return self._output(o, gate)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
@@ -83,8 +81,8 @@ class Attention:
         kv = ctx.cache.kv
         flat_k = kv.k[self.layer].view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
         flat_v = kv.v[self.layer].view(-1, self.n_kv, d)
-        flat_k[ctx.kv_write_rows] = k
-        flat_v[ctx.kv_write_rows] = v
+        flat_k.index_copy_(0, ctx.kv_write_rows, k)  # a plain scatter kernel (item assignment adds host work)
+        flat_v.index_copy_(0, ctx.kv_write_rows, v)
         if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
             o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
         else:
@@ -95,3 +93,8 @@ class Attention:
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.ops.linear(o, self.wo)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts), without its copy kernel when there is one part (a wave of one sequence)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

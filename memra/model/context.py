@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from memra.cache import Cache, KvPool, RecurrentPool, StateTrail
+from memra.upload import upload_values
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class StackedStep:
             else:
                 read = torch.cat([ctxs[i].kv_read_rows for i in idx])
                 starts = [sum(lens[:j]) for j in range(len(idx))]
-            as_dev = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+            as_dev = lambda xs: upload_values(xs, torch.long, device)  # noqa: E731
             groups.append(RowGroup(ctxs[idx[0]].cache.kv, as_dev(idx) if len(idx) < len(ctxs) else slice(None),
                                    torch.cat([ctxs[i].kv_write_rows for i in idx]), read, as_dev(starts), as_dev(lens),
                                    max(lens)))

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
+from memra.upload import upload_values
 
 # Frozen launch configs (tools/gpu_gdn_prefill.py times the alternatives): value columns of the state per
 # scan program, and warps per program of each launch.
@@ -141,7 +142,7 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     if not t:
         return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.float().clone()
     cuts = aligned_cuts(t, pos0, GDN_CHUNK)
-    bounds = torch.tensor([a for a, _ in cuts] + [t], dtype=torch.int32, device=q.device)
+    bounds = upload_values([a for a, _ in cuts] + [t], torch.int32, q.device)
     q, k, v, beta, g = (x.contiguous().float() for x in (q, k, v, beta, g))
     f32 = dict(dtype=torch.float32, device=q.device)
     u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.sampling import DevSamp, _MASK64, _to_signed, allowed_tokens, splitmix64
+from memra.sampling import _MASK64, DevSamp, _to_signed, allowed_tokens, splitmix64
+from memra.upload import upload_values
 
 SAMPLE_BLOCK = 1024  # vocabulary entries per loop turn
 
@@ -73,9 +74,9 @@ def sample_batch(logits: torch.Tensor, samps: list[DevSamp]) -> torch.Tensor:
     """Row r of logits [B, V] chosen as device_sample(logits[r], samps[r]) would -> int64 [B] on the device."""
     b, v = logits.shape
     dev = logits.device
-    keys = torch.tensor([_key(s.seed, s.ctr) for s in samps], dtype=torch.int64, device=dev)
-    temps = torch.tensor([s.temperature if s.temperature else 1.0 for s in samps], dtype=torch.float64, device=dev)
-    greedy = torch.tensor([s.temperature == 0.0 for s in samps], dtype=torch.uint8, device=dev)
+    keys = upload_values([_key(s.seed, s.ctr) for s in samps], torch.int64, dev)
+    temps = upload_values([s.temperature if s.temperature else 1.0 for s in samps], torch.float64, dev)
+    greedy = upload_values([s.temperature == 0.0 for s in samps], torch.uint8, dev)
     filtered = [i for i, s in enumerate(samps) if s.temperature and (s.top_k or s.top_p < 1.0 or s.min_p > 0.0)]
     mask = None
     if filtered:

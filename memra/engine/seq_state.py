@@ -1,0 +1,35 @@
+"""The engine's state of one sequence (one choice of one request), from submit to its last event."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from memra.cache import Cache
+from memra.engine.sampler import RowSpec
+from memra.engine.types import TokenEvent
+from memra.sampling import SamplingParams
+
+
+@dataclass
+class SeqState:
+    """What the engine knows of one sequence: its request, its output so far, where its cache is."""
+
+    rid: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    logprobs: int | None
+    eos: frozenset[int]
+    sink: Callable[[TokenEvent], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)
+    cache: Cache | None = None
+    swapped: dict | None = None  # host copies while preempted
+    last_token_at: float | None = None
+    done: bool = False
+    row: RowSpec | None = None  # what the sampler needs (shares `prompt` and `out`)
+
+    def __post_init__(self) -> None:
+        self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)

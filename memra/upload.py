@@ -1,0 +1,34 @@
+"""Host-to-device copies that do not wait for the device.
+
+`t.to("cuda")` from ordinary (pageable) host memory is a synchronous copy: PyTorch waits for the
+stream to drain before it returns. On the step path that wait is a full stop. A decode graph
+launched first has to finish (~9 ms on an 8B model) before the prefill that follows it can issue its
+next kernel. A prefill that uploads its block table, token ids and chunk bounds layer by layer stops
+once per upload. The host then never runs ahead of the GPU, and every launch's cost is added to the
+step instead of hidden under the kernels already queued.
+
+`upload` stages the values in pinned memory and copies with non_blocking=True. The copy is queued on
+the current stream, after the work already there, so what it feeds reads the new values in stream
+order. PyTorch's pinned-memory allocator keeps the staging block until the copy has run, so the
+host tensor may go out of scope at once. The bytes that arrive are the same; only the host's waiting
+changes. Off CUDA it is the plain `.to(device)`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device (CUDA) or as .to() elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def upload_values(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, device=device), without waiting for the device."""
+    return upload(torch.tensor(values, dtype=dtype), device)
