@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from conftest import FIXTURES
 from memra.bench.config import BenchConfig
 from memra.bench.fit import fit_layers
 from memra.bench.hf_peer import hf_peer
@@ -297,3 +298,25 @@ def test_packed_weights_count_their_packed_bytes(monkeypatch):
     assert weight_bytes(dense, 1) - weight_bytes(packed, 1) == saved
     # FLOPs are the logical matmul's, packed or not (a packed weight has no .dim(): the bug the H200 run hit)
     assert prefill_flops(packed, 64) == prefill_flops(dense, 64)
+
+
+def test_bench_gguf_runs_memra_beside_llama_cpp_on_one_file(capsys):
+    """`memra bench model --gguf FILE`: memra's row has its load, memory and decode rate; llama.cpp's row
+    has its numbers where llama_cpp is importable, and otherwise says how to get it."""
+    from memra.bench.gguf_file import run_gguf_bench
+    from memra.cli import main
+
+    path = str(FIXTURES / "gguf" / "llama-q8_0.gguf")
+    runs = {r.engine: r for r in run_gguf_bench(path, tokens=6, threads=1)}
+    mine = runs["memra"]
+    assert mine.error is None and mine.tok_s > 0 and mine.load_s > 0
+    assert mine.rss_bytes is not None and mine.peak_bytes >= mine.rss_bytes > 0
+    peer = runs["llama.cpp"]
+    assert (peer.tok_s or 0) > 0 or "pip install llama-cpp-python" in peer.error
+    assert main(["bench", "model", "--gguf", path, "--steps", "4", "--threads", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "llama-q8_0.gguf" in table and "\nmemra " in table and "\nllama.cpp " in table
+    with pytest.raises(MemraError, match="no such file"):
+        run_gguf_bench(str(FIXTURES / "gguf" / "missing.gguf"), tokens=4)
+    with pytest.raises(MemraError, match="at least 2"):
+        run_gguf_bench(path, tokens=1)

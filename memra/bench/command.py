@@ -174,6 +174,10 @@ def add_model_parser(kinds) -> None:
                    help="start no cell after S seconds; the rest are recorded as skipped")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
+    p.add_argument("--gguf", metavar="FILE", default=None,
+                   help="instead: this GGUF on the CPU, memra (memra.LLM, B=1, --steps tokens) beside llama.cpp "
+                        "where llama_cpp is importable: load time, resident memory against the file size, decode tok/s")
+    p.add_argument("--threads", type=int, default=None, help="with --gguf: CPU threads for both (default torch's)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -190,6 +194,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def cmd_model(args: argparse.Namespace) -> int:
     """Exit 0 when every cell ran or was skipped for the budget; 1 when any failed."""
+    if args.gguf:
+        from memra.bench.gguf_file import gguf_table, run_gguf_bench
+
+        runs = run_gguf_bench(args.gguf, args.steps, args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(gguf_table(args.gguf, runs))
+        return 1 if any(r.error and r.engine == "memra" for r in runs) else 0
     from memra.bench.model_bench import run_bench  # the driver pulls in every cell's module; only this needs it
 
     report = run_bench(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
