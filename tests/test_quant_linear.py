@@ -129,6 +129,12 @@ def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
         assert split.shape == qw.shape and split.nbytes == 320 * 256 + 320 * 8 * 4
         assert torch.equal(split.dequantize(), full) and torch.equal(split[ids], full[ids])
         assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
+        monkeypatch.setattr(quant, "TILE_BYTES", 8 << 20)  # one tile: decoded into the reused buffer too
+        scratch = quant.Scratch()
+        assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
+        held = scratch.take(1, 1, x.device).data_ptr()
+        assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
+        assert scratch.take(320, 256, x.device).data_ptr() == held  # the same buffer, not a fresh one per call
 
 
 def test_bad_shapes_and_types_are_refused_clearly():

@@ -224,21 +224,27 @@ def tiled_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     most TILE_BYTES), each tile's outputs computed by reference.linear, so a packed model never holds
     more than one decoded tile beside its packed bytes (on CPU, RSS tracks the file's size). Its bits
     are reference_linear's where splitting a matmul's output columns keeps each column's bits
-    (splits_keep_bits, probed once per device and dtype); elsewhere it decodes the whole weight."""
+    (splits_keep_bits, probed once per device and dtype); elsewhere it decodes the whole weight.
+    A Q8_0 weight is decoded into the scratch buffer even when it is one tile: a fresh multi-MB tensor
+    per call is what made decode speed swing from 22 to 6 tok/s between runs on a 2-core CPU."""
     _check_linear(x, qw, bias)
     n, k = qw.shape
     rows = max(64, TILE_BYTES // (k * 4) // 64 * 64)
-    if rows >= n or not splits_keep_bits(x.device, x.dtype):
-        return reference.linear(x, qw.dequantize(x.dtype), bias)
+    if rows < n and not splits_keep_bits(x.device, x.dtype):
+        rows = n  # one tile: this BLAS gives a column other bits when the columns are split
+    tile = (scratch or Scratch()).take(min(rows, n), k, x.device) if isinstance(qw, Q8Split) else None
+
+    def decode(a: int, b: int) -> torch.Tensor:  # rows a..b of the weight, in x's dtype
+        if tile is not None:
+            return qw.decode(a, b, tile[: b - a]).to(x.dtype)
+        return dequant.dequantize(qw.data[a:b], qw.qtype, (b - a, k)).to(x.dtype)
+
+    if rows >= n:
+        return reference.linear(x, decode(0, n), bias)
     out = x.new_empty(*x.shape[:-1], n)
-    tile = (scratch or Scratch()).take(rows, k, x.device) if isinstance(qw, Q8Split) else None
     for a in range(0, n, rows):
         b = min(a + rows, n)
-        if tile is not None:
-            w = qw.decode(a, b, tile[: b - a]).to(x.dtype)
-        else:
-            w = dequant.dequantize(qw.data[a:b], qw.qtype, (b - a, k)).to(x.dtype)
-        out[..., a:b] = reference.linear(x, w, None if bias is None else bias[a:b])
+        out[..., a:b] = reference.linear(x, decode(a, b), None if bias is None else bias[a:b])
     return out
 
 
