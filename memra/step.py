@@ -218,7 +218,10 @@ def _check_batch(model, tokens, caches) -> torch.Tensor:
     if len({id(c) for c in caches}) != len(caches):
         raise MemraError("decode_step_batch got the same cache twice; each row must be its own sequence")
     model.executor.preflight("decode_step_batch", caches)
-    ids = _as_ids(model, [int(t) for t in tokens])
+    if isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu":
+        ids = tokens.reshape(-1)  # already on the device: a sampler's choices (in range by construction)
+    else:
+        ids = _as_ids(model, [int(t) for t in tokens])
     for i, c in enumerate(caches):
         if c.pos + 1 > c.max_ctx:
             raise MemraError(f"row {i}: its cache is full ({c.max_ctx} tokens); grow it or finish the sequence")

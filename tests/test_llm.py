@@ -88,17 +88,17 @@ def test_the_engine_step_is_the_pooled_batch(llm):
 
 
 def test_events_reach_the_reader_when_and_in_the_order_expected(llm):
-    """Stepped on the caller's thread, a step's token reaches the sink before step() returns (so
-    `memra generate` prints it at once). On the engine thread, a step's events go out while the next
-    step runs; none is held back when the engine falls idle, and each sequence's events keep their order."""
+    """A step's tokens are chosen on the device and land while the next step runs (memra.engine
+    .inflight): stepped on the caller's thread, step k's token reaches the sink during step k + 1, and
+    the last one in the step that finds nothing more to run. On the engine thread the same holds,
+    and none is held back when the engine falls idle; each sequence's events keep their order."""
     engine, ids = llm.engine, llm.tokenizer.encode(PROMPTS[1], add_special=True)
     events = []
     engine.submit(ids, SamplingParams(max_tokens=3), events.append)
-    for n in (1, 2, 3):
+    for n in (0, 1, 2, 3):
         assert engine.step()
-        assert [e.token_id is not None for e in events] == [True] * n
-    assert events[-1].finish_reason == "length"
-    engine.run_until_idle()
+        assert [e.completion_tokens for e in events] == list(range(1, n + 1))
+    assert events[-1].finish_reason == "length" and not engine.busy() and not engine.step()
 
     served = memra.LLM("demo", device=DEVICE, max_batch=4, max_ctx=256, warm_up=False)
     served.engine.start(warm_up=False)

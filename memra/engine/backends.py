@@ -30,6 +30,7 @@ class InProcess:
     scheduler hands out are the CUDA graphs' inert padding rows."""
 
     preemption = True
+    device_tokens = True  # decode_step_batch takes the last step's tokens where they are, on the device
 
     def __init__(self, model, cfg: EngineConfig):
         self.model = model
@@ -141,6 +142,7 @@ class ProcessPipeline:
     """
 
     preemption = False
+    device_tokens = False
     rt = None
 
     def __init__(self, pipe, cfg: EngineConfig):

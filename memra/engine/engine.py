@@ -1,11 +1,13 @@
 """The engine: the one loop that decides every next token, for the server, `memra generate`,
 `memra chat` and memra.LLM alike.
 
-    submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode -> prefill chunks
-                                        -> every row's token on the device (memra.engine.sampler)
-                                        -> token events to each request's sink (on the engine
-                                           thread: once the next step's forwards are launched, so
-                                           the readers' threads run while the GPU does)
+    submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode, fed the last
+                                        step's tokens on the device -> land the last step: its tokens
+                                        to the host, ended sequences freed (memra.engine.inflight)
+                                        -> prefill chunks -> every row's token chosen on the device,
+                                        not waited for (memra.engine.sampler) -> token events to each
+                                        request's sink (on the engine thread: once this step is
+                                        launched, so the readers' threads run while the GPU does)
 
 step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
 
@@ -42,11 +44,12 @@ import torch
 
 from memra.cache import BLOCK_SIZE
 from memra.engine.backends import backend_for
-from memra.engine.sampler import Picked, pick
+from memra.engine.inflight import InFlight, decode_ids
+from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.seq_state import SeqState
-from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error
-from memra.errors import ContextOverflowError, MemraError
+from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
+from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
 
@@ -72,6 +75,8 @@ class Engine:
         # the engine launches. A caller stepping on its own thread reads them when step() returns.
         self._outbox: list[tuple[SeqState, TokenEvent]] = []
         self._defer_events = False
+        self._inflight: InFlight | None = None  # the last step's tokens, still on the device (memra.engine.inflight)
+        self._overlap = self.backend.device_tokens  # a process pipeline's decode takes host token ids
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -95,23 +100,8 @@ class Engine:
 
     # --- the caller's side (any thread) ---
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """Every refusal a request can get before it is queued (HTTP 400). The length is checked first:
-        it is O(1), and a prompt over the context needs no look at its ids."""
-        if not prompt:
-            raise MemraError("the prompt is empty")
-        limit = self.max_len
-        if len(prompt) + params.max_tokens > limit:
-            raise ContextOverflowError(
-                f"this model's maximum context length is {limit} tokens; the request needs {len(prompt)} prompt "
-                f"+ {params.max_tokens} completion tokens = {len(prompt) + params.max_tokens}; shorten the prompt "
-                f"or lower max_tokens")
-        vocab = self.model.cfg.vocab_size
-        if not 0 <= min(prompt) <= max(prompt) < vocab:
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise MemraError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        for tok, _ in params.logit_bias:
-            if tok >= vocab:
-                raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{vocab - 1})")
+        """Every refusal a request can get before it is queued (HTTP 400): memra.engine.types.refuse_request."""
+        refuse_request(prompt, params, self.max_len, self.model.cfg.vocab_size)
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[TokenEvent], None], n: int = 1,
                logprobs: int | None = None, eos_ids=()) -> list[str]:
@@ -198,7 +188,7 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs) or not self._commands.empty() or bool(self._outbox)
+        return bool(self.seqs) or not self._commands.empty() or bool(self._outbox) or self._inflight is not None
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -210,8 +200,9 @@ class Engine:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
         plan = self.scheduler.schedule()
         if plan.empty:
+            landed = self._land()
             self._publish_gauges(0)
-            return self._send_events()
+            return self._send_events() or landed
         self._step(plan)
         return True
 
@@ -280,20 +271,23 @@ class Engine:
                         self._finish(s, reason or "abort")
 
     def _step(self, plan) -> None:
-        t0 = time.perf_counter()  # the step ends with the tokens on the host: its wall time is the GPU's too
+        t0 = time.perf_counter()  # launch to launch: in steady state, the GPU's time per step
         self.backend.before_step()
-        for rid in plan.swap_out:
-            self._swap_out(self.seqs[rid])
+        for rid in plan.swap_out:  # preemption: to host memory and back, byte for byte (SeqState.swap_out)
+            if self.seqs[rid].swap_out(self.backend) and self.metrics is not None:
+                self.metrics.preemptions.inc()
         for rid in plan.swap_in:
-            self._swap_in(self.seqs[rid])
+            self.seqs[rid].swap_in(self.backend, self.cache_ctx)
         prefilled: dict[str, int] = {}
         ready: list[SeqState] = []  # sequences that get a token this step, in the order of `logits`' rows
         logits: list[torch.Tensor] = []
         if plan.decode:  # first: a graphed step returns once launched, and the GPU runs it while the host
             # issues the prefill's kernels (disjoint sequences: the order of the two forwards changes no bits)
             rows = [self.seqs[rid] for rid in plan.decode]
-            logits.append(self.model.decode_step_batch([s.out[-1] for s in rows], [s.cache for s in rows]))
+            ids = decode_ids(rows, self._inflight, self.model.device)
+            logits.append(self.model.decode_step_batch(ids, [s.cache for s in rows]))
             ready += rows
+        self._land()  # the last step's tokens, while the GPU runs this step's decode
         if plan.prefill:  # every prefill chunk of the step in shared forwards (memra.step.prime_batch)
             chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
             for s, start, _ in chunks:
@@ -311,15 +305,18 @@ class Engine:
                     logits.append(last[None])
         if self._defer_events:
             self._send_events()  # the last step's, while the GPU runs this one
-        if ready:
+        live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
+        if live:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
-            for s, picked in zip(ready, pick(self.model.ops, batch, [s.row for s in ready])):
-                self._emit(s, picked)
-        sampled = [s.rid for s in ready]
-        finished = [s.rid for s in ready if s.done]
-        self.scheduler.step_done(prefilled, sampled, finished)
-        for rid in finished:
-            self._release(self.seqs.pop(rid))
+            batch = batch if len(live) == len(ready) else batch[live]
+            rows = [ready[i] for i in live]
+            self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
+        self.scheduler.step_done(prefilled, [ready[i].rid for i in live], [])
+        for s in (ready[i] for i in live):
+            if len(s.out) + 1 >= s.params.max_tokens:  # its token in flight is its last: the scheduler
+                self._release(s)  # counts its blocks free now, so the next step may hand them out
+        if not self._overlap:
+            self._land()
         if not self._defer_events:
             self._send_events()
         self.steps += 1
@@ -351,6 +348,21 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.request_success.labels(finish_reason=finish).inc()
 
+    def _land(self) -> bool:
+        """Wait for the step in flight and give each sequence its token (events to the outbox); end the
+        sequences that finished with it. -> whether a step was in flight."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return False
+        for s, picked in flight.fetch():
+            if s.done or self.seqs.get(s.rid) is not s:  # cancelled while its token was in flight
+                continue
+            self._emit(s, picked)
+            if s.done:
+                self.scheduler.cancel(s.rid)  # a no-op where max_tokens already ended it there
+                self._release(self.seqs.pop(s.rid))
+        return True
+
     def _send_events(self) -> bool:
         """Hand the waiting token events to their readers, in order. -> whether there were any."""
         out, self._outbox = self._outbox, []
@@ -376,22 +388,6 @@ class Engine:
         cache, s.cache, s.swapped = s.cache, None, None
         if cache is not None:
             cache.free()
-
-    # --- preemption: swap to host and back, byte for byte (the backend's copies) ---
-    def _swap_out(self, s: SeqState) -> None:
-        if s.cache is None:  # preempted before its first prefill chunk: nothing to keep
-            s.swapped = {"empty": True}
-            return
-        s.swapped = self.backend.swap_out(s.cache)
-        s.cache = None
-        if self.metrics is not None:
-            self.metrics.preemptions.inc()
-
-    def _swap_in(self, s: SeqState) -> None:
-        saved, s.swapped = s.swapped, None
-        if saved is None or saved.get("empty"):
-            return
-        s.cache = self.backend.swap_in(saved, self.cache_ctx)
 
     def _publish_gauges(self, batch: int, kind: str | None = None, seconds: float = 0.0) -> None:
         if self.metrics is not None:

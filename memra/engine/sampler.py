@@ -88,6 +88,36 @@ class Picked:
 def pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
     """Every row's next token (and logprobs where asked) from logits [B, V]; one device-to-host copy.
     `ops`: the model's kernel table (its batch sampler)."""
+    return launch_pick(ops, logits, rows).fetch()
+
+
+@dataclass
+class PendingPick:
+    """A batch's choices still on the device: `tokens` [B] int64 (what the next decode step feeds), and
+    `payload`, the tokens and each asking row's logprob numbers as one float64 vector, when any row asked."""
+
+    tokens: torch.Tensor
+    payload: torch.Tensor | None
+    asked: list[tuple[int, int]]  # (row, top-n) of the rows that asked for logprobs, in payload order
+    ready: torch.cuda.Event | None  # recorded after the last launch (CUDA), else None
+
+    def fetch(self) -> list[Picked]:
+        """Wait for the choices and bring them to the host: one copy."""
+        host = _to_host(self.payload if self.payload is not None else self.tokens, self.ready)
+        b = self.tokens.shape[0]
+        out = [Picked(int(t)) for t in host[:b]]
+        at = b
+        for i, n in self.asked:
+            lp, at = host[at], at + 1
+            top = tuple(zip((int(x) for x in host[at : at + n]), host[at + n : at + 2 * n])) if n else ()
+            at += 2 * n
+            out[i] = Picked(out[i].token, lp, top)
+        return out
+
+
+def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
+    """pick's device work, launched and not waited for: every row's token chosen on the device (the
+    penalties read each row's history as the host has it now, so the rows' earlier tokens must be in)."""
     vocab = logits.shape[-1]
     chosen_from = logits
     penalized = [i for i, r in enumerate(rows) if r.params.penalized]
@@ -104,33 +134,27 @@ def pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
     if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)
         idx = sampled if len(sampled) < len(rows) else slice(None)
         tokens[idx] = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
-    asked = [i for i, r in enumerate(rows) if r.logprobs is not None]
-    if not asked:
-        return [Picked(t) for t in _to_host(tokens)]
-    pieces = [tokens.double()]
-    for i in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
-        logp = torch.log_softmax(logits[i].float(), dim=-1)
-        pieces.append(logp[tokens[i]].double().reshape(1))
-        if rows[i].logprobs:
-            vals, ids = torch.topk(logp, rows[i].logprobs)
-            pieces += [ids.double(), vals.double()]
-    host = _to_host(torch.cat(pieces))  # the one copy: tokens, then each asking row's numbers
-    out = [Picked(int(t)) for t in host[: len(rows)]]
-    at = len(rows)
-    for i in asked:
-        n = rows[i].logprobs
-        lp, at = host[at], at + 1
-        top = tuple(zip((int(x) for x in host[at : at + n]), host[at + n : at + 2 * n])) if n else ()
-        at += 2 * n
-        out[i] = Picked(out[i].token, lp, top)
-    return out
+    asked = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None]
+    payload = None
+    if asked:
+        pieces = [tokens.double()]
+        for i, n in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
+            logp = torch.log_softmax(logits[i].float(), dim=-1)
+            pieces.append(logp[tokens[i]].double().reshape(1))
+            if n:
+                vals, ids = torch.topk(logp, n)
+                pieces += [ids.double(), vals.double()]
+        payload = torch.cat(pieces)
+    ready = None
+    if tokens.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return PendingPick(tokens, payload, asked, ready)
 
 
-def _to_host(t: torch.Tensor) -> list:
-    """t as a list, after waiting for the device on an event: the wait releases the GIL, so a server's
+def _to_host(t: torch.Tensor, ready: "torch.cuda.Event | None") -> list:
+    """t as a list, after waiting for the device on `ready`: the wait releases the GIL, so a server's
     other threads (the event loop, the text thread) run while the step finishes on the GPU."""
-    if t.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+    if ready is not None:
+        ready.synchronize()
     return t.tolist()

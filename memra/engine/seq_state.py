@@ -33,3 +33,18 @@ class SeqState:
 
     def __post_init__(self) -> None:
         self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)
+
+    def swap_out(self, backend) -> bool:
+        """Preempted: its cache to host copies (the backend's, byte for byte), freed on the device.
+        -> whether there was a cache to keep (none before its first prefill chunk)."""
+        if self.cache is None:
+            self.swapped = {"empty": True}
+            return False
+        self.swapped, self.cache = backend.swap_out(self.cache), None
+        return True
+
+    def swap_in(self, backend, max_ctx: int) -> None:
+        """Resumed: its cache back from the host copies, where there were any."""
+        saved, self.swapped = self.swapped, None
+        if saved is not None and not saved.get("empty"):
+            self.cache = backend.swap_in(saved, max_ctx)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memra.cache import BLOCK_SIZE
-from memra.errors import MemraError
+from memra.errors import ContextOverflowError, MemraError
+from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
 
 
@@ -66,3 +67,22 @@ def public_error(err: BaseException) -> str:
     if isinstance(err, MemraError):
         return str(err)
     return "an internal error; the server log has the details"
+
+
+def refuse_request(prompt: list[int], params: SamplingParams, limit: int, vocab: int) -> None:
+    """Raise what a request is refused for before it is queued: empty, over `limit` tokens (prompt +
+    max_tokens), ids or logit_bias outside the vocabulary. The length is checked first: it is O(1), and
+    a prompt over the context needs no look at its ids."""
+    if not prompt:
+        raise MemraError("the prompt is empty")
+    if len(prompt) + params.max_tokens > limit:
+        raise ContextOverflowError(
+            f"this model's maximum context length is {limit} tokens; the request needs {len(prompt)} prompt "
+            f"+ {params.max_tokens} completion tokens = {len(prompt) + params.max_tokens}; shorten the prompt "
+            f"or lower max_tokens")
+    if not 0 <= min(prompt) <= max(prompt) < vocab:
+        bad = next(t for t in prompt if not 0 <= t < vocab)
+        raise MemraError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    for tok, _ in params.logit_bias:
+        if tok >= vocab:
+            raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{vocab - 1})")
