@@ -113,3 +113,21 @@ def test_events_reach_the_reader_when_and_in_the_order_expected(llm):
         assert [e.token_id for e in got] == llm.generate([ids], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
     finally:
         served.engine.shutdown(drain_timeout=1)
+
+
+def test_decode_ids_take_each_rows_last_token_from_where_it_is():
+    """memra.engine.inflight.decode_ids: a row whose last token is still in flight gets it from the
+    device tensor, any other row its host record, in the batch's order."""
+    from memra.engine.inflight import InFlight, decode_ids
+    from memra.engine.sampler import PendingPick
+    from memra.engine.seq_state import SeqState
+
+    def seq(last: int) -> SeqState:
+        return SeqState(f"s{last}", 0, [1], SamplingParams(), None, frozenset(), lambda ev: None, out=[last])
+
+    a, b, c, d = seq(10), seq(11), seq(12), seq(13)
+    flight = InFlight([a, b, c], PendingPick(torch.tensor([20, 21, 22]), None, [], None))
+    assert decode_ids([a, b, d], None, "cpu") == [10, 11, 13]  # nothing in flight: the host's record
+    assert decode_ids([a, b, c], flight, "cpu") is flight.pick.tokens  # the usual step: as they are
+    assert decode_ids([c, a], flight, "cpu").tolist() == [22, 20]  # a sequence ended: the others, gathered
+    assert decode_ids([d, c, a], flight, "cpu").tolist() == [13, 22, 20]  # one swapped back in: its record
