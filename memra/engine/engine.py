@@ -5,9 +5,9 @@
                                         step's tokens on the device -> land the last step: its tokens
                                         to the host, ended sequences freed (memra.engine.inflight)
                                         -> prefill chunks -> every row's token chosen on the device,
-                                        not waited for (memra.engine.sampler) -> token events to each
-                                        request's sink (on the engine thread: once this step is
-                                        launched, so the readers' threads run while the GPU does)
+                                        not waited for (memra.engine.sampler) -> the landed tokens'
+                                        events to each request's sink, once this step is launched,
+                                        so the readers' threads run while the GPU does
 
 step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
 
@@ -70,13 +70,10 @@ class Engine:
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
             total_slots=self.backend.slots, preemption=self.backend.preemption))
         self.seqs: dict[str, SeqState] = {}
-        # On the engine thread (start()) a step's token events wait here until the next step's forwards
-        # are launched: the readers' threads (text, HTTP) then take the GIL while the GPU runs, not while
-        # the engine launches. A caller stepping on its own thread reads them when step() returns.
+        # A step's token events wait here until its forwards are launched: the readers (the server's text
+        # and HTTP threads) then take the GIL while the GPU runs, not while the engine launches.
         self._outbox: list[tuple[SeqState, TokenEvent]] = []
-        self._defer_events = False
         self._inflight: InFlight | None = None  # the last step's tokens, still on the device (memra.engine.inflight)
-        self._overlap = self.backend.device_tokens  # a process pipeline's decode takes host token ids
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -159,7 +156,6 @@ class Engine:
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
             self.warm_up()
-        self._defer_events = True
         self._thread = threading.Thread(target=self._run, name="memra-engine", daemon=True)
         self._thread.start()
         return self
@@ -194,7 +190,7 @@ class Engine:
     def step(self) -> bool:
         """Take the queued commands, then schedule and run one plan. -> whether anything ran or any event
         went out. Offline callers (memra.LLM, `memra generate`) call it in a loop; the serving thread
-        between waits. On the engine thread a step's events go out during the next step (_outbox)."""
+        between waits. A step's tokens land, and their events go out, during the next step."""
         self._drain_commands()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
@@ -303,22 +299,18 @@ class Engine:
                 if start + n == len(s.prompt):  # its first token comes from the last prompt position
                     ready.append(s)
                     logits.append(last[None])
-        if self._defer_events:
-            self._send_events()  # the last step's, while the GPU runs this one
         live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
         if live:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
             batch = batch if len(live) == len(ready) else batch[live]
             rows = [ready[i] for i in live]
             self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
-        self.scheduler.step_done(prefilled, [ready[i].rid for i in live], [])
-        for s in (ready[i] for i in live):
-            if len(s.out) + 1 >= s.params.max_tokens:  # its token in flight is its last: the scheduler
-                self._release(s)  # counts its blocks free now, so the next step may hand them out
-        if not self._overlap:
+        for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live], []):
+            if rid in self.seqs:  # its token in flight is its last (max_tokens): the scheduler freed its blocks
+                self._release(self.seqs[rid])
+        if not self.backend.device_tokens:  # a process pipeline's decode takes host ids: land now
             self._land()
-        if not self._defer_events:
-            self._send_events()
+        self._send_events()
         self.steps += 1
         kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
         self._publish_gauges(len(plan.decode), kind, time.perf_counter() - t0)

@@ -41,8 +41,6 @@ def decode_ids(rows: list[SeqState], inflight: InFlight | None, device: torch.de
         return [s.out[-1] for s in rows]
     if src == list(range(len(inflight.rows))):  # the usual step: the same rows in the same order
         return inflight.pick.tokens
-    if all(j is not None for j in src):
-        return inflight.pick.tokens.index_select(0, upload_values(src, torch.long, device))
     ids = upload_values([s.out[-1] if j is None else 0 for s, j in zip(rows, src)], torch.long, device)
     dst = [i for i, j in enumerate(src) if j is not None]
     picked = inflight.pick.tokens.index_select(0, upload_values([src[i] for i in dst], torch.long, device))

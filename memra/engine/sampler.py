@@ -85,12 +85,6 @@ class Picked:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> list[Picked]:
-    """Every row's next token (and logprobs where asked) from logits [B, V]; one device-to-host copy.
-    `ops`: the model's kernel table (its batch sampler)."""
-    return launch_pick(ops, logits, rows).fetch()
-
-
 @dataclass
 class PendingPick:
     """A batch's choices still on the device: `tokens` [B] int64 (what the next decode step feeds), and
@@ -116,8 +110,10 @@ class PendingPick:
 
 
 def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
-    """pick's device work, launched and not waited for: every row's token chosen on the device (the
-    penalties read each row's history as the host has it now, so the rows' earlier tokens must be in)."""
+    """Every row's next token (and logprobs where asked) from logits [B, V], chosen on the device and
+    not waited for (PendingPick.fetch: one device-to-host copy). `ops`: the model's kernel table (its
+    batch sampler). The penalties read each row's history as the host has it now, so the rows' earlier
+    tokens must have landed."""
     vocab = logits.shape[-1]
     chosen_from = logits
     penalized = [i for i, r in enumerate(rows) if r.params.penalized]

@@ -296,14 +296,15 @@ class Scheduler:
         self._in_flight = bool(prefill or decode)
         return StepPlan(prefill, decode, swap_out, swap_in)
 
-    def step_done(self, prefilled: dict[str, int], sampled: list[str], finished: list[str]) -> None:
+    def step_done(self, prefilled: dict[str, int], sampled: list[str], finished: list[str]) -> list[str]:
         """The engine's report on the plan in flight.
 
         prefilled: rid -> prompt tokens written this step (the planned chunk; a planned rid left out
         made no progress); sampled: rids that got one new token (a completed prefill samples its
         first); finished: rids that are done (EOS / max_tokens / stop string) and are freed. Reports
         about rids no longer live (cancelled during the step) are ignored. Everything is checked
-        before anything changes, so a bad report leaves the scheduler as it was."""
+        before anything changes, so a bad report leaves the scheduler as it was. -> the rids that
+        reached max_tokens with this step and are freed (the engine may still await their last token)."""
         live = self._seqs
         grown: dict[str, int] = {}
         for rid, n in prefilled.items():
@@ -331,17 +332,20 @@ class Scheduler:
         for rid in finished:
             if rid in live:
                 self._finish(live[rid])
+        ended = []
         for rid in list(self._planned_prefill) + list(self._planned_decode):
             seq = live.get(rid)
             if seq is None:
                 continue
             if seq.generated >= seq.max_tokens:
                 self._finish(seq)
+                ended.append(rid)
                 continue
             keep = seq.blocks_needed(0)  # give back what was reserved but not written
             self._free += seq.blocks - keep
             seq.blocks = keep
         self._planned_prefill, self._planned_decode, self._in_flight = {}, set(), False
+        return ended
 
     # --- views ---
     def free_blocks(self) -> int:
