@@ -302,9 +302,8 @@ class Scheduler:
         prefilled: rid -> prompt tokens written this step (the planned chunk; a planned rid left out
         made no progress); sampled: rids that got one new token (a completed prefill samples its
         first); finished: rids that are done (EOS / max_tokens / stop string) and are freed. Reports
-        about rids no longer live (cancelled during the step) are ignored. Everything is checked
-        before anything changes, so a bad report leaves the scheduler as it was. -> the rids that
-        reached max_tokens with this step and are freed (the engine may still await their last token)."""
+        about rids no longer live (cancelled during the step) are ignored. Everything is checked before
+        anything changes, so a bad report leaves it as it was. -> the rids freed at max_tokens now."""
         live = self._seqs
         grown: dict[str, int] = {}
         for rid, n in prefilled.items():
@@ -323,16 +322,13 @@ class Scheduler:
         unsampled = sorted(completes - set(sampled) - set(finished))
         if unsampled:  # it would sit prefilled with no token to feed, neither prefilling nor decoding
             raise ValueError(f"{unsampled[0]}: its prefill completed but no first token was reported sampled")
-
         for rid, n in grown.items():
             live[rid].prefilled += n
-        for rid in sampled:
-            if rid in live:
-                live[rid].generated += 1
-        for rid in finished:
-            if rid in live:
-                self._finish(live[rid])
-        ended = []
+        for rid in (r for r in sampled if r in live):
+            live[rid].generated += 1
+        for rid in (r for r in finished if r in live):
+            self._finish(live[rid])
+        ended = []  # reached max_tokens with this step
         for rid in list(self._planned_prefill) + list(self._planned_decode):
             seq = live.get(rid)
             if seq is None:
