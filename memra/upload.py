@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not wait for the device.
+"""Copies between host and device that do not wait for the whole stream.
 
 `t.to("cuda")` from ordinary (pageable) host memory is a synchronous copy: PyTorch waits for the
 stream to drain before it returns. On the step path that wait is a full stop. A decode graph
@@ -12,10 +12,16 @@ the current stream, after the work already there, so what it feeds reads the new
 order. PyTorch's pinned-memory allocator keeps the staging block until the copy has run, so the
 host tensor may go out of scope at once. The bytes that arrive are the same; only the host's waiting
 changes. Off CUDA it is the plain `.to(device)`.
+
+The other way is the same trap. `t.tolist()` on a CUDA tensor waits for everything queued on the
+stream, including work launched *after* t was computed: an engine that launches step N+1 before it
+reads step N's tokens would wait for step N+1 as well. `start_download` queues the copy into pinned
+memory at once and records an event after it; `Download.wait()` waits for that event only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -32,3 +38,28 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def upload_values(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.tensor(values, dtype=dtype, device=device), without waiting for the device."""
     return upload(torch.tensor(values, dtype=dtype), device)
+
+
+@dataclass
+class Download:
+    """A device tensor's values on their way to the host: `host` is filled once `ready` has passed."""
+
+    host: torch.Tensor
+    ready: "torch.cuda.Event | None"  # None: the copy was synchronous (off CUDA)
+
+    def wait(self) -> list:
+        """The values as a list, after waiting for this copy only (the wait releases the GIL)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def start_download(t: torch.Tensor) -> Download:
+    """Queue t's copy to pinned host memory on the current stream, after the work that computes t."""
+    if t.device.type != "cuda":
+        return Download(t.detach().to("cpu", copy=True), None)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return Download(host, ready)

@@ -126,7 +126,7 @@ def test_decode_ids_take_each_rows_last_token_from_where_it_is():
         return SeqState(f"s{last}", 0, [1], SamplingParams(), None, frozenset(), lambda ev: None, out=[last])
 
     a, b, c, d = seq(10), seq(11), seq(12), seq(13)
-    flight = InFlight([a, b, c], PendingPick(torch.tensor([20, 21, 22]), None, [], None))
+    flight = InFlight([a, b, c], PendingPick(torch.tensor([20, 21, 22]), [], None))
     assert decode_ids([a, b, d], None, "cpu") == [10, 11, 13]  # nothing in flight: the host's record
     assert decode_ids([a, b, c], flight, "cpu") is flight.pick.tokens  # the usual step: as they are
     assert decode_ids([c, a], flight, "cpu").tolist() == [22, 20]  # a sequence ended: the others, gathered

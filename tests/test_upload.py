@@ -1,10 +1,11 @@
-"""memra.upload: the same values on the device, and on CUDA a copy that does not wait for the stream."""
+"""memra.upload: the same values on the device and back, and on CUDA copies that do not wait for the
+whole stream."""
 
 import pytest
 import torch
 
 from cuda_marks import DEVICES, cuda_only
-from memra.upload import upload, upload_values
+from memra.upload import start_download, upload, upload_values
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -33,3 +34,25 @@ def test_upload_queues_behind_running_work_without_waiting():
     total = got.sum()  # queued after the copy
     assert still_running, "upload waited for the work queued before it"
     assert int(total) == sum(range(1000))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_download_gives_the_same_values(device):
+    t = torch.tensor([3, -1, 2**40], dtype=torch.int64, device=device)
+    copy = start_download(t)
+    t += 1  # later work on t: the copy holds the values as they were when it was queued
+    assert copy.wait() == [3, -1, 2**40]
+    assert start_download(torch.tensor([0.5, -2.0], dtype=torch.float64, device=device)).wait() == [0.5, -2.0]
+
+
+@cuda_only
+def test_download_waits_for_its_copy_not_for_later_work():
+    """A download queued before ~0.2 s of GPU work is read while that work still runs: the engine reads
+    step N's tokens while step N+1 runs. t.tolist() would have waited for the whole stream."""
+    t = torch.arange(10, device="cuda")
+    copy = start_download(t)
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(400_000_000)  # queued after the copy
+    busy.record()
+    assert copy.wait() == list(range(10))
+    assert not busy.query(), "the download waited for work queued after it"

@@ -52,6 +52,7 @@ from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_err
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
+from memra.upload import upload_values
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
 
@@ -302,7 +303,8 @@ class Engine:
         live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
         if live:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
-            batch = batch if len(live) == len(ready) else batch[live]
+            if len(live) < len(ready):
+                batch = batch.index_select(0, upload_values(live, torch.long, batch.device))
             rows = [ready[i] for i in live]
             self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
         for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live], []):

@@ -20,7 +20,7 @@ import torch
 
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
-from memra.upload import upload_values
+from memra.upload import Download, start_download, upload_values
 
 
 @dataclass
@@ -37,13 +37,13 @@ class PenaltyState:
     @classmethod
     def start(cls, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> "PenaltyState":
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        seen[upload_values(prompt, torch.long, device)] = True
         state = cls(seen, torch.zeros(vocab, dtype=torch.float32, device=device))
         if params.logit_bias:
             if max(t for t, _ in params.logit_bias) >= vocab:
                 raise MemraError(f"logit_bias names a token outside the vocabulary (0..{vocab - 1})")
-            state.bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
-            state.bias_vals = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+            state.bias_ids = upload_values([t for t, _ in params.logit_bias], torch.long, device)
+            state.bias_vals = upload_values([b for _, b in params.logit_bias], torch.float32, device)
         return state
 
     def observe(self, out: list[int]) -> None:
@@ -88,16 +88,15 @@ class Picked:
 @dataclass
 class PendingPick:
     """A batch's choices still on the device: `tokens` [B] int64 (what the next decode step feeds), and
-    `payload`, the tokens and each asking row's logprob numbers as one float64 vector, when any row asked."""
+    their copy to the host under way: the tokens, then each asking row's logprob numbers (float64)."""
 
     tokens: torch.Tensor
-    payload: torch.Tensor | None
     asked: list[tuple[int, int]]  # (row, top-n) of the rows that asked for logprobs, in payload order
-    ready: torch.cuda.Event | None  # recorded after the last launch (CUDA), else None
+    copy: Download  # of the payload, or of the tokens when no row asked: queued with the launches
 
     def fetch(self) -> list[Picked]:
-        """Wait for the choices and bring them to the host: one copy."""
-        host = _to_host(self.payload if self.payload is not None else self.tokens, self.ready)
+        """Wait for the choices' copy to the host (not for later work on the stream)."""
+        host = self.copy.wait()
         b = self.tokens.shape[0]
         out = [Picked(int(t)) for t in host[:b]]
         at = b
@@ -128,10 +127,10 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
     tokens = chosen_from.argmax(-1)  # [B] int64 on the device: every greedy row's token (device_sample's rule)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)
-        idx = sampled if len(sampled) < len(rows) else slice(None)
+        idx = upload_values(sampled, torch.long, logits.device) if len(sampled) < len(rows) else slice(None)
         tokens[idx] = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
     asked = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None]
-    payload = None
+    payload = None  # the tokens, then each asking row's numbers, as one float64 vector
     if asked:
         pieces = [tokens.double()]
         for i, n in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
@@ -141,16 +140,4 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
                 vals, ids = torch.topk(logp, n)
                 pieces += [ids.double(), vals.double()]
         payload = torch.cat(pieces)
-    ready = None
-    if tokens.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
-    return PendingPick(tokens, payload, asked, ready)
-
-
-def _to_host(t: torch.Tensor, ready: "torch.cuda.Event | None") -> list:
-    """t as a list, after waiting for the device on `ready`: the wait releases the GIL, so a server's
-    other threads (the event loop, the text thread) run while the step finishes on the GPU."""
-    if ready is not None:
-        ready.synchronize()
-    return t.tolist()
+    return PendingPick(tokens, asked, start_download(payload if payload is not None else tokens))
