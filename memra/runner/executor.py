@@ -30,6 +30,7 @@ from memra.runner.bodies import (
     verify_head,
     verify_layers,
 )
+from memra.upload import upload_values
 
 
 class Executor(Protocol):
@@ -137,5 +138,6 @@ def wave_logits(model, h: torch.Tensor, bounds, want) -> list:
     rows = [hi - 1 for (_, hi), w in zip(bounds, want) if w]
     if not rows:
         return [None] * len(bounds)
-    logits = iter(model.logits(model.norm_out(h[rows])))
+    last = h[rows[0] : rows[0] + 1] if len(rows) == 1 else h.index_select(0, upload_values(rows, torch.long, h.device))
+    logits = iter(model.logits(model.norm_out(last)))
     return [next(logits) if w else None for w in want]
