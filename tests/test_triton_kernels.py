@@ -57,6 +57,17 @@ def test_linear_matches_twin_and_rows_do_not_depend_on_m(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_residual_is_the_linear_then_the_add(dtype):
+    """The residual add in the linear's epilogue: torch's add of the two model-dtype tensors, bit for
+    bit, and still M-invariant (a row alone has its bits in the batch)."""
+    w, x = rnd(96, 200, dtype=dtype, seed=1), rnd(70, 200, dtype=dtype, seed=3)
+    h = rnd(70, 96, dtype=dtype, seed=4, scale=8.0)
+    fused = tk.linear(x, w, residual=h)
+    same_bits(fused, h + tk.linear(x, w))
+    same_bits(tk.linear(x[5:6], w, residual=h[5:6]), fused[5:6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [True, False])
 def test_rms_norm_matches_twin_and_is_row_invariant(dtype, zero_centered):
     x, w = rnd(9, 3, 40, dtype=dtype, seed=4), rnd(40, seed=5) + 1
@@ -162,6 +173,35 @@ def test_rope_matches_the_reference_within_one_rounding(dtype, d, r):
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * tol
     assert torch.equal(got[..., r:], x[..., r:])  # channels past R pass through untouched
     assert torch.equal(tk.apply_rope(x[2:3], cos[2:3], sin[2:3]), got[2:3])  # a token's bits alone == in the batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,r", [(64, 64), (64, 16)])
+def test_rope_write_kv_is_the_rope_then_the_copy(dtype, d, r):
+    """One launch for the step between projection and attention: the rotated q and the pool's K/V rows
+    have the bits of apply_rope then index_copy_ (the six launches it replaces); rows not named keep
+    theirs; the twin (reference.rope_write_kv) agrees within the rope's one rounding."""
+    t, hq, hkv, n_blocks, block = 4, 4, 2, 3, 8
+    qkv = rnd(t, (hq + 2 * hkv) * d, dtype=dtype, seed=5)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))  # strided views
+    pos = torch.arange(3, 3 + t, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, device=DEVICE).float() / r))
+    cos, sin = reference.rope_cos_sin(pos, inv, dtype)
+    rows = torch.tensor([9, 2, 17, 10], device=DEVICE)
+    pools = lambda: (rnd(n_blocks, block, hkv, d, dtype=dtype, seed=6), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=7))
+    k_pool, v_pool = pools()
+    got_q = tk.rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows)
+    want_k, want_v = pools()
+    want_k.view(-1, hkv, d).index_copy_(0, rows, tk.apply_rope(k, cos, sin))
+    want_v.view(-1, hkv, d).index_copy_(0, rows, v)
+    assert torch.equal(got_q, tk.apply_rope(q, cos, sin))
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    twin_k, twin_v = pools()
+    twin_q = reference.rope_write_kv(q, k, v, cos, sin, twin_k, twin_v, rows)
+    tol = 2 ** -6 if dtype != torch.float32 else 1e-6
+    for got, want in ((got_q, twin_q), (k_pool, twin_k)):
+        assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * tol
+    assert torch.equal(v_pool, twin_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -72,6 +72,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """An attention step's work between projection and attention: q [T, Hq, D] and k [T, Hkv, D]
+    rotated (apply_rope), then k and v [T, Hkv, D] written to the pool rows `rows` [T] (flat: block *
+    BLOCK + offset of k/v_pool [n_blocks, BLOCK, Hkv, D]). -> the rotated q."""
+    hkv, d = k.shape[1], k.shape[2]
+    k_pool.view(-1, hkv, d).index_copy_(0, rows, apply_rope(k, cos, sin))
+    v_pool.view(-1, hkv, d).index_copy_(0, rows, v)
+    return apply_rope(q, cos, sin)
+
+
 # --- attention ---------------------------------------------------------------------------------
 
 

@@ -51,7 +51,7 @@ def triton_ops() -> types.SimpleNamespace | None:
         linear=linear.linear,
         rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, l2_normalize=norm.l2_normalize,
         gated_rms_norm=norm.gated_rms_norm,
-        apply_rope=rope.apply_rope,
+        apply_rope=rope.apply_rope, rope_write_kv=rope.rope_write_kv,
         delta_rule_step=gdn.delta_rule_step, delta_rule_scan=gdn.delta_rule_scan,
         paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
         prefill_attention=attention.prefill_attention,
@@ -125,12 +125,19 @@ class KernelTable:
         """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
         return self.invariant
 
+    def _fused_rope(self, x) -> bool:
+        # One fused launch instead of five (triton.rope) wherever Triton runs on 16-bit activations, in
+        # the exact and the fast path alike: elementwise, so its bits never depend on the batch.
+        return self.triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
     def apply_rope(self, x, cos, sin):
-        # One fused launch instead of five (triton.rope._rope_kernel) wherever Triton runs on 16-bit
-        # activations, in the exact and the fast path alike: elementwise, so its bits never depend on the batch.
-        if self.triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            return triton_ops().apply_rope(x, cos, sin)
-        return reference.apply_rope(x, cos, sin)
+        return (triton_ops() if self._fused_rope(x) else reference).apply_rope(x, cos, sin)
+
+    def rope_write_kv(self, q, k, v, cos, sin, k_pool, v_pool, rows):
+        """Rotated q; k rotated and v written to the pool rows. Where the fused rope runs, one launch
+        with its bits (apply_rope, then a copy); elsewhere the twin, which is that composition."""
+        return (triton_ops() if self._fused_rope(q) else reference).rope_write_kv(q, k, v, cos, sin, k_pool, v_pool,
+                                                                               rows)
 
     def linear(self, x, w, b=None):
         if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
@@ -138,6 +145,13 @@ class KernelTable:
         if isinstance(w, quant.Q8Split):  # Q8_0 repacked for the CPU: decoded a tile at a time
             return quant.tiled_linear(x, w, b, self.scratch)
         return self._impl(x).linear(x, w, b)
+
+    def linear_add(self, x, w, residual):
+        """residual + linear(x, w), with the bits of the two ops apart: the add in the invariant
+        kernel's epilogue where it runs on a plain weight (one launch), else the two ops."""
+        if isinstance(w, torch.Tensor) and self._impl(x) is not reference:
+            return triton_ops().linear(x, w, residual=residual)
+        return residual + self.linear(x, w)
 
     def rms_norm(self, x, w, eps, zero_centered):
         return self._impl(x).rms_norm(x, w, eps, zero_centered)

@@ -26,40 +26,53 @@ class Attention:
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        q, k, v, gate = self._project(x, ctx.cos, ctx.sin)
-        o = self._attend(q, k, v, ctx)
-        return self._output(o, gate)
+        q, k, v, gate = self._project(x)
+        q = self._rope_write(q, k, v, ctx.cos, ctx.sin, ctx.cache.kv, ctx.kv_write_rows)
+        return self._output(self._attend(q, ctx), gate)
 
     def forward_segments(self, x: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
         """x [N, E]: prompt pieces of several sequences, piece i in rows bounds[i] with context ctxs[i].
-        Projections, norms and rope run over all N rows at once (row-wise ops); each piece writes its
-        K/V and attends over its own sequence's prefix, with exactly the shapes of its solo forward."""
-        q, k, v, gate = self._project(x, _joined([c.cos for c in ctxs]), _joined([c.sin for c in ctxs]))
-        o = _joined([self._attend(q[a:b], k[a:b], v[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
+        Projections, norms, rope and the K/V writes run over all N rows at once (row-wise ops; one launch
+        where the pieces share a KV pool, as in the engine); each piece attends over its own sequence's
+        prefix, with exactly the shapes of its solo forward."""
+        q, k, v, gate = self._project(x)
+        pools = {id(c.cache.kv) for c in ctxs}
+        if len(pools) == 1:
+            q = self._rope_write(q, k, v, _joined([c.cos for c in ctxs]), _joined([c.sin for c in ctxs]),
+                                 ctxs[0].cache.kv, _joined([c.kv_write_rows for c in ctxs]))
+        else:  # private pools (offline caches of their own): piece by piece
+            q = _joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
+                         for (a, b), c in zip(bounds, ctxs)])
+        o = _joined([self._attend(q[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
         return self._output(o, gate)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """x [B, E]: row i is one new token of step.ctxs[i]'s sequence — B sequences of a batched decode,
         or the T consecutive tokens of one sequence in a verify. Projections batched; attention row by
         row over each row's own paged prefix, one launch per KV pool (memra.kernels)."""
-        q, k, v, gate = self._project(x, step.cos, step.sin)
+        q, k, v, gate = self._project(x)
         return self._output(self._attend_rows(q, k, v, step), gate)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StackedStep) -> torch.Tensor:
-        """q [B, Hq, D], k/v [B, Hkv, D], one token per row -> [B, Hq*D]. Every row's K/V is written
-        first, then each row reads positions 0..its own in order. Writing early changes nothing a row
-        reads: other rows write other sequences' blocks, or (verify) positions after this row's."""
-        d = self.head_dim
+        """q [B, Hq, D], k/v [B, Hkv, D] (not yet rotated), one token per row -> [B, Hq*D]. A pool's rows
+        all write their K/V first, then each reads positions 0..its own in order. Writing early changes
+        nothing a row reads: other rows write other sequences' blocks, or (verify) positions after this
+        row's."""
+        b, d = q.shape[0], self.head_dim
+        if len(step.groups) == 1 and isinstance(step.groups[0].sel, slice):  # one pool (the engine's): no gathers
+            g = step.groups[0]
+            qr = self._rope_write(q, k, v, step.cos, step.sin, g.kv, g.write_rows)
+            return self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows, g.starts,
+                                                 g.lens, self.scale, g.max_len).reshape(b, self.n_heads * d)
         o = q.new_empty(q.shape)
         for g in step.groups:
-            g.kv.k[self.layer].view(-1, self.n_kv, d)[g.write_rows] = k[g.sel]
-            g.kv.v[self.layer].view(-1, self.n_kv, d)[g.write_rows] = v[g.sel]
-            o[g.sel] = self.ops.paged_attention_rows(q[g.sel], g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
-                                                g.starts, g.lens, self.scale, g.max_len)
-        return o.reshape(q.shape[0], self.n_heads * d)
+            qr = self._rope_write(q[g.sel], k[g.sel], v[g.sel], step.cos[g.sel], step.sin[g.sel], g.kv, g.write_rows)
+            o[g.sel] = self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
+                                                     g.starts, g.lens, self.scale, g.max_len)
+        return o.reshape(b, self.n_heads * d)
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (normed, rotated), gate [T, Hq*D] | None."""
+    def _project(self, x: torch.Tensor):
+        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (q and k normed, not yet rotated), gate [T, Hq*D] | None."""
         t, d = x.shape[0], self.head_dim
         qkv = self.ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
         q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
@@ -73,18 +86,16 @@ class Attention:
         if self.q_norm is not None:
             q = self.ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
             k = self.ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
-        return self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin), v, gate
+        return q, k, v, gate
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Write the new K/V into this sequence's blocks, then attend over its whole prefix in order."""
+    def _rope_write(self, q, k, v, cos, sin, kv, rows) -> torch.Tensor:
+        """Rotate q and k, write k and v to the pool rows `rows` [T] -> the rotated q (one launch on the GPU)."""
+        return self.ops.rope_write_kv(q, k, v, cos, sin, kv.k[self.layer], kv.v[self.layer], rows)
+
+    def _attend(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Attend over this sequence's whole prefix in order (its new K/V already written)."""
         t, d = q.shape[0], self.head_dim
         kv = ctx.cache.kv
-        flat_k = kv.k[self.layer].view(-1, self.n_kv, d)  # [n_blocks*BLOCK, Hkv, D]
-        flat_v = kv.v[self.layer].view(-1, self.n_kv, d)
-        # index_copy_: one scatter kernel; item assignment goes through advanced indexing (~29 us of host
-        # time per call in a prefill profile on the H200, twice per layer)
-        flat_k.index_copy_(0, ctx.kv_write_rows, k)
-        flat_v.index_copy_(0, ctx.kv_write_rows, v)
         if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
             o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
         else:

@@ -45,7 +45,8 @@ class Block:
         return self._ffn(h, mixed)
 
     def _ffn(self, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-        """The mixer's residual add, then the FFN's pre-norm and residual. The add and the norm that
-        reads it are one kernel on the exact GPU path (self.ops.add_rms_norm: the same bits as apart)."""
+        """The mixer's residual add, then the FFN's pre-norm and residual. On the exact GPU path the add
+        and the norm that reads it are one kernel (ops.add_rms_norm), and the FFN's residual add is in
+        its down projection's epilogue (ops.linear_add): the same bits as apart."""
         h, x = self.ops.add_rms_norm(h, mixed, self.ffn_norm, self.eps, self.zc)
-        return h + self.ffn.forward(x)
+        return self.ffn.forward(x, residual=h)

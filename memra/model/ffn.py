@@ -14,8 +14,10 @@ class Mlp:
     def __init__(self, w: dict[str, torch.Tensor], ops: KernelTable):
         self.w_gate_up, self.w_down, self.ops = w["w_gate_up"], w["w_down"], ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.w_gate_up)), self.w_down)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, E] -> [T, E]; with `residual`, residual + that (in the down projection's launch where it can)."""
+        act = self.ops.silu_mul(self.ops.linear(x, self.w_gate_up))
+        return self.ops.linear(act, self.w_down) if residual is None else self.ops.linear_add(act, self.w_down, residual)
 
 
 class Moe:
@@ -28,7 +30,7 @@ class Moe:
         self.shared = Mlp({"w_gate_up": w["shared_gate_up"], "w_down": w["shared_down"]}, ops) if "shared_gate_up" in w else None
         self.shared_gate = w.get("shared_gate")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.ops.moe_route(self.ops.linear(x, self.router), self.top_k, self.normalize, x.dtype)
         out = self.ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down)
         if self.shared is not None:
@@ -36,4 +38,4 @@ class Moe:
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.ops.linear(x, self.shared_gate)) * s
             out = out + s
-        return out
+        return out if residual is None else residual + out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import _interpreting
+from memra.kernels.triton.common import _interpreting, round_to_bf16
 
 # The frozen configurations. Changing any of these changes bits (never across batch sizes, but
 # across memra versions), so they are constants rather than autotuned.
@@ -46,8 +46,8 @@ LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,8 +64,14 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
             acc = tl.dot(a, b, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    ty = y_ptr.dtype.element_ty
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    y = acc.to(ty)
+    if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
+        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
+        total = r.to(tl.float32) + y.to(tl.float32)
+        y = (round_to_bf16(total) if ty == tl.bfloat16 else total).to(ty)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=inside)
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H200 allows 227 KiB)
@@ -83,8 +89,11 @@ def linear_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]
     return bm, bn, bk, warps, stages
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant. With
+    `residual` [..., N]: residual + that, in the epilogue, with the bits of the add done apart (the
+    block's residual add after its down projection, one launch fewer per layer)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -92,10 +101,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     w = w if w.stride(-1) == 1 else w.contiguous()
     m, n = x2.shape[0], w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    r = residual.reshape(m, n) if residual is not None else y
+    if r.stride(-1) != 1:
+        r = r.contiguous()
     if m:
         bm, bn, bk, warps, stages = linear_config(m, x.element_size())
         _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=b is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
+            x2, w, b if b is not None else w, r, y, m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.reshape(*lead, n)

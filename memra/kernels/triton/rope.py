@@ -1,4 +1,6 @@
-"""Rotary embedding in Triton: the reference's five elementwise kernels in one launch (reference.apply_rope)."""
+"""Rotary embedding in Triton: the reference's five elementwise kernels in one launch (reference.apply_rope),
+and the attention's whole step between projection and attention in one launch (reference.rope_write_kv:
+rotate q and k, write k and v into the paged pool — six launches before)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    # One program per (token, head). The reference's five elementwise kernels (neg, cat, two muls, add)
-    # in one, rounding to the model dtype after each product and after the sum as the reference does.
-    # Measured on the H200 this is within one rounding of the reference, not always its bits (it is
-    # elementwise, so a value's bits never depend on the batch either way; both the exact and the fast
-    # path use it, so prefill, decode and verify agree). fp32 goes to the reference in ops.
-    t = tl.program_id(0) // H
-    h = tl.program_id(0) % H
-    c = tl.arange(0, BLOCK_D)
-    base = x_ptr + t * stride_xt + h * stride_xh
+def _rotated(base, cos_ptr, sin_ptr, t, c, D, R, HALF: tl.constexpr, ty: tl.constexpr):
+    # One head's D channels at `base` (contiguous), the first R rotated NeoX style with token t's
+    # tables. The reference's five elementwise kernels (neg, cat, two muls, add) in one, rounding to the
+    # model dtype after each product and after the sum as the reference does. Measured on the H200
+    # this is within one rounding of the reference, not always its bits (it is elementwise, so a
+    # value's bits never depend on the batch either way; the exact and the fast path both use it, so
+    # prefill, decode and verify agree). Both kernels below call this one body: their bits are equal.
     x = tl.load(base + c, mask=c < D, other=0.0)
     in_rot = c < R
     partner = tl.where(c < HALF, c + HALF, c - HALF)
@@ -26,11 +24,45 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, 
     rotated = tl.where(c < HALF, -xp, xp)
     cos = tl.load(cos_ptr + t * R + c, mask=in_rot, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * R + c, mask=in_rot, other=0.0).to(tl.float32)
-    ty = y_ptr.dtype.element_ty
     a = (x.to(tl.float32) * cos).to(ty)
     b = (rotated * sin).to(ty)
-    y = tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(ty), x)
+    return tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(ty), x)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, HALF: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    # One program per (token, head).
+    t = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    c = tl.arange(0, BLOCK_D)
+    y = _rotated(x_ptr + t * stride_xt + h * stride_xh, cos_ptr, sin_ptr, t, c, D, R, HALF, y_ptr.dtype.element_ty)
     tl.store(y_ptr + (t * H + h) * D + c, y, mask=c < D)
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rows_ptr, qo_ptr, kp_ptr, vp_ptr, HQ, HKV,
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, D, R, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (token t, head h over Hq query heads, then Hkv key heads, then Hkv value heads): a query
+    # head is rotated into qo; a key head is rotated and a value head copied straight into the pool
+    # row rows[t] (flat: block * BLOCK_SIZE + offset), so the separately rotated K and V never exist.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.arange(0, BLOCK_D)
+    ty = qo_ptr.dtype.element_ty
+    if h < HQ:
+        y = _rotated(q_ptr + t * sq_t + h * sq_h, cos_ptr, sin_ptr, t, c, D, R, HALF, ty)
+        tl.store(qo_ptr + (t * HQ + h) * D + c, y, mask=c < D)
+    else:
+        row = tl.load(rows_ptr + t)
+        if h < HQ + HKV:
+            kh = h - HQ
+            y = _rotated(k_ptr + t * sk_t + kh * sk_h, cos_ptr, sin_ptr, t, c, D, R, HALF, ty)
+            tl.store(kp_ptr + (row * HKV + kh) * D + c, y, mask=c < D)
+        else:
+            vh = h - HQ - HKV
+            x = tl.load(v_ptr + t * sv_t + vh * sv_h + c, mask=c < D, other=0.0)
+            tl.store(vp_ptr + (row * HKV + vh) * D + c, x, mask=c < D)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,3 +77,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         _rope_kernel[(t * h,)](x, cos.contiguous(), sin.contiguous(), y, h, x.stride(0), x.stride(1), d, r,
                                HALF=r // 2, BLOCK_D=triton.next_power_of_2(d))
     return y
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.rope_write_kv: q [T, Hq, D], k/v [T, Hkv, D] (any strides over T and
+    H), cos/sin [T, R], k/v_pool [n_blocks, BLOCK, Hkv, D], rows [T] flat pool rows -> rotated q
+    [T, Hq, D] contiguous; k rotated and v written to the pool rows. Bits: apply_rope's, then a copy."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    qo = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t:
+        _rope_write_kv_kernel[(t, hq + 2 * hkv)](q, k, v, cos.contiguous(), sin.contiguous(), rows.contiguous(), qo,
+                                                 k_pool, v_pool, hq, hkv, q.stride(0), q.stride(1), k.stride(0),
+                                                 k.stride(1), v.stride(0), v.stride(1), d, cos.shape[-1],
+                                                 HALF=cos.shape[-1] // 2, BLOCK_D=triton.next_power_of_2(d))
+    return qo
