@@ -24,7 +24,7 @@ from memra.loading.checkpoint import load_weights, progress
 from memra.model.hybrid import rope_inv_freq
 
 GGUF_NAME = {v: k for k, v in GGUF_ARCHITECTURES.items()}  # memra arch -> llama.cpp arch
-TYPES = ("f32", "f16", "q8_0")
+TYPES = ("f32", "f16", "q8_0", "q4_k")
 
 
 def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -218,7 +218,9 @@ def _pre_tokenizer_name(pre: dict, rules, source) -> str:
 
 def _encode(t: torch.Tensor, qtype: str, name: str):
     """-> (numpy data, raw ggml type or None). 1-D tensors, norms, conv and gate parameters stay f32,
-    like llama.cpp's converter; Q8_0 needs rows that are whole 32-value blocks (else f16)."""
+    like llama.cpp's converter; Q8_0 needs rows that are whole 32-value blocks, Q4_K whole 256-value
+    super-blocks (else f16). Q4_K is memra.kernels.quant.quantize_q4_k (llama.cpp's search, every
+    matrix in Q4_K: what llama.cpp's Q4_K_S does for most of them)."""
     import gguf
 
     arr = t.detach().float().cpu().numpy()
@@ -227,6 +229,10 @@ def _encode(t: torch.Tensor, qtype: str, name: str):
         return arr.astype(np.float32), None
     if qtype == "q8_0" and arr.shape[-1] % 32 == 0:
         return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    if qtype == "q4_k" and arr.ndim == 2 and arr.shape[-1] % 256 == 0:
+        from memra.kernels.quant import quantize_q4_k
+
+        return quantize_q4_k(torch.from_numpy(arr)).data.numpy(), gguf.GGMLQuantizationType.Q4_K
     return arr.astype(np.float16), None
 
 
@@ -250,7 +256,7 @@ def convert(model_path: str | Path, out_path: str | Path, qtype: str = "f16") ->
         arch = GGUF_NAME[cfg.arch]
         writer = gguf.GGUFWriter(str(partial), arch)
         file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S}[qtype]
         _metadata(writer, cfg, arch, src.name, int(file_type))
         _tokenizer_metadata(writer, src)
         tensors = gguf_tensors(cfg, weights)

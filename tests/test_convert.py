@@ -49,6 +49,39 @@ def test_quantized_output_is_the_hf_weights_rounded(qtype, tmp_path):
     assert torch.equal(ours.prime(ids, ours.new_cache(64), all_logits=True), twin.prime(ids, twin.new_cache(64), all_logits=True))
 
 
+def test_q4_k_output_loads_split_on_cpu_with_the_unpacked_bits(tmp_path):
+    """q4_k: rows of whole 256-value super-blocks become Q4_K (memra.kernels.quant.quantize_q4_k). On
+    CPU the model keeps them split (memra.kernels.split: about the file's bytes, not fp32) and computes
+    the bits of the same file decoded at load. The fixture is 64 wide, so the model is a wider random
+    Llama with the fixture's tokenizer."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from memra.kernels.split import Q4KSplit
+    from memra.loading.checkpoint import load
+
+    src = tmp_path / "wide"
+    shutil.copytree(hf_dir("llama"), src)
+    (src / "model.safetensors").unlink()
+    (src / "reference.safetensors").unlink()
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, num_hidden_layers=2))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    out = convert(src, tmp_path / "wide-q4_k.gguf", "q4_k")
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert kinds == {"F32", "Q4_K"}
+    packed, plain = (load(out, device="cpu", tokenizer=False, packed_weights=p) for p in (None, False))
+    kept = {k for k, w in packed._weights.items() if isinstance(w, Q4KSplit)}
+    assert "embed" in kept and any(k.endswith("wqkv") for k in kept) and any("gate_up" in k for k in kept)
+    for k in kept:  # fp32 is 4 bytes a value, Q4_K split 0.59
+        assert packed._weights[k].nbytes <= 0.16 * plain._weights[k].nbytes, k
+    ids = [1, 5, 9, 200, 7]
+    assert torch.equal(packed.prime(ids, packed.new_cache(32), all_logits=True),
+                       plain.prime(ids, plain.new_cache(32), all_logits=True))
+
+
 def test_convert_refuses_bad_input(tmp_path):
     with pytest.raises(MemraError, match="unknown GGUF type"):
         convert(hf_dir("llama"), tmp_path / "x.gguf", "q3_k")

@@ -76,7 +76,7 @@ def test_quantized_weights_are_exactly_the_converters_rounding(name, load_model)
 def test_a_cpu_load_keeps_q8_0_packed_with_the_unpacked_bits(arch):
     """On CPU (by default) a Q8_0 GGUF's projections, embedding and head stay packed (memory tracks the
     file), and the model computes the same bits as the same file decoded at load."""
-    from memra.kernels.quant import Q8Split
+    from memra.kernels.split import Q8Split
     from memra.loading.checkpoint import load
 
     path = gguf_file(f"{arch}-q8_0")

@@ -25,6 +25,8 @@ from memra.kernels import quant, reference
 from memra.kernels.table import KernelTable
 from memra.settings import Settings
 from memra.kernels.quant import QType, QuantWeight
+from memra.kernels.split import split_for_cpu
+from memra.loading.dequant import dequantize
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
@@ -124,17 +126,34 @@ def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
     assert torch.equal(quant.tiled_linear(x, qw), quant.reference_linear(x, qw))
     with pytest.raises(MemraError, match="one format"):
         QuantWeight.cat_rows([qw, quant.quantize(torch.randn(4, 512), qtype, torch.float32)])
-    if qtype == QType.Q8_0:  # the CPU's split layout: the same values, rows and tiled products
-        split = quant.Q8Split.from_quant(qw)
-        assert split.shape == qw.shape and split.nbytes == 320 * 256 + 320 * 8 * 4
-        assert torch.equal(split.dequantize(), full) and torch.equal(split[ids], full[ids])
-        assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
-        monkeypatch.setattr(quant, "TILE_BYTES", 8 << 20)  # one tile: decoded into the reused buffer too
-        scratch = quant.Scratch()
-        assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
-        held = scratch.take(1, 1, x.device).data_ptr()
-        assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
-        assert scratch.take(320, 256, x.device).data_ptr() == held  # the same buffer, not a fresh one per call
+    # the CPU's split layout (memra.kernels.split): the same values, rows and tiled products
+    split = split_for_cpu(qw)
+    assert split.shape == qw.shape and qw.nbytes < split.nbytes <= 1.06 * qw.nbytes  # about the file's size
+    assert torch.equal(split.dequantize(), full) and torch.equal(split[ids], full[ids])
+    assert torch.equal(split[7], full[7:8])
+    assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
+    monkeypatch.setattr(quant, "TILE_BYTES", 8 << 20)  # one tile: decoded into the reused buffer too
+    scratch = quant.Scratch()
+    assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
+    held = scratch.take(1, 1, x.device).data_ptr()
+    assert torch.equal(quant.tiled_linear(x, split, scratch=scratch), quant.reference_linear(x, qw))
+    assert scratch.take(320, 256, x.device).data_ptr() == held  # the same buffer, not a fresh one per call
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K])
+def test_the_cpu_split_decodes_any_bytes_as_the_reference_decoder(qtype):
+    """Random bytes in every field (all 6-bit scales and mins, both nibbles, any fp16 scale that is
+    finite): the split layout gives memra.loading.dequant's values, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 6, 512
+    block, block_bytes = quant.FORMATS[qtype]
+    data = torch.randint(0, 256, (n, k // block, block_bytes), generator=gen, dtype=torch.uint8)
+    scales = torch.randn(n, k // block, 2, generator=gen).mul(0.01).to(torch.float16).view(torch.uint8)
+    data[..., :4 if qtype == QType.Q4_K else 2] = scales.reshape(n, k // block, 4)[..., : 4 if qtype == QType.Q4_K else 2]
+    qw = QuantWeight(qtype, data.reshape(n, -1).contiguous(), (n, k), torch.float32)
+    want = dequantize(qw.data, qtype, (n, k))
+    assert torch.equal(split_for_cpu(qw).dequantize(), want)
+    assert torch.equal(split_for_cpu(qw).decode(2, 5), want[2:5])
 
 
 def test_bad_shapes_and_types_are_refused_clearly():

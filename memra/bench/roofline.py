@@ -18,10 +18,8 @@ from memra.random_model import canonical_shapes
 
 
 def tensor_bytes(t) -> int:
-    """Bytes a weight occupies (and a step reads): packed bytes for a QuantWeight."""
-    from memra.kernels.quant import QuantWeight
-
-    return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+    """Bytes a weight occupies (and a step reads): packed bytes for a packed weight (its nbytes, as a tensor's)."""
+    return t.nbytes
 
 
 def tensor_numel(t) -> int:

@@ -147,63 +147,6 @@ def reference_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None
 TILE_BYTES = 8 << 20  # decoded weight per tile: bounds the scratch a packed linear needs on CPU
 
 
-@dataclass(frozen=True, eq=False)
-class Q8Split:
-    """A Q8_0 weight [N, K] repacked for the CPU: int8 quants `q` [N, K] beside fp32 scales `d` [N, K/32].
-    The file interleaves each block's fp16 scale with its 32 quants, so decoding a tile from it means a
-    strided read and a widening per block; split, a tile decodes in a widening copy and one multiply
-    (q * d, broadcast over each block), to the very values memra.loading.dequant gives (fp16 -> fp32 is
-    exact, then one fp32 product). 1.125 bytes a value against the file's 1.0625."""
-
-    q: torch.Tensor  # int8 [N, K]
-    d: torch.Tensor  # fp32 [N, K // 32]
-    dtype: torch.dtype  # the activation dtype (QuantWeight's)
-
-    @classmethod
-    def from_quant(cls, qw: QuantWeight) -> "Q8Split":
-        if qw.qtype != QType.Q8_0:
-            raise MemraError(f"Q8Split repacks Q8_0 weights, not {qw.qtype.name}")
-        n, k = qw.shape
-        blocks = qw.data.view(n, k // 32, 34)
-        d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [N, K/32]
-        return cls(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), d, qw.dtype)
-
-    qtype = QType.Q8_0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 4
-
-    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
-        n, k = b - a, self.q.shape[1]
-        out = torch.empty(n, k, device=self.device) if out is None else out
-        out.copy_(self.q[a:b])  # widen, then scale in place: ~7x faster on CPU than one mixed-dtype mul
-        out.view(n, k // 32, 32).mul_(self.d[a:b, :, None])
-        return out
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.decode(0, self.q.shape[0]).to(dtype or self.dtype)
-
-    def __getitem__(self, rows) -> torch.Tensor:
-        """Rows as values in self.dtype (an embedding lookup), as QuantWeight[rows]."""
-        q, d = self.q[rows], self.d[rows]
-        if q.dim() == 1:
-            q, d = q[None], d[None]
-        return (q.view(q.shape[0], -1, 32) * d[..., None]).reshape(q.shape[0], -1).to(self.dtype)
-
-    def to(self, device: torch.device | str) -> "Q8Split":
-        return dataclasses.replace(self, q=self.q.to(device), d=self.d.to(device))
-
-
 class Scratch:
     """One reusable fp32 buffer for the decoded tiles of packed linears (a kernel table's, so one per
     model). A fresh multi-MB tile per call lets the allocator hand its pages back and fault them in
@@ -218,21 +161,23 @@ class Scratch:
         return self._buf[: n * k].view(n, k)
 
 
-def tiled_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None,
+def tiled_linear(x: torch.Tensor, qw, bias: torch.Tensor | None = None,
                  scratch: Scratch | None = None) -> torch.Tensor:
     """reference_linear with bounded memory: the weight is decoded a tile of output rows at a time (at
     most TILE_BYTES), each tile's outputs computed by reference.linear, so a packed model never holds
     more than one decoded tile beside its packed bytes (on CPU, RSS tracks the file's size). Its bits
     are reference_linear's where splitting a matmul's output columns keeps each column's bits
     (splits_keep_bits, probed once per device and dtype); elsewhere it decodes the whole weight.
-    A Q8_0 weight is decoded into the scratch buffer even when it is one tile: a fresh multi-MB tensor
-    per call is what made decode speed swing from 22 to 6 tok/s between runs on a 2-core CPU."""
+    A weight repacked for the CPU (memra.kernels.split) is decoded into the scratch buffer even when it is
+    one tile: a fresh multi-MB tensor per call is what made decode speed swing from 22 to 6 tok/s between
+    runs on a 2-core CPU."""
     _check_linear(x, qw, bias)
     n, k = qw.shape
     rows = max(64, TILE_BYTES // (k * 4) // 64 * 64)
     if rows < n and not splits_keep_bits(x.device, x.dtype):
         rows = n  # one tile: this BLAS gives a column other bits when the columns are split
-    tile = (scratch or Scratch()).take(min(rows, n), k, x.device) if isinstance(qw, Q8Split) else None
+    repacked = not isinstance(qw, QuantWeight)  # for the CPU (memra.kernels.split): decodes into a buffer
+    tile = (scratch or Scratch()).take(min(rows, n), k, x.device) if repacked else None
 
     def decode(a: int, b: int) -> torch.Tensor:  # rows a..b of the weight, in x's dtype
         if tile is not None:

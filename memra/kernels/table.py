@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.kernels import quant, reference
+from memra.kernels import quant, reference, split
 from memra.sampling import device_sample
 
 # The Triton families are imported in the loaders below rather than at the top: Triton is an optional
@@ -142,7 +142,7 @@ class KernelTable:
     def linear(self, x, w, b=None):
         if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
             return (quant if self._impl(x) is reference else _quant_triton()).linear(x, w, b)
-        if isinstance(w, quant.Q8Split):  # Q8_0 repacked for the CPU: decoded a tile at a time
+        if isinstance(w, split.SPLIT_TYPES):  # repacked for the CPU: decoded a tile at a time
             return quant.tiled_linear(x, w, b, self.scratch)
         return self._impl(x).linear(x, w, b)
 

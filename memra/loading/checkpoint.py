@@ -141,7 +141,8 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     inside each linear, with the same bits: True for Q8_0 and Q4_K, False for none, None for what pays
     off here — Q8_0 on CPU (split into quants and scales: a quarter of the fp32 memory, and faster),
     nothing on a GPU (whose dense kernels beat the packed ones today)."""
-    from memra.kernels.quant import FORMATS, Q8Split, QuantWeight
+    from memra.kernels.quant import FORMATS, QuantWeight
+    from memra.kernels.split import SPLITS, split_for_cpu
     from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
 
@@ -149,7 +150,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     src = names.src
     if isinstance(names, GgufNames):
         if packed is None:
-            names.packed = frozenset({Q8Split.qtype}) if device.type == "cpu" else frozenset()
+            names.packed = frozenset(SPLITS) if device.type == "cpu" else frozenset()
         else:
             names.packed = frozenset(FORMATS) if packed else frozenset()
 
@@ -161,8 +162,8 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
             if isinstance(t, QuantWeight):  # packed bytes: moved, never converted; decoded to `want` when used
                 t = dataclasses.replace(t, data=t.data.to(device=device, copy=True), dtype=want)
-                # on CPU a Q8_0 weight is split into quants and scales: a tile then decodes in one multiply
-                out[prefix + k] = Q8Split.from_quant(t) if device.type == "cpu" and t.qtype == Q8Split.qtype else t
+                # on CPU the quants are split from their scales: a tile then decodes in a few whole-tensor ops
+                out[prefix + k] = split_for_cpu(t) if device.type == "cpu" and t.qtype in SPLITS else t
             else:
                 out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
@@ -171,7 +172,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
         with src.recording() as read:
             placed = place(prefix, make())
         if check_tensors:  # the full scan reads every value, packed ones decoded (the scales were checked on read)
-            scanned = {k: t.dequantize() if isinstance(t, (QuantWeight, Q8Split)) else t for k, t in placed.items()}
+            scanned = {k: t if isinstance(t, torch.Tensor) else t.dequantize() for k, t in placed.items()}
         else:
             scanned = {k: t for k, t in placed.items() if k.rsplit(".", 1)[-1] in FP32_WEIGHTS}
         if bad := nonfinite(scanned):
