@@ -7,8 +7,8 @@ and the model's memory tracks the file's size instead of four bytes a value.
               | 6-bit scale, min as bytes [N, K/32]                       value = (d * scale) * q - (dmin * min)
 
 The file interleaves every block's header with its quants, so decoding from it means a strided read and
-a small widening per block; split, a tile is a widening copy (Q4_K: one per nibble half) and one or two
-broadcast ops per 32 values. Each decodes to the very values memra.loading.dequant gives (bit-identical
+a small widening per block; split, a tile is one widening copy (Q4_K: of its nibbles, interleaved in
+bytes first) and one or two broadcast ops per 32 values. Each decodes to the very values memra.loading.dequant gives (bit-identical
 to gguf.quants.dequantize): the same fp32 operations in the same order (tests/test_quant_linear.py).
 Hand-written because neither torch nor gguf decodes a tile into a caller's buffer; llama.cpp's own
 kernels multiply in int8, which would change the bits of every logit.

@@ -1,6 +1,6 @@
 """Rotary embedding in Triton: the reference's five elementwise kernels in one launch (reference.apply_rope),
 and the attention's whole step between projection and attention in one launch (reference.rope_write_kv:
-rotate q and k, write k and v into the paged pool — six launches before)."""
+rotate q and k, write k and v into the paged pool: two ropes and two scatters before)."""
 
 from __future__ import annotations
 
