@@ -49,17 +49,12 @@ def test_quantized_output_is_the_hf_weights_rounded(qtype, tmp_path):
     assert torch.equal(ours.prime(ids, ours.new_cache(64), all_logits=True), twin.prime(ids, twin.new_cache(64), all_logits=True))
 
 
-def test_q4_k_output_loads_split_on_cpu_with_the_unpacked_bits(tmp_path):
-    """q4_k: rows of whole 256-value super-blocks become Q4_K (memra.kernels.quant.quantize_q4_k). On
-    CPU the model keeps them split (memra.kernels.split: about the file's bytes, not fp32) and computes
-    the bits of the same file decoded at load. The fixture is 64 wide, so the model is a wider random
-    Llama with the fixture's tokenizer."""
+def _wide_llama(tmp_path):
+    """A random Llama 256 wide (the fixtures are 64 wide: no whole K-quant super-blocks) with the
+    fixture's tokenizer, as an HF directory."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from memra.kernels.split import Q4KSplit
-    from memra.loading.checkpoint import load
-
     src = tmp_path / "wide"
     shutil.copytree(hf_dir("llama"), src)
     (src / "model.safetensors").unlink()
@@ -69,17 +64,48 @@ def test_q4_k_output_loads_split_on_cpu_with_the_unpacked_bits(tmp_path):
                     head_dim=64, num_hidden_layers=2))
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
-    out = convert(src, tmp_path / "wide-q4_k.gguf", "q4_k")
-    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
-    assert kinds == {"F32", "Q4_K"}
-    packed, plain = (load(out, device="cpu", tokenizer=False, packed_weights=p) for p in (None, False))
-    kept = {k for k, w in packed._weights.items() if isinstance(w, Q4KSplit)}
-    assert "embed" in kept and any(k.endswith("wqkv") for k in kept) and any("gate_up" in k for k in kept)
-    for k in kept:  # fp32 is 4 bytes a value, Q4_K split 0.59
-        assert packed._weights[k].nbytes <= 0.16 * plain._weights[k].nbytes, k
+    return src
+
+
+def _split_on_cpu_with_the_unpacked_bits(path, qtypes: set[str]) -> None:
+    """On CPU (by default) every projection, the embedding and the head of the GGUF at `path` stay
+    packed in their CPU layouts (memra.kernels.split: a fraction of fp32's bytes), and the model
+    computes the bits of the same file decoded at load."""
+    from memra.kernels.split import SPLIT_TYPES
+    from memra.loading.checkpoint import load
+
+    packed, plain = (load(path, device="cpu", tokenizer=False, packed_weights=p) for p in (None, False))
+    kept = {k: w for k, w in packed._weights.items() if isinstance(w, SPLIT_TYPES)}
+    assert {w.qtype.name for w in kept.values()} == qtypes
+    assert "embed" in kept and "lm_head" in kept and any(k.endswith("wqkv") for k in kept)
+    assert any("gate_up" in k for k in kept) and any("w_down" in k for k in kept)
+    for k, w in kept.items():  # fp32 is 4 bytes a value; the splits hold 0.59-1.09
+        assert w.nbytes <= 0.28 * plain._weights[k].nbytes, k
     ids = [1, 5, 9, 200, 7]
     assert torch.equal(packed.prime(ids, packed.new_cache(32), all_logits=True),
                        plain.prime(ids, plain.new_cache(32), all_logits=True))
+
+
+def test_q4_k_output_loads_split_on_cpu_with_the_unpacked_bits(tmp_path):
+    """q4_k: rows of whole 256-value super-blocks become Q4_K (memra.kernels.quant.quantize_q4_k)."""
+    out = convert(_wide_llama(tmp_path), tmp_path / "wide-q4_k.gguf", "q4_k")
+    assert {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors} == {"F32", "Q4_K"}
+    _split_on_cpu_with_the_unpacked_bits(out, {"Q4_K"})
+
+
+def test_a_llama_cpp_q4_k_m_file_loads_split_on_cpu(tmp_path):
+    """llama.cpp's own Q4_K_M (its quantizer, where llama_cpp is installed: a test-only peer) mixes
+    Q4_K with Q6_K (the head, some value and down projections) and Q5_K / Q8_0 where it chooses: all of
+    it stays packed on CPU with the decoded load's bits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    f16 = convert(_wide_llama(tmp_path), tmp_path / "wide-f16.gguf", "f16")
+    out = tmp_path / "wide-q4_k_m.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), params) == 0
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors} - {"F32"}
+    assert {"Q4_K", "Q6_K"} <= kinds
+    _split_on_cpu_with_the_unpacked_bits(out, kinds)
 
 
 def test_convert_refuses_bad_input(tmp_path):

@@ -26,7 +26,7 @@ from memra.kernels.table import KernelTable
 from memra.settings import Settings
 from memra.kernels.quant import QType, QuantWeight
 from memra.kernels.split import split_for_cpu
-from memra.loading.dequant import dequantize
+from memra.loading.dequant import SCALE_FIELDS, dequantize
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
@@ -140,20 +140,25 @@ def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
     assert scratch.take(320, 256, x.device).data_ptr() == held  # the same buffer, not a fresh one per call
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K])
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K])
 def test_the_cpu_split_decodes_any_bytes_as_the_reference_decoder(qtype):
-    """Random bytes in every field (all 6-bit scales and mins, both nibbles, any fp16 scale that is
-    finite): the split layout gives memra.loading.dequant's values, bit for bit."""
+    """Random bytes in every field (all 6-bit scales and mins, every bit plane, signed scales, any fp16
+    scale that is finite): the split layout gives memra.loading.dequant's values, bit for bit, whole,
+    by rows and through the tiled linear; it holds about the file's bytes."""
     gen = torch.Generator().manual_seed(11)
     n, k = 6, 512
-    block, block_bytes = quant.FORMATS[qtype]
+    block, block_bytes = quant.PACKABLE[qtype]
     data = torch.randint(0, 256, (n, k // block, block_bytes), generator=gen, dtype=torch.uint8)
-    scales = torch.randn(n, k // block, 2, generator=gen).mul(0.01).to(torch.float16).view(torch.uint8)
-    data[..., :4 if qtype == QType.Q4_K else 2] = scales.reshape(n, k // block, 4)[..., : 4 if qtype == QType.Q4_K else 2]
+    for at in SCALE_FIELDS[qtype]:  # finite fp16 scales (random bytes would make some NaN / Inf)
+        data[..., at : at + 2] = torch.randn(n, k // block, 1, generator=gen).mul(0.01).half().view(torch.uint8)
     qw = QuantWeight(qtype, data.reshape(n, -1).contiguous(), (n, k), torch.float32)
     want = dequantize(qw.data, qtype, (n, k))
-    assert torch.equal(split_for_cpu(qw).dequantize(), want)
-    assert torch.equal(split_for_cpu(qw).decode(2, 5), want[2:5])
+    split = split_for_cpu(qw)
+    assert torch.equal(split.dequantize(), want) and torch.equal(split.decode(2, 5), want[2:5])
+    assert torch.equal(split[torch.tensor([4, 0])], want[[4, 0]])
+    assert split.nbytes <= 1.6 * qw.nbytes
+    x = torch.randn(3, k, generator=gen)
+    assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
 
 
 def test_bad_shapes_and_types_are_refused_clearly():
@@ -166,7 +171,7 @@ def test_bad_shapes_and_types_are_refused_clearly():
     with pytest.raises(MemraError, match="bytes of shape"):
         QuantWeight(QType.Q8_0, torch.zeros(4, 33, dtype=torch.uint8), (4, 32), torch.float32)
     with pytest.raises(MemraError, match="dequantized at load"):
-        QuantWeight(QType.Q6_K, torch.zeros(4, 210, dtype=torch.uint8), (4, 256), torch.float32)
+        QuantWeight(QType.Q3_K, torch.zeros(4, 110, dtype=torch.uint8), (4, 256), torch.float32)
     qw = quant.quantize_q8_0(rnd(4, 64))
     with pytest.raises(MemraError, match="expects 64"):
         quant.reference_linear(rnd(2, 32), qw)

@@ -9,6 +9,9 @@ the float weight. Two formats, the ones worth a fused kernel:
   Q4_K  super-blocks of 256 in 144 bytes: d (fp16) | dmin (fp16) | 12 bytes of 6-bit (scale, min) for
         the eight 32-value sub-blocks | 128 bytes of 4-bit q   value = (d * scale) * q - (dmin * min)
 
+Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files keep their head and some projections in them) may
+be held packed too, for the CPU's split layouts (memra.kernels.split); they have no fused GPU kernel.
+
 Meaning: `reference_linear(x, qw)` is `reference.linear(x, qw.dequantize(x.dtype))` -- dequantize with
 memra.loading.dequant (bit-identical to gguf.quants.dequantize), round once to the activation dtype,
 then the dense linear. The fused kernels produce the same weight values to the bit and differ only in
@@ -35,7 +38,8 @@ from memra.loading import dequant
 QType = gguf.GGMLQuantizationType
 
 # qtype -> (values per block, bytes per block), from gguf's own table
-FORMATS: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (QType.Q8_0, QType.Q4_K)}
+FORMATS: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (QType.Q8_0, QType.Q4_K)}  # fused on GPU
+PACKABLE: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (*FORMATS, QType.Q5_K, QType.Q6_K)}
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value, so compare by identity
@@ -56,13 +60,13 @@ class QuantWeight:
             qtype = QType(self.qtype)
         except ValueError:
             raise MemraError(f"unknown GGML type id {self.qtype!r} for a QuantWeight") from None
-        if qtype not in FORMATS:
-            names = ", ".join(t.name for t in FORMATS)
+        if qtype not in PACKABLE:
+            names = ", ".join(t.name for t in PACKABLE)
             raise MemraError(f"QuantWeight keeps {names} weights packed; {qtype.name} must be dequantized at load")
         if len(self.shape) != 2:
             raise MemraError(f"a QuantWeight is a 2-D [N, K] linear weight, got shape {list(self.shape)}")
         n, k = (int(s) for s in self.shape)
-        block, block_bytes = FORMATS[qtype]
+        block, block_bytes = PACKABLE[qtype]
         if k <= 0 or k % block:
             raise MemraError(f"{qtype.name} packs rows of a multiple of {block} values, but K = {k}; "
                              f"keep this weight in a float dtype instead")

@@ -5,6 +5,12 @@ and the model's memory tracks the file's size instead of four bytes a value.
     Q8Split   Q8_0: int8 q [N, K] | fp32 d [N, K/32]                      value = d * q
     Q4KSplit  Q4_K: 4-bit q as the file packs it [N, K/2] | fp32 d, dmin [N, K/256]
               | 6-bit scale, min as bytes [N, K/32]                       value = (d * scale) * q - (dmin * min)
+    Q5KSplit  Q5_K: 5-bit q, a byte each [N, K] | the rest as Q4_K        value = (d * scale) * q - (dmin * min)
+    Q6KSplit  Q6_K: q - 32, int8 [N, K] | fp32 d [N, K/256]
+              | int8 scale [N, K/16]                                      value = (d * scale) * (q - 32)
+
+Q5_K and Q6_K spread a value's bits over two planes; their splits hold a whole byte per value (1.6x and
+1.3x the file's bytes) so a tile decodes as Q8_0's does, with no bit gathering per step.
 
 The file interleaves every block's header with its quants, so decoding from it means a strided read and
 a small widening per block; split, a tile is one widening copy (Q4_K: of its nibbles, interleaved in
@@ -106,10 +112,7 @@ class Q4KSplit(_Split):
     def from_quant(cls, qw: QuantWeight) -> "Q4KSplit":
         n, k = qw.shape
         blocks = qw.data.view(n * (k // 256), 144)
-        scale, mins = dequant._k_scale_min(blocks[:, 4:16])  # [n * K/256, 8] each
-        field = lambda at: dequant._f16_field(blocks, at).view(n, k // 256)  # noqa: E731
-        return cls(blocks[:, 16:].contiguous().view(n, k // 2), field(0), field(2), scale.reshape(n, k // 32),
-                   mins.reshape(n, k // 32), qw.dtype)
+        return cls(blocks[:, 16:].contiguous().view(n, k // 2), *_k_header(blocks, n, k), qw.dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,17 +124,103 @@ class Q4KSplit(_Split):
         out = torch.empty(n, k, device=self.qs.device) if out is None else out
         qs = self.qs[a:b].view(n, k // 64, 1, 32)
         out.view(n, k // 64, 2, 32).copy_(torch.cat((qs & 0x0F, qs >> 4), dim=2))  # interleaved in bytes, then widened
-        per_block = lambda v, ints: (v[a:b, :, None] * ints[a:b].view(n, k // 256, 8).float()).view(n, k // 32, 1)  # noqa: E731
-        out.view(n, k // 32, 32).mul_(per_block(self.d, self.scale)).sub_(per_block(self.dmin, self.mins))
+        return _scale_and_offset(self, a, b, out)
+
+
+def _per_sub_block(d: torch.Tensor, ints: torch.Tensor, sub: int) -> torch.Tensor:
+    """d [n, K/256] times each of its super-block's integer scales [n, K/sub], as dequant computes them
+    (one fp32 product) -> [n, K/sub, 1]."""
+    n, per = ints.shape[0], 256 // sub
+    return (d[:, :, None] * ints.view(n, -1, per).float()).view(n, -1, 1)
+
+
+def _scale_and_offset(w: "Q4KSplit | Q5KSplit", a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+    """out [n, K] holds rows a..b's integer q: -> (d * scale) * q - (dmin * min) in place (dequant's order)."""
+    n, k = out.shape
+    out.view(n, k // 32, 32).mul_(_per_sub_block(w.d[a:b], w.scale[a:b], 32)).sub_(
+        _per_sub_block(w.dmin[a:b], w.mins[a:b], 32))
+    return out
+
+
+def _k_header(blocks: torch.Tensor, n: int, k: int):
+    """A Q4_K / Q5_K tensor's d, dmin [N, K/256] fp32 and 6-bit scales, mins [N, K/32] from its blocks."""
+    scale, mins = dequant._k_scale_min(blocks[:, 4:16])  # [n * K/256, 8] each
+    field = lambda at: dequant._f16_field(blocks, at).view(n, k // 256)  # noqa: E731
+    return field(0), field(2), scale.reshape(n, k // 32), mins.reshape(n, k // 32)
+
+
+@dataclass(frozen=True, eq=False)
+class Q5KSplit(_Split):
+    """A Q5_K weight [N, K]: 1.09 bytes a value against the file's 0.69."""
+
+    q: torch.Tensor  # uint8 [N, K], 0..31
+    d: torch.Tensor  # fp32 [N, K // 256]
+    dmin: torch.Tensor  # fp32 [N, K // 256]
+    scale: torch.Tensor  # uint8 [N, K // 32]
+    mins: torch.Tensor  # uint8 [N, K // 32]
+    dtype: torch.dtype
+
+    qtype = QType.Q5_K
+
+    @classmethod
+    def from_quant(cls, qw: QuantWeight) -> "Q5KSplit":
+        n, k = qw.shape
+        blocks = qw.data.view(n * (k // 256), 176)
+        low = dequant._fields(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 256)
+        high = dequant._fields(blocks[:, 16:48], 1).reshape(-1, 256)
+        return cls((low | (high << 4)).reshape(n, k), *_k_header(blocks, n, k), qw.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
+        out = torch.empty(b - a, self.shape[1], device=self.q.device) if out is None else out
+        out.copy_(self.q[a:b])
+        return _scale_and_offset(self, a, b, out)
+
+
+@dataclass(frozen=True, eq=False)
+class Q6KSplit(_Split):
+    """A Q6_K weight [N, K]: 1.08 bytes a value against the file's 0.82."""
+
+    q: torch.Tensor  # int8 [N, K]: the stored 6-bit q less 32, -32..31 (exact in fp32, as dequant's q - 32)
+    d: torch.Tensor  # fp32 [N, K // 256]
+    scale: torch.Tensor  # int8 [N, K // 16]
+    dtype: torch.dtype
+
+    qtype = QType.Q6_K
+
+    @classmethod
+    def from_quant(cls, qw: QuantWeight) -> "Q6KSplit":
+        n, k = qw.shape
+        blocks = qw.data.view(n * (k // 256), 210)
+        low = dequant._fields(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)
+        high = dequant._fields(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 256)
+        q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)
+        d = dequant._f16_field(blocks, 208).view(n, k // 256)
+        return cls(q.reshape(n, k), d, blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, k // 16), qw.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
+        n, k = b - a, self.shape[1]
+        out = torch.empty(n, k, device=self.q.device) if out is None else out
+        out.copy_(self.q[a:b])
+        out.view(n, k // 16, 16).mul_(_per_sub_block(self.d[a:b], self.scale[a:b], 16))
         return out
 
 
-SPLITS = {QType.Q8_0: Q8Split, QType.Q4_K: Q4KSplit}
+SPLITS = {QType.Q8_0: Q8Split, QType.Q4_K: Q4KSplit, QType.Q5_K: Q5KSplit, QType.Q6_K: Q6KSplit}
 SPLIT_TYPES = tuple(SPLITS.values())
 
 
 def split_for_cpu(qw: QuantWeight):
-    """The CPU layout of a packed weight (Q8_0 or Q4_K)."""
+    """The CPU layout of a packed weight (Q8_0, Q4_K, Q5_K or Q6_K)."""
     if qw.qtype not in SPLITS:
         raise MemraError(f"no CPU layout for {qw.qtype.name} weights; they are dequantized at load")
     return SPLITS[qw.qtype].from_quant(qw)
