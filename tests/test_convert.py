@@ -76,9 +76,10 @@ def _split_on_cpu_with_the_unpacked_bits(path, qtypes: set[str]) -> None:
 
     packed, plain = (load(path, device="cpu", tokenizer=False, packed_weights=p) for p in (None, False))
     kept = {k: w for k, w in packed._weights.items() if isinstance(w, SPLIT_TYPES)}
-    assert {w.qtype.name for w in kept.values()} == qtypes
-    assert "embed" in kept and "lm_head" in kept and any(k.endswith("wqkv") for k in kept)
-    assert any("gate_up" in k for k in kept) and any("w_down" in k for k in kept)
+    layouts = [q for w in kept.values() for q in getattr(w, "parts", (w,))]  # SplitRows: row blocks of several
+    assert {w.qtype.name for w in layouts} == qtypes
+    projections = {k for k in packed._weights if k.endswith(("wqkv", "wo", "w_gate_up", "w_down"))}
+    assert projections and projections <= set(kept) and {"embed", "lm_head"} <= set(kept)
     for k, w in kept.items():  # fp32 is 4 bytes a value; the splits hold 0.59-1.09
         assert w.nbytes <= 0.28 * plain._weights[k].nbytes, k
     ids = [1, 5, 9, 200, 7]

@@ -161,6 +161,31 @@ def test_the_cpu_split_decodes_any_bytes_as_the_reference_decoder(qtype):
     assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
 
 
+def test_row_blocks_of_several_formats_stay_packed_as_one_weight(monkeypatch):
+    """A fused weight whose row blocks the file stores in different formats (llama.cpp's Q4_K_M keeps
+    a qkv's v in Q6_K): memra.loading.gguf.cat_rows keeps it packed (quant.MixedRows), the CPU splits
+    each block (split.SplitRows), and a tile that crosses blocks decodes each block's rows: every value
+    and the tiled product as the whole weight decoded."""
+    from memra.kernels.quant import MixedRows
+    from memra.kernels.split import SplitRows
+    from memra.loading.gguf import cat_rows
+
+    gen = torch.Generator().manual_seed(5)
+    q4 = quant.quantize(torch.randn(96, 256, generator=gen), QType.Q4_K, torch.float32)
+    q8 = quant.quantize(torch.randn(40, 256, generator=gen), QType.Q8_0, torch.float32)
+    mixed = cat_rows([q4, cat_rows([q8, q4])])  # nested, as a qkv joined to other rows
+    assert isinstance(mixed, MixedRows) and mixed.shape == (232, 256)
+    full = torch.cat([q4.dequantize(), q8.dequantize(), q4.dequantize()])
+    assert torch.equal(mixed.dequantize(), full)
+    split = split_for_cpu(mixed)
+    assert isinstance(split, SplitRows) and torch.equal(split.dequantize(), full)
+    assert torch.equal(split.decode(90, 140), full[90:140])  # crosses two block edges
+    x = torch.randn(2, 256, generator=gen)
+    monkeypatch.setattr(quant, "TILE_BYTES", 64 * 256 * 4)  # tiles of 64 rows: edges inside tiles
+    assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), reference.linear(x, full))
+    assert isinstance(cat_rows([q4, torch.randn(8, 256)]), torch.Tensor)  # a float part: floats
+
+
 def test_bad_shapes_and_types_are_refused_clearly():
     with pytest.raises(MemraError, match="multiple of 32"):
         quant.quantize_q8_0(rnd(4, 48))

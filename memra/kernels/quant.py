@@ -127,15 +127,44 @@ class QuantWeight:
         data = torch.cat([p.data for p in parts])
         return QuantWeight(first.qtype, data, (data.shape[0], first.shape[1]), first.dtype)
 
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "QuantWeight":
+        """A fresh copy of the bytes on `device`, decoding to `dtype` (the loader's placement)."""
+        return dataclasses.replace(self, data=self.data.to(device=device, copy=True), dtype=dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class MixedRows:
+    """Packed row blocks of one width in several formats, one linear weight: a fused qkv whose v the
+    file stores in Q6_K beside Q4_K q and k (llama.cpp's Q4_K_M does). The CPU keeps each block in its
+    split layout (memra.kernels.split.SplitRows); the fused GPU kernels read one format, so there it
+    is decoded at load."""
+
+    parts: tuple[QuantWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "MixedRows":
+        return MixedRows(tuple(p.placed(device, dtype) for p in self.parts))
+
 
 def _check_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> None:
     """The refusals every implementation shares, so the kernels and the twin fail the same way."""
+    kind = getattr(qw.qtype, "name", "mixed-format")  # memra.kernels.split.SplitRows: several
     if x.shape[-1] != qw.shape[1]:
-        raise MemraError(f"linear: x has {x.shape[-1]} features but the {qw.qtype.name} weight expects {qw.shape[1]}")
+        raise MemraError(f"linear: x has {x.shape[-1]} features but the {kind} weight expects {qw.shape[1]}")
     if x.dtype != qw.dtype:
-        raise MemraError(f"linear: x is {x.dtype} but the {qw.qtype.name} weight returns {qw.dtype}")
+        raise MemraError(f"linear: x is {x.dtype} but the {kind} weight returns {qw.dtype}")
     if x.device != qw.device:
-        raise MemraError(f"linear: x is on {x.device} but the {qw.qtype.name} weight is on {qw.device}")
+        raise MemraError(f"linear: x is on {x.device} but the {kind} weight is on {qw.device}")
     if bias is not None and (tuple(bias.shape) != (qw.shape[0],) or bias.dtype != x.dtype):
         raise MemraError(f"linear: bias {bias.dtype} {list(bias.shape)} for x of {x.dtype} and a weight with "
                          f"{qw.shape[0]} outputs")

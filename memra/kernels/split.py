@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from memra.errors import MemraError
-from memra.kernels.quant import QType, QuantWeight
+from memra.kernels.quant import MixedRows, QType, QuantWeight
 from memra.loading import dequant
 
 
@@ -215,12 +215,54 @@ class Q6KSplit(_Split):
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class SplitRows:
+    """Row blocks in several split layouts, one linear weight (quant.MixedRows on the CPU): a tile that
+    crosses blocks decodes each block's rows into its part of the buffer."""
+
+    parts: tuple  # of the layouts above, one width
+
+    qtype = None  # several
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
+        out = torch.empty(b - a, self.shape[1], device=self.device) if out is None else out
+        lo = 0
+        for p in self.parts:
+            hi = lo + p.shape[0]
+            if lo < b and a < hi:
+                p.decode(max(a, lo) - lo, min(b, hi) - lo, out[max(a, lo) - a : min(b, hi) - a])
+            lo = hi
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.decode(0, self.shape[0]).to(dtype or self.dtype)
+
+
 SPLITS = {QType.Q8_0: Q8Split, QType.Q4_K: Q4KSplit, QType.Q5_K: Q5KSplit, QType.Q6_K: Q6KSplit}
-SPLIT_TYPES = tuple(SPLITS.values())
+SPLIT_TYPES = (*SPLITS.values(), SplitRows)
 
 
-def split_for_cpu(qw: QuantWeight):
-    """The CPU layout of a packed weight (Q8_0, Q4_K, Q5_K or Q6_K)."""
+def split_for_cpu(qw: QuantWeight | MixedRows):
+    """The CPU layout of a packed weight (Q8_0, Q4_K, Q5_K or Q6_K; or row blocks of several)."""
+    if isinstance(qw, MixedRows):
+        return SplitRows(tuple(split_for_cpu(p) for p in qw.parts))
     if qw.qtype not in SPLITS:
         raise MemraError(f"no CPU layout for {qw.qtype.name} weights; they are dequantized at load")
     return SPLITS[qw.qtype].from_quant(qw)

@@ -141,7 +141,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     inside each linear, with the same bits: True for Q8_0 and Q4_K, False for none, None for what pays
     off here — Q8_0 on CPU (split into quants and scales: a quarter of the fp32 memory, and faster),
     nothing on a GPU (whose dense kernels beat the packed ones today)."""
-    from memra.kernels.quant import FORMATS, QuantWeight
+    from memra.kernels.quant import FORMATS, MixedRows, QuantWeight
     from memra.kernels.split import SPLITS, split_for_cpu
     from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
@@ -160,10 +160,12 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
             # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
-            if isinstance(t, QuantWeight):  # packed bytes: moved, never converted; decoded to `want` when used
-                t = dataclasses.replace(t, data=t.data.to(device=device, copy=True), dtype=want)
-                # on CPU the quants are split from their scales: a tile then decodes in a few whole-tensor ops
-                out[prefix + k] = split_for_cpu(t) if device.type == "cpu" and t.qtype in SPLITS else t
+            if isinstance(t, (QuantWeight, MixedRows)):  # packed bytes: moved, never converted; decoded when used
+                t = t.placed(device, want)
+                if device.type == "cpu":  # the quants split from their scales: a tile decodes in a few whole-tensor ops
+                    out[prefix + k] = split_for_cpu(t)
+                else:  # the fused kernels read one format: mixed row blocks are decoded here
+                    out[prefix + k] = t.dequantize(want).contiguous() if isinstance(t, MixedRows) else t
             else:
                 out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out

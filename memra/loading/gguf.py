@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels.quant import QuantWeight
+from memra.kernels.quant import MixedRows, QuantWeight
 from memra.loading.hf import ungroup_qkvz
 from memra.loading.sources import GgufSource
 
@@ -41,12 +41,13 @@ def rows(w, fn):
     return w.map_rows(fn) if isinstance(w, QuantWeight) else fn(w)
 
 
-def cat_rows(parts: list) -> torch.Tensor | QuantWeight:
-    """Row-concatenation: packed where every part is packed in one format, else floats (fp32 decoding
-    gives the values an unpacked load reads)."""
-    if all(isinstance(p, QuantWeight) for p in parts) and len({(p.qtype, p.shape[1]) for p in parts}) == 1:
-        return QuantWeight.cat_rows(parts)
-    return torch.cat([p.dequantize(torch.float32) if isinstance(p, QuantWeight) else p for p in parts])
+def cat_rows(parts: list) -> torch.Tensor | QuantWeight | MixedRows:
+    """Row-concatenation: packed where every part is packed (in one format, or MixedRows over several),
+    else floats (fp32 decoding gives the values an unpacked load reads)."""
+    packed = [q for p in parts for q in (p.parts if isinstance(p, MixedRows) else (p,))]
+    if all(isinstance(p, QuantWeight) for p in packed) and len({p.shape[1] for p in packed}) == 1:
+        return QuantWeight.cat_rows(packed) if len({p.qtype for p in packed}) == 1 else MixedRows(tuple(packed))
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(torch.float32) for p in parts])
 
 
 def untile_value_heads(t: torch.Tensor, dim: int, nk: int, r: int) -> torch.Tensor:
