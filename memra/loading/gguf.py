@@ -18,12 +18,12 @@ What llama.cpp's converter did, and what we do about it (docs: QWEN35.md §6):
 - expert stacking: `*_exps` tensors are [X, ...] stacks already; gate and up are concatenated.
 - tied embeddings: no `output.weight` means the LM head is `token_embd`.
 
-Packed (the loader's `packed`: by default Q8_0 on CPU): the projections, the embedding and the LM head
-that the file stores in a packed format stay GGUF bytes (memra.kernels.quant.QuantWeight, on CPU a
-Q8_0 one split into quants and scales), decoded a tile at a time inside the linear, so memory tracks
-the file's size. Every reorder above that moves whole rows runs on the packed rows (`rows`,
-`cat_rows`); one that moves columns (qwen35's ssm_out) decodes that tensor at load, as does a fused
-weight whose parts differ in format.
+Packed (the loader's `packed`: by default Q8_0, Q4_K, Q5_K and Q6_K on CPU): the projections, the
+embedding and the LM head that the file stores in a packed format stay GGUF bytes
+(memra.kernels.quant.QuantWeight; on CPU split into quants and scales, memra.kernels.split), decoded a
+tile at a time inside the linear, so memory tracks the file's size. Every reorder above that moves
+whole rows runs on the packed rows (`rows`, `cat_rows`; a fused weight whose parts differ in format is
+a quant.MixedRows); one that moves columns (qwen35's ssm_out) decodes that tensor at load.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class GgufSource(TensorSource):
     def packed(self, name: str, shape: tuple[int, int], why: str = ""):
         """The tensor as its GGUF bytes (memra.kernels.quant.QuantWeight, activation dtype fp32 until the
         loader places it), with get()'s checks and the scale check; for a 2-D tensor in a format the
-        packed linear reads (quant.FORMATS)."""
+        packed linear reads (quant.PACKABLE)."""
         from memra.kernels.quant import QuantWeight
 
         self._check(name, shape, why)
