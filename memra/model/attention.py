@@ -6,7 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels.table import KernelTable
-from memra.model.context import StackedStep, StepContext
+from memra.model.context import Segments, StackedStep, StepContext, joined
 
 
 class Attention:
@@ -30,21 +30,19 @@ class Attention:
         q = self._rope_write(q, k, v, ctx.cos, ctx.sin, ctx.cache.kv, ctx.kv_write_rows)
         return self._output(self._attend(q, ctx), gate)
 
-    def forward_segments(self, x: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
-        """x [N, E]: prompt pieces of several sequences, piece i in rows bounds[i] with context ctxs[i].
-        Projections, norms, rope and the K/V writes run over all N rows at once (row-wise ops; one launch
-        where the pieces share a KV pool, as in the engine); each piece attends over its own sequence's
-        prefix, with exactly the shapes of its solo forward."""
+    def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
+        """x [N, E]: prompt pieces of several sequences (wave: their rows and contexts). Projections,
+        norms, rope and the K/V writes run over all N rows at once (row-wise ops; one launch where the
+        pieces share a KV pool, as in the engine); each piece attends over its own sequence's prefix,
+        with exactly the shapes of its solo forward."""
         q, k, v, gate = self._project(x)
-        pools = {id(c.cache.kv) for c in ctxs}
-        if len(pools) == 1:
-            q = self._rope_write(q, k, v, _joined([c.cos for c in ctxs]), _joined([c.sin for c in ctxs]),
-                                 ctxs[0].cache.kv, _joined([c.kv_write_rows for c in ctxs]))
-        else:  # private pools (offline caches of their own): piece by piece
-            q = _joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
-                         for (a, b), c in zip(bounds, ctxs)])
-        o = _joined([self._attend(q[a:b], ctx) for (a, b), ctx in zip(bounds, ctxs)])
-        return self._output(o, gate)
+        pieces = list(zip(wave.bounds, wave.ctxs))
+        if wave.kv_write_rows is not None:
+            q = self._rope_write(q, k, v, wave.cos, wave.sin, wave.ctxs[0].cache.kv, wave.kv_write_rows)
+        else:  # pools of their own: piece by piece
+            q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
+                        for (a, b), c in pieces])
+        return self._output(joined([self._attend(q[a:b], c) for (a, b), c in pieces]), gate)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """x [B, E]: row i is one new token of step.ctxs[i]'s sequence — B sequences of a batched decode,
@@ -106,8 +104,3 @@ class Attention:
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.ops.linear(o, self.wo)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat(parts), without its copy kernel when there is one part (a wave of one sequence)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -7,7 +7,7 @@ import torch
 from memra.config import ModelConfig
 from memra.kernels.table import KernelTable
 from memra.model.attention import Attention
-from memra.model.context import StackedStep, StepContext
+from memra.model.context import Segments, StackedStep, StepContext
 from memra.model.ffn import Mlp, Moe
 from memra.model.gdn import GatedDeltaNet
 
@@ -25,12 +25,12 @@ class Block:
         """h [T, E] -> [T, E]: T tokens of one sequence."""
         return self._ffn(h, self.mixer.forward(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), ctx))
 
-    def forward_segments(self, h: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
+    def forward_segments(self, h: torch.Tensor, wave: Segments) -> torch.Tensor:
         """h [N, E] -> [N, E]: prompt pieces of several sequences in one forward (cross-request prefill).
         Row-wise work (norms, projections, FFN / MoE) runs over all N rows; the mixer's sequence-mixing
         part runs piece by piece. Exact only where every row-wise op is batch-invariant (memra.step)."""
         x = self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
-        return self._ffn(h, self.mixer.forward_segments(x, ctxs, bounds))
+        return self._ffn(h, self.mixer.forward_segments(x, wave))
 
     def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""

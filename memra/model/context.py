@@ -24,6 +24,30 @@ class StepContext:
     column: int = 0  # verify: which of the T columns this (T=1) context's token is
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts), without its copy kernel when there is one part (a wave of one sequence)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Prompt pieces of several sequences in one forward (cross-request prefill): piece i in rows
+    bounds[i] = [lo, hi) with context ctxs[i], and what every layer shares joined once per wave, not
+    once per layer (the rotary tables, and the K/V write rows where the pieces share a KV pool)."""
+
+    ctxs: list[StepContext]
+    bounds: list[tuple[int, int]]
+    cos: torch.Tensor  # [N, R]
+    sin: torch.Tensor
+    kv_write_rows: torch.Tensor | None  # [N], or None: pools of their own (offline caches), piece by piece
+
+    @classmethod
+    def of(cls, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> "Segments":
+        one_pool = len({id(c.cache.kv) for c in ctxs}) == 1
+        return cls(ctxs, bounds, joined([c.cos for c in ctxs]), joined([c.sin for c in ctxs]),
+                   joined([c.kv_write_rows for c in ctxs]) if one_pool else None)
+
+
 @dataclass(frozen=True)
 class RowGroup:
     """The rows of a stacked step whose KV lives in one pool (one attention launch per group)."""

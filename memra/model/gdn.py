@@ -6,7 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels.table import KernelTable
-from memra.model.context import StackedStep, StepContext
+from memra.model.context import Segments, StackedStep, StepContext
 
 
 class GatedDeltaNet:
@@ -55,21 +55,22 @@ class GatedDeltaNet:
         y = self.ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
 
-    def forward_segments(self, x: torch.Tensor, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> torch.Tensor:
-        """x [N, E]: prompt pieces of several sequences, piece i in rows bounds[i] with context ctxs[i].
+    def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
+        """x [N, E]: prompt pieces of several sequences, piece i in rows wave.bounds[i], context wave.ctxs[i].
         Projections, norms and gates run over all N rows at once (row-wise ops); the conv and the chunked
         delta rule run piece by piece on each sequence's own state, with the shapes of its solo forward."""
         g, n = self.g, x.shape[0]
+        pieces = list(zip(wave.bounds, wave.ctxs))
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         convolved = []
-        for (lo, hi), ctx in zip(bounds, ctxs):
+        for (lo, hi), ctx in pieces:
             conv_state = ctx.cache.conv_state(self.layer)
             out, new_conv = self.ops.causal_conv(mixed[lo:hi], conv_state, self.conv)
             conv_state.copy_(new_conv)
             convolved.append(out)
         q, k, v, beta, decay = self._heads(torch.cat(convolved), b, a)
         outs = []
-        for (lo, hi), ctx in zip(bounds, ctxs):
+        for (lo, hi), ctx in pieces:
             state = ctx.cache.ssm_state(self.layer)
             o, new_state = self.ops.gdn_prefill(q[lo:hi], k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi], state, ctx.pos0)
             state.copy_(new_state)

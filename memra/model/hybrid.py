@@ -19,7 +19,7 @@ from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels.table import KernelTable
 from memra.model.block import Block
-from memra.model.context import StackedStep, StepContext
+from memra.model.context import Segments, StackedStep, StepContext
 from memra.model.mtp import MtpBlock
 from memra import step
 from memra.runner.choose import choose_executor
@@ -118,8 +118,9 @@ class HybridModel:
                                 start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Prompt pieces of several sequences in one walk over layers [start, stop): h [N, E], piece i in
         rows bounds[i], at the positions ctxs[i] describes (cross-request prefill, memra.step.prime_batch)."""
+        wave = Segments.of(ctxs, bounds)
         for block in self.blocks[start : self.cfg.n_layers if stop is None else stop]:
-            h = block.forward_segments(h, ctxs, bounds)
+            h = block.forward_segments(h, wave)
         return h
 
     def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
