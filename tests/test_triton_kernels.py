@@ -102,6 +102,32 @@ def test_delta_rule_step_matches_twin_and_is_row_invariant():
     same_bits(s1, s_new[2])
 
 
+def test_delta_rule_step_into_a_pool_is_the_step_on_its_slots():
+    """The graphed decode's GDN step on states where they live (pool[slots], in place): the output and
+    each stepped slot have the bits of delta_rule_step on the gathered states (and of the verify's
+    scan); the slots not named keep theirs; the twin agrees."""
+    b, h, dk, dv, n_slots = 3, 2, 16, 40, 6
+    q = reference.l2_normalize(rnd(b, h, dk, seed=20))
+    k = reference.l2_normalize(rnd(b, h, dk, seed=21))
+    v = rnd(b, h, dv, seed=22)
+    beta, g = torch.sigmoid(rnd(b, h, seed=23)), -torch.rand(b, h, generator=torch.Generator().manual_seed(24)).to(DEVICE)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    pool = rnd(n_slots, h, dk, dv, seed=25)
+    before = pool.clone()
+    o = tk.delta_rule_step_into(q, k, v, beta, g, pool, slots)
+    o_want, s_want = tk.delta_rule_step(q, k, v, beta, g, before[slots])
+    same_bits(o, o_want)
+    same_bits(pool[slots], s_want)
+    untouched = [i for i in range(n_slots) if i not in slots.tolist()]
+    same_bits(pool[untouched], before[untouched])
+    o_scan, states = tk.delta_rule_scan(q[:, None], k[:, None], v[:, None], beta[:, None], g[:, None], before[slots])
+    same_bits(o_scan[:, 0], o)
+    same_bits(states[:, 0], pool[slots])
+    twin = before.clone()
+    close(reference.delta_rule_step_into(q, k, v, beta, g, twin, slots), o, torch.float32)
+    close(twin, pool, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_rows_is_each_row_alone(dtype):
     """One launch over R rows (decode's B sequences, or a verify's T positions of one sequence) gives

@@ -209,6 +209,14 @@ def delta_rule_step(q, k, v, beta, g, s):
     return (s * q[..., :, None]).sum(-2), s
 
 
+def delta_rule_step_into(q, k, v, beta, g, pool, slots):
+    """delta_rule_step for B sequences whose states live in a pool: q, k [B, H, Dk], v [B, H, Dv], beta,
+    g [B, H], pool [n_slots, H, Dk, Dv] fp32, slots [B] -> o [B, H, Dv]; pool[slots] is stepped in place."""
+    o, s = delta_rule_step(q, k, v, beta, g, pool[slots])
+    pool[slots] = s
+    return o
+
+
 def delta_rule_scan(q, k, v, beta, g, s, step=None):
     """n sequences x T tokens of the delta rule, one token at a time. q, k [n, T, H, Dk], v [n, T, H, Dv],
     beta, g [n, T, H], s [n, H, Dk, Dv] fp32 -> (o [n, T, H, Dv], the state after each token

@@ -52,7 +52,8 @@ def triton_ops() -> types.SimpleNamespace | None:
         rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, l2_normalize=norm.l2_normalize,
         gated_rms_norm=norm.gated_rms_norm,
         apply_rope=rope.apply_rope, rope_write_kv=rope.rope_write_kv,
-        delta_rule_step=gdn.delta_rule_step, delta_rule_scan=gdn.delta_rule_scan,
+        delta_rule_step=gdn.delta_rule_step, delta_rule_step_into=gdn.delta_rule_step_into,
+        delta_rule_scan=gdn.delta_rule_scan,
         paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
         prefill_attention=attention.prefill_attention,
     )
@@ -167,6 +168,10 @@ class KernelTable:
 
     def delta_rule_step(self, q, k, v, beta, g, s):
         return self._impl(q).delta_rule_step(q, k, v, beta, g, s)
+
+    def delta_rule_step_into(self, q, k, v, beta, g, pool, slots):
+        """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool."""
+        return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
     def delta_rule_scan(self, q, k, v, beta, g, s):
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)

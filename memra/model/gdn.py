@@ -81,22 +81,22 @@ class GatedDeltaNet:
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The stacked batched decode: x [B, E], one generated token per sequence, each with its own
-        cache. Projections run as one [B, E] matmul; states are gathered, stepped, scattered."""
+        cache. Projections run as one [B, E] matmul; the delta-rule states are stepped where they are in
+        the pool (a graph's static step) or gathered, stepped and scattered (caches of their own)."""
         g, b_n, ctxs = self.g, x.shape[0], step.ctxs
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
-        if step.slots is not None:  # one pool, slots by index (a graph's static step): same values, copied
-            conv_states = step.rec.conv[self.layer][step.slots]  # [B, C, Kc-1]
-            states = step.rec.ssm[self.layer][step.slots]  # [B, Hv, Dk, Dv]
+        if step.slots is not None:  # one pool, slots by index (a graph's static step)
+            conv_states = step.rec.conv[self.layer][step.slots]  # [B, C, Kc-1]: small, copied
         else:
             conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
-            states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
         mixed, new_conv = self.ops.causal_conv_step(mixed, conv_states, self.conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
-        o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
-        if step.slots is not None:
+        if step.slots is not None:  # the states ([B, Hv, Dk, Dv] fp32, 2 MiB a row on the 9B) stepped in the pool
+            o = self.ops.delta_rule_step_into(q, k, v, beta, decay, step.rec.ssm[self.layer], step.slots)
             step.rec.conv[self.layer][step.slots] = new_conv
-            step.rec.ssm[self.layer][step.slots] = new_states
         else:
+            states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
+            o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
             for i, c in enumerate(ctxs):
                 c.cache.conv_state(self.layer).copy_(new_conv[i])
                 c.cache.ssm_state(self.layer).copy_(new_states[i])

@@ -177,22 +177,28 @@ def chunk_scan(q, k, u, w, p, gcum, state, o, s_out, bounds) -> None:
 GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
 
 
-@triton.jit(do_not_specialize=["T"])
-def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
-                            BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "INDEXED"])
+def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
+                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     # One program per (sequence x head, block of value columns): those columns of the state evolve
     # independently of every other column, head and sequence. The program walks its T tokens in order
     # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
     # Decode calls it with T=1 per row, the verify with T tokens of one sequence: T is a runtime value
     # (not specialised, not even for 1), so both run the same machine code and a token's step has the
     # same bits either way (between calls the fp32 state round-trips through memory exactly).
+    # INDEXED (runtime too, for the same reason): sequence n's state is s[s_rows[n]] and its states go
+    # to s_out[s_rows[n]], so a decode updates a pool's slots in place. That is safe because a program
+    # reads its whole slice of the state before it writes that slice, and no other program touches it.
     r = tl.program_id(0)  # sequence * H + head
     n, h = r // H, r % H
+    at = n.to(tl.int64)
+    if INDEXED != 0:
+        at = tl.load(s_rows_ptr + n)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     ck = tl.arange(0, BLOCK_DK)
     mk, mv = ck < DK, cv < DV
     m2 = mk[:, None] & mv[None, :]
-    s = tl.load(s_ptr + r * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
+    s = tl.load(s_ptr + (at * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
     for t in range(T):
         row = (n * T + t) * H + h  # token t of sequence n, head h
         k = tl.load(k_ptr + row * DK + ck, mask=mk, other=0.0)
@@ -203,7 +209,22 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, o_ptr, 
         delta = (v - predicted) * tl.load(beta_ptr + row)
         s = s + k[:, None] * delta[None, :]
         tl.store(o_ptr + row * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
-        tl.store(s_out_ptr + row * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+        tl.store(s_out_ptr + ((at * T + t) * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+
+
+def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
+    """Launch the scan: q, k [n, T, H, DK], v [n, T, H, DV], beta, g [n, T, H] -> o [n, T, H, DV]
+    (fp32); the states read from s_in and written to s_out, at s_rows [n] where given."""
+    n, t, h, dk = q.shape
+    dv = v.shape[-1]
+    args = [x.contiguous().float() for x in (q, k, v, beta, g)]
+    o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
+    rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
+    if n * t * h:
+        grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
+        _delta_rule_scan_kernel[grid](*args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None),
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+    return o
 
 
 def delta_rule_scan(q, k, v, beta, g, s):
@@ -212,15 +233,8 @@ def delta_rule_scan(q, k, v, beta, g, s):
     [n, T, H, DK, DV]). Same contract as reference.delta_rule_scan."""
     n, t, h, dk = q.shape
     dv = v.shape[-1]
-    args = [x.contiguous().float() for x in (q, k, v, beta, g)]
-    s_in = s.reshape(n * h, dk, dv).contiguous()
-    o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
     s_out = torch.empty(n, t, h, dk, dv, dtype=torch.float32, device=q.device)
-    if n * t * h:
-        grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
-        _delta_rule_scan_kernel[grid](*args, s_in, o, s_out, t, h, dk, dv,
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
-    return o, s_out
+    return _scan(q, k, v, beta, g, s.reshape(n * h, dk, dv).contiguous(), s_out, None), s_out
 
 
 def delta_rule_step(q, k, v, beta, g, s):
@@ -232,3 +246,14 @@ def delta_rule_step(q, k, v, beta, g, s):
     o, s_out = delta_rule_scan(q.reshape(rows, 1, 1, dk), k.reshape(rows, 1, 1, dk), v.reshape(rows, 1, 1, dv),
                                beta.reshape(rows, 1, 1), g.reshape(rows, 1, 1), s.reshape(rows, 1, dk, dv))
     return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)
+
+
+def delta_rule_step_into(q, k, v, beta, g, pool, slots):
+    """Same contract as reference.delta_rule_step_into: q, k [B, H, DK], v [B, H, DV], beta, g [B, H];
+    pool [n_slots, H, DK, DV] fp32 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
+    stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist)."""
+    b, h, dk = q.shape
+    dv = v.shape[-1]
+    o = _scan(q.reshape(b, 1, h, dk), k.reshape(b, 1, h, dk), v.reshape(b, 1, h, dv), beta.reshape(b, 1, h),
+              g.reshape(b, 1, h), pool, pool, slots.contiguous())
+    return o.reshape(b, h, dv)
