@@ -14,8 +14,9 @@ Q5_K and Q6_K spread a value's bits over two planes; their splits hold a whole b
 
 The file interleaves every block's header with its quants, so decoding from it means a strided read and
 a small widening per block; split, a tile is one widening copy (Q4_K: of its nibbles, interleaved in
-bytes first) and one or two broadcast ops per 32 values. Each decodes to the very values memra.loading.dequant gives (bit-identical
-to gguf.quants.dequantize): the same fp32 operations in the same order (tests/test_quant_linear.py).
+bytes first) and one or two broadcast ops per 16 or 32 values. Each decodes to the very values
+memra.loading.dequant gives (bit-identical to gguf.quants.dequantize): the same fp32 operations in the
+same order (tests/test_quant_linear.py).
 Hand-written because neither torch nor gguf decodes a tile into a caller's buffer; llama.cpp's own
 kernels multiply in int8, which would change the bits of every logit.
 """
@@ -87,24 +88,42 @@ class Q8Split(_Split):
 
     def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
-        n, k = b - a, self.shape[1]
-        out = torch.empty(n, k, device=self.q.device) if out is None else out
-        out.copy_(self.q[a:b])  # widen, then scale in place: ~7x faster on CPU than one mixed-dtype mul
-        out.view(n, k // 32, 32).mul_(self.d[a:b, :, None])
+        out = _widen(self.q, a, b, out)
+        out.view(b - a, -1, 32).mul_(self.d[a:b, :, None])
         return out
 
 
 @dataclass(frozen=True, eq=False)
-class Q4KSplit(_Split):
-    """A Q4_K weight [N, K]: 0.59 bytes a value against the file's 0.5625. The scales stay 6-bit
-    integers and meet d per tile (d * scale: one fp32 product, as dequant computes it)."""
+class _KSplit(_Split):
+    """What Q4_K and Q5_K share: per 256 values d and dmin, per 32 a 6-bit scale and min. The scales
+    stay integers and meet d per tile (d * scale: one fp32 product, as dequant computes it)."""
 
-    qs: torch.Tensor  # uint8 [N, K / 2]: per 64 values, 32 bytes (low nibbles: the first 32, high: the next)
     d: torch.Tensor  # fp32 [N, K // 256]
     dmin: torch.Tensor  # fp32 [N, K // 256]
     scale: torch.Tensor  # uint8 [N, K // 32]
     mins: torch.Tensor  # uint8 [N, K // 32]
     dtype: torch.dtype
+
+    @staticmethod
+    def header(blocks: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
+        """d, dmin, scale, mins of an [N, K] tensor's blocks (uint8 [N * K/256, block bytes])."""
+        scale, mins = dequant._k_scale_min(blocks[:, 4:16])  # [n * K/256, 8] each
+        field = lambda at: dequant._f16_field(blocks, at).view(n, k // 256)  # noqa: E731
+        return dict(d=field(0), dmin=field(2), scale=scale.reshape(n, k // 32), mins=mins.reshape(n, k // 32))
+
+    def scale_and_offset(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """out [n, K] holds rows a..b's integer q: -> (d * scale) * q - (dmin * min) in place (dequant's order)."""
+        n, k = out.shape
+        out.view(n, k // 32, 32).mul_(_per_sub_block(self.d[a:b], self.scale[a:b], 32)).sub_(
+            _per_sub_block(self.dmin[a:b], self.mins[a:b], 32))
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Q4KSplit(_KSplit):
+    """A Q4_K weight [N, K]: 0.59 bytes a value against the file's 0.5625."""
+
+    qs: torch.Tensor  # uint8 [N, K / 2]: per 64 values, 32 bytes (low nibbles: the first 32, high: the next)
 
     qtype = QType.Q4_K
 
@@ -112,7 +131,7 @@ class Q4KSplit(_Split):
     def from_quant(cls, qw: QuantWeight) -> "Q4KSplit":
         n, k = qw.shape
         blocks = qw.data.view(n * (k // 256), 144)
-        return cls(blocks[:, 16:].contiguous().view(n, k // 2), *_k_header(blocks, n, k), qw.dtype)
+        return cls(qs=blocks[:, 16:].contiguous().view(n, k // 2), dtype=qw.dtype, **cls.header(blocks, n, k))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,41 +143,14 @@ class Q4KSplit(_Split):
         out = torch.empty(n, k, device=self.qs.device) if out is None else out
         qs = self.qs[a:b].view(n, k // 64, 1, 32)
         out.view(n, k // 64, 2, 32).copy_(torch.cat((qs & 0x0F, qs >> 4), dim=2))  # interleaved in bytes, then widened
-        return _scale_and_offset(self, a, b, out)
-
-
-def _per_sub_block(d: torch.Tensor, ints: torch.Tensor, sub: int) -> torch.Tensor:
-    """d [n, K/256] times each of its super-block's integer scales [n, K/sub], as dequant computes them
-    (one fp32 product) -> [n, K/sub, 1]."""
-    n, per = ints.shape[0], 256 // sub
-    return (d[:, :, None] * ints.view(n, -1, per).float()).view(n, -1, 1)
-
-
-def _scale_and_offset(w: "Q4KSplit | Q5KSplit", a: int, b: int, out: torch.Tensor) -> torch.Tensor:
-    """out [n, K] holds rows a..b's integer q: -> (d * scale) * q - (dmin * min) in place (dequant's order)."""
-    n, k = out.shape
-    out.view(n, k // 32, 32).mul_(_per_sub_block(w.d[a:b], w.scale[a:b], 32)).sub_(
-        _per_sub_block(w.dmin[a:b], w.mins[a:b], 32))
-    return out
-
-
-def _k_header(blocks: torch.Tensor, n: int, k: int):
-    """A Q4_K / Q5_K tensor's d, dmin [N, K/256] fp32 and 6-bit scales, mins [N, K/32] from its blocks."""
-    scale, mins = dequant._k_scale_min(blocks[:, 4:16])  # [n * K/256, 8] each
-    field = lambda at: dequant._f16_field(blocks, at).view(n, k // 256)  # noqa: E731
-    return field(0), field(2), scale.reshape(n, k // 32), mins.reshape(n, k // 32)
+        return self.scale_and_offset(a, b, out)
 
 
 @dataclass(frozen=True, eq=False)
-class Q5KSplit(_Split):
+class Q5KSplit(_KSplit):
     """A Q5_K weight [N, K]: 1.09 bytes a value against the file's 0.69."""
 
     q: torch.Tensor  # uint8 [N, K], 0..31
-    d: torch.Tensor  # fp32 [N, K // 256]
-    dmin: torch.Tensor  # fp32 [N, K // 256]
-    scale: torch.Tensor  # uint8 [N, K // 32]
-    mins: torch.Tensor  # uint8 [N, K // 32]
-    dtype: torch.dtype
 
     qtype = QType.Q5_K
 
@@ -168,7 +160,7 @@ class Q5KSplit(_Split):
         blocks = qw.data.view(n * (k // 256), 176)
         low = dequant._fields(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 256)
         high = dequant._fields(blocks[:, 16:48], 1).reshape(-1, 256)
-        return cls((low | (high << 4)).reshape(n, k), *_k_header(blocks, n, k), qw.dtype)
+        return cls(q=(low | (high << 4)).reshape(n, k), dtype=qw.dtype, **cls.header(blocks, n, k))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -176,9 +168,21 @@ class Q5KSplit(_Split):
 
     def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
-        out = torch.empty(b - a, self.shape[1], device=self.q.device) if out is None else out
-        out.copy_(self.q[a:b])
-        return _scale_and_offset(self, a, b, out)
+        return self.scale_and_offset(a, b, _widen(self.q, a, b, out))
+
+
+def _widen(q: torch.Tensor, a: int, b: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Rows a..b of byte-per-value quants q [N, K] as fp32 [b - a, K] (into `out` where given): a widening
+    copy, which the caller then scales in place (~7x faster on CPU than one mixed-dtype multiply)."""
+    out = torch.empty(b - a, q.shape[1], device=q.device) if out is None else out
+    return out.copy_(q[a:b])
+
+
+def _per_sub_block(d: torch.Tensor, ints: torch.Tensor, sub: int) -> torch.Tensor:
+    """d [n, K/256] times each of its super-block's integer scales [n, K/sub], as dequant computes them
+    (one fp32 product) -> [n, K/sub, 1]."""
+    n, per = ints.shape[0], 256 // sub
+    return (d[:, :, None] * ints.view(n, -1, per).float()).view(n, -1, 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,10 +212,8 @@ class Q6KSplit(_Split):
 
     def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
-        n, k = b - a, self.shape[1]
-        out = torch.empty(n, k, device=self.q.device) if out is None else out
-        out.copy_(self.q[a:b])
-        out.view(n, k // 16, 16).mul_(_per_sub_block(self.d[a:b], self.scale[a:b], 16))
+        out = _widen(self.q, a, b, out)
+        out.view(b - a, -1, 16).mul_(_per_sub_block(self.d[a:b], self.scale[a:b], 16))
         return out
 
 
