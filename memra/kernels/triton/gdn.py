@@ -254,6 +254,7 @@ def delta_rule_step_into(q, k, v, beta, g, pool, slots):
     stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist)."""
     b, h, dk = q.shape
     dv = v.shape[-1]
+    assert pool.is_contiguous() and tuple(pool.shape[1:]) == (h, dk, dv), "the kernel addresses pool rows as [H, DK, DV]"
     o = _scan(q.reshape(b, 1, h, dk), k.reshape(b, 1, h, dk), v.reshape(b, 1, h, dv), beta.reshape(b, 1, h),
               g.reshape(b, 1, h), pool, pool, slots.contiguous())
     return o.reshape(b, h, dv)
