@@ -127,9 +127,9 @@ class QuantWeight:
         data = torch.cat([p.data for p in parts])
         return QuantWeight(first.qtype, data, (data.shape[0], first.shape[1]), first.dtype)
 
-    def placed(self, device: torch.device, dtype: torch.dtype) -> "QuantWeight":
-        """A fresh copy of the bytes on `device`, decoding to `dtype` (the loader's placement)."""
-        return dataclasses.replace(self, data=self.data.to(device=device, copy=True), dtype=dtype)
+    def placed(self, device: torch.device, dtype: torch.dtype, copy: bool = True) -> "QuantWeight":
+        """The bytes on `device` (a fresh copy unless copy=False), decoding to `dtype` (the loader's placement)."""
+        return dataclasses.replace(self, data=self.data.to(device=device, copy=copy), dtype=dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,8 +152,8 @@ class MixedRows:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
-    def placed(self, device: torch.device, dtype: torch.dtype) -> "MixedRows":
-        return MixedRows(tuple(p.placed(device, dtype) for p in self.parts))
+    def placed(self, device: torch.device, dtype: torch.dtype, copy: bool = True) -> "MixedRows":
+        return MixedRows(tuple(p.placed(device, dtype, copy) for p in self.parts))
 
 
 def _check_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> None:

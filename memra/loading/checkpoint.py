@@ -17,6 +17,7 @@ from memra.pools import KvBudget
 from memra.settings import Settings, show_progress
 from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
+from memra.heap import return_freed_memory
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -138,9 +139,11 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
     it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks).
     `packed`: keep a GGUF's quantized projections packed (memra.loading.gguf), decoded a tile at a time
-    inside each linear, with the same bits: True for Q8_0 and Q4_K, False for none, None for what pays
-    off here — Q8_0 on CPU (split into quants and scales: a quarter of the fp32 memory, and faster),
-    nothing on a GPU (whose dense kernels beat the packed ones today)."""
+    inside each linear, with the same bits: True for every format the device reads packed (CPU: Q8_0,
+    Q4_K, Q5_K, Q6_K, split into quants and scales by memra.kernels.split; GPU: Q8_0 and Q4_K, the fused
+    kernels), False for none, None for what pays off here: all of them on CPU (about the file's size
+    instead of fp32's four bytes a value), nothing on a GPU (whose dense kernels beat the packed ones
+    today)."""
     from memra.kernels.quant import FORMATS, MixedRows, QuantWeight
     from memra.kernels.split import SPLITS, split_for_cpu
     from memra.loading.gguf import GgufNames
@@ -149,10 +152,8 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
     src = names.src
     if isinstance(names, GgufNames):
-        if packed is None:
-            names.packed = frozenset(SPLITS) if device.type == "cpu" else frozenset()
-        else:
-            names.packed = frozenset(FORMATS) if packed else frozenset()
+        packable = SPLITS if device.type == "cpu" else FORMATS  # a CPU layout each, or a fused GPU kernel
+        names.packed = frozenset(packable) if packed or (packed is None and device.type == "cpu") else frozenset()
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -160,12 +161,13 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
             # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
-            if isinstance(t, (QuantWeight, MixedRows)):  # packed bytes: moved, never converted; decoded when used
-                t = t.placed(device, want)
-                if device.type == "cpu":  # the quants split from their scales: a tile decodes in a few whole-tensor ops
-                    out[prefix + k] = split_for_cpu(t)
-                else:  # the fused kernels read one format: mixed row blocks are decoded here
-                    out[prefix + k] = t.dequantize(want).contiguous() if isinstance(t, MixedRows) else t
+            if isinstance(t, (QuantWeight, MixedRows)) and device.type == "cpu":
+                # the quants split from their scales (a tile then decodes in a few whole-tensor ops); the
+                # layouts are fresh tensors, so the file's bytes are read in place, not copied first
+                out[prefix + k] = split_for_cpu(t.placed(device, want, copy=False))
+            elif isinstance(t, (QuantWeight, MixedRows)):  # packed bytes: moved, never converted; decoded when used
+                t = t.placed(device, want)  # the fused kernels read one format: mixed row blocks are decoded here
+                out[prefix + k] = t.dequantize(want).contiguous() if isinstance(t, MixedRows) else t
             else:
                 out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out
@@ -186,7 +188,10 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     parts += [(f"mtp.{j}.", names.mtp, j) for j in range(cfg.n_mtp)]
     for prefix, fn, idx in progress(parts, len(parts), f"loading {Path(path).name}"):
         weights.update(load_part(prefix, lambda: fn(idx)))
+    if device.type == "cpu":
+        return_freed_memory()  # what loading freed (memra.heap)
     return cfg, weights, make_tokenizer
+
 
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -195,8 +200,8 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
     """Load a model for inference. -> HybridModel (see memra.model.hybrid). `path` is an HF directory, a
     .gguf file, "demo", or "random:SHAPE" (memra.random_model.SHAPES: random weights, no file).
 
-    `packed_weights`: a GGUF's quantized projections stay packed in memory (load_weights: None = Q8_0 on
-    CPU, True = Q8_0 and Q4_K, False = none).
+    `packed_weights`: a GGUF's quantized projections stay packed in memory (load_weights: None = Q8_0,
+    Q4_K, Q5_K and Q6_K on CPU and none on a GPU, True = what the device can read packed, False = none).
     `settings`: the MEMRA_* doors (memra.settings); by default read from the environment now, once —
     nothing reads the environment after load. Every header field is checked before use, and a corrupt file fails with a one-line MemraError. The
     small fp32 weights (norms, GDN gates) and GGUF block scales are always checked for NaN / Inf. On the
