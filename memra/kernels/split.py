@@ -158,9 +158,7 @@ class Q5KSplit(_KSplit):
     def from_quant(cls, qw: QuantWeight) -> "Q5KSplit":
         n, k = qw.shape
         blocks = qw.data.view(n * (k // 256), 176)
-        low = dequant._fields(blocks[:, 48:176].reshape(-1, 4, 32), 4).reshape(-1, 256)
-        high = dequant._fields(blocks[:, 16:48], 1).reshape(-1, 256)
-        return cls(q=(low | (high << 4)).reshape(n, k), dtype=qw.dtype, **cls.header(blocks, n, k))
+        return cls(q=dequant.q5_k_quants(blocks).reshape(n, k), dtype=qw.dtype, **cls.header(blocks, n, k))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -200,9 +198,7 @@ class Q6KSplit(_Split):
     def from_quant(cls, qw: QuantWeight) -> "Q6KSplit":
         n, k = qw.shape
         blocks = qw.data.view(n * (k // 256), 210)
-        low = dequant._fields(blocks[:, 0:128].reshape(-1, 2, 64), 4).reshape(-1, 256)
-        high = dequant._fields(blocks[:, 128:192].reshape(-1, 2, 32), 2).reshape(-1, 256)
-        q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)
+        q = (dequant.q6_k_quants(blocks).to(torch.int16) - 32).to(torch.int8)
         d = dequant._f16_field(blocks, 208).view(n, k // 256)
         return cls(q.reshape(n, k), d, blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, k // 16), qw.dtype)
 

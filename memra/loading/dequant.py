@@ -259,10 +259,16 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     # value = (d * scale) * q - (dmin * min)
     n = blocks.shape[0]
     dl, ml = _k_scale_offset(blocks)
-    low = _fields(blocks[:, 48:176].reshape(n, 4, 32), 4).reshape(n, 8, 32)
-    high = _fields(blocks[:, 16:48], 1)  # [n, 8, 32]
-    q = low | (high << 4)
+    q = q5_k_quants(blocks).view(n, 8, 32)
     return _offset(torch.sub, q.float().mul_(dl), ml).view(n, QK_K)
+
+
+def q5_k_quants(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks uint8 [n, 176] -> each value's 5-bit q, uint8 [n, 256] (memra.kernels.split keeps it)."""
+    n = blocks.shape[0]
+    low = _fields(blocks[:, 48:176].reshape(n, 4, 32), 4).reshape(n, QK_K)
+    high = _fields(blocks[:, 16:48], 1).reshape(n, QK_K)  # eight 1-bit planes of 32
+    return low | (high << 4)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -274,10 +280,16 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_field(blocks, 208)
     scale = blocks[:, 192:208].view(torch.int8).float()  # [n, 16]
     dl = (d * scale).unsqueeze(-1)  # [n, 16, 1]
+    q = q6_k_quants(blocks).float().sub_(32).view(n, 16, 16)
+    return q.mul_(dl).view(n, QK_K)
+
+
+def q6_k_quants(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks uint8 [n, 210] -> each value's stored 6-bit q (offset by 32), uint8 [n, 256]."""
+    n = blocks.shape[0]
     low = _fields(blocks[:, 0:128].reshape(n, 2, 64), 4).reshape(n, QK_K)
     high = _fields(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, QK_K)
-    q = (low | (high << 4)).float().sub_(32).view(n, 16, 16)
-    return q.mul_(dl).view(n, QK_K)
+    return low | (high << 4)
 
 
 # ---------------------------------------------------------------------------------------------------
