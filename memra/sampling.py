@@ -164,18 +164,20 @@ def allowed_tokens(logits: torch.Tensor, p: SamplingParams | DevSamp) -> torch.T
         return torch.ones_like(logits, dtype=torch.bool)  # no filter: skip the vocab-wide sort
     scaled = logits.double() / p.temperature
     probs = torch.softmax(scaled, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
     order = torch.argsort(probs, descending=True, stable=True)
     ranked = probs[order]
+    # Decided by rank, then scattered back to token order: in-place ops only, since a `t[index] = v`
+    # (index_put_) or a boolean mask waits for the device, and the engine calls this on its step.
+    keep_ranked = torch.ones_like(ranked, dtype=torch.bool)
     if p.top_k:
-        keep[order[p.top_k:]] = False
+        keep_ranked[p.top_k:].fill_(False)
     if p.top_p < 1.0:
         before = torch.cumsum(ranked, 0) - ranked  # mass of strictly more likely tokens
-        keep[order[before >= p.top_p]] = False
+        keep_ranked &= ~(before >= p.top_p)
     if p.min_p > 0.0:
-        keep &= probs >= p.min_p * ranked[0]
-    keep[order[0]] = True
-    return keep
+        keep_ranked &= ranked >= p.min_p * ranked[0]
+    keep_ranked[0].fill_(True)
+    return torch.empty_like(keep_ranked).scatter_(0, order, keep_ranked)
 
 
 def device_sample(logits: torch.Tensor, s: DevSamp) -> torch.Tensor:

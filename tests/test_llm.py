@@ -50,6 +50,23 @@ def test_a_batch_gives_each_prompt_its_tokens_alone(llm):
         assert got.finish_reason == ("stop" if want[-1] in llm.tokenizer.eos_ids else "length")
 
 
+def test_requests_held_to_start_together_keep_their_tokens(llm):
+    """Holding requests so that several start in one prefill moves when each starts, not what it gets."""
+    prompts, params = PROMPTS * 2, PARAMS * 2  # more than the batch: the rest wait for places
+
+    def run(wait_steps):  # -> the outputs' tokens, and how many steps started requests
+        small = memra.LLM(llm.model, max_batch=3, prefill_wait_steps=wait_steps, prefill_group=2)
+        sched, starting = small.engine.scheduler, []
+        schedule = sched.schedule
+        sched.schedule = lambda: (plan := schedule(), starting.append(any(s == 0 for _, s, _ in plan.prefill)))[0]
+        return [o.outputs[0].token_ids for o in small.generate(prompts, params)], sum(starting)
+
+    held, held_starts = run(6)
+    at_once, starts = run(0)
+    assert held == at_once == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert held_starts < starts  # the hold did group the starts
+
+
 def test_choices_stops_logprobs_and_streaming(llm):
     p = SamplingParams(max_tokens=20, temperature=0.9, seed=5, n=3)
     out = llm.generate("ROMEO:", p).pop().outputs

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from memra.engine.admission import PrefillGrouping
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, Status, StepPlan
 
 
@@ -488,3 +489,75 @@ def test_randomized_simulation_keeps_every_bound_and_finishes_everyone(name, see
     assert sched.free_blocks() == cfg.total_blocks and sched.num_waiting() == 0 and sched.schedule().empty
     if name == "tight-blocks":
         assert preemptions > 0, "the tight pool should force preemption"
+
+
+# --- prefill grouping (memra.engine.admission) ---
+def grouped(wait_steps: int, group: int, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(token_budget=512, prefill_align=16, total_blocks=256, max_running=4,
+                                     grouping=PrefillGrouping(wait_steps, group), **kw))
+
+
+def started(plan: StepPlan) -> list[str]:
+    return [rid for rid, start, _ in plan.prefill if start == 0]
+
+
+@pytest.mark.parametrize("kwargs", [{"wait_steps": -1}, {"group": 0}, {"wait_steps": 1.5}, {"group": True}])
+def test_grouping_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match="PrefillGrouping"):
+        PrefillGrouping(**kwargs)
+
+
+def test_an_idle_engine_starts_a_request_at_once():
+    sched = grouped(wait_steps=5, group=3)
+    sched.add("a", 20, 50)
+    assert started(step(sched)) == ["a"]  # nothing decodes: holding would only idle the device
+
+
+def test_a_lone_request_is_held_at_most_wait_steps_while_others_decode():
+    sched = grouped(wait_steps=3, group=2)
+    sched.add("a", 20, 50)
+    step(sched)
+    sched.add("b", 20, 50)
+    plans = [step(sched) for _ in range(4)]
+    assert [started(p) for p in plans] == [[], [], [], ["b"]]
+    assert all(p.decode == ["a"] for p in plans)  # the decode never waits for it
+
+
+def test_a_group_starts_together_as_soon_as_it_is_complete():
+    sched = grouped(wait_steps=8, group=2)
+    sched.add("a", 20, 50)
+    step(sched)
+    sched.add("b", 20, 50)
+    assert started(step(sched)) == []
+    sched.add("c", 20, 50)
+    assert started(step(sched)) == ["b", "c"]  # one prefill step for both
+
+
+def test_a_step_that_prefills_anyway_lets_a_held_request_join():
+    sched = Scheduler(SchedulerConfig(token_budget=128, prefill_align=16, total_blocks=256, max_running=4,
+                                      grouping=PrefillGrouping(wait_steps=8, group=2)))
+    sched.add("a", 20, 50)
+    step(sched)
+    sched.add("long", 200, 50)
+    sched.add("b", 20, 50)
+    assert step(sched).prefill == [("long", 0, 112)]  # b does not fit the budget's rest
+    plan = step(sched)  # one startable (b) is below the group, but long's chunk makes this a prefill step
+    assert plan.decode == ["a"] and plan.prefill == [("long", 112, 88), ("b", 0, 20)]
+
+
+def test_held_steps_count_only_while_a_place_is_free():
+    sched = grouped(wait_steps=2, group=2)
+    sched.add("a", 20, 3)
+    for rid in "bcde":
+        sched.add(rid, 20, 50)
+    assert started(step(sched)) == ["a", "b", "c", "d"]  # nothing was decoding; e finds the batch full
+    plans = [step(sched) for _ in range(5)]  # a ends with the second of these; then e is held two steps
+    assert [started(p) for p in plans] == [[], [], [], [], ["e"]]
+
+
+def test_grouping_off_starts_every_request_at_once():
+    sched = grouped(wait_steps=0, group=8)
+    sched.add("a", 20, 50)
+    step(sched)
+    sched.add("b", 20, 50)
+    assert started(step(sched)) == ["b"]

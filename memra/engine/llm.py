@@ -62,10 +62,14 @@ class LLM:
     max_batch: sequences decoded together; max_ctx: prompt + completion tokens per sequence (default the
     model's context). The engine's caches take at most the model's KV budget (memra.load's kv_budget).
     warm_up: pay kernel compilation and (on a GPU) every batch bucket's graph capture now (Engine.warm_up).
+    prefill_wait_steps, prefill_group: hold a request that could start while others decode, so that several
+    start in one prefill (memra.engine.admission; EngineConfig's defaults).
     """
 
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
-                 max_ctx: int | None = None, warm_up: bool = True, **load_options):
+                 max_ctx: int | None = None, warm_up: bool = True,
+                 prefill_wait_steps: int = EngineConfig.prefill_wait_steps, prefill_group: int | None = None,
+                 **load_options):
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load
 
@@ -74,7 +78,8 @@ class LLM:
             raise MemraError("memra.LLM needs a model with its tokenizer (load it with tokenizer=True)")
         self.model, self.tokenizer = model, model.tokenizer
         ctx = min(max_ctx or model.cfg.max_position, model.cfg.max_position)
-        self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30))
+        self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30,
+                                                 prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group))
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
             self.engine.warm_up()
 

@@ -37,7 +37,7 @@ class PenaltyState:
     @classmethod
     def start(cls, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> "PenaltyState":
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[upload_values(prompt, torch.long, device)] = True
+        seen.index_fill_(0, upload_values(prompt, torch.long, device), True)
         state = cls(seen, torch.zeros(vocab, dtype=torch.float32, device=device))
         if params.logit_bias:
             if max(t for t, _ in params.logit_bias) >= vocab:
@@ -50,7 +50,7 @@ class PenaltyState:
         """Count the output tokens not yet counted (the last step's, usually one)."""
         if len(out) > self.produced:
             new = upload_values(out[self.produced:], torch.long, self.counts.device)
-            self.seen[new] = True
+            self.seen.index_fill_(0, new, True)
             self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
             self.produced = len(out)
 
@@ -128,7 +128,8 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)
         idx = upload_values(sampled, torch.long, logits.device) if len(sampled) < len(rows) else slice(None)
-        tokens[idx] = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
+        picked = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
+        tokens = tokens.index_copy_(0, idx, picked) if isinstance(idx, torch.Tensor) else picked
     asked = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None]
     payload = None  # the tokens, then each asking row's numbers, as one float64 vector
     if asked:

@@ -36,7 +36,8 @@ One step, in this order:
    preempted anything (memory is short: resuming would only thrash) or when a RUNNING prefiller could
    not be scheduled (new work would keep taking the budget and blocks it waits for).
    A consequence: running + swapped never exceeds the running-set cap (admission happens only when
-   no swapped sequence is left), so host memory for swapped state is bounded too.
+   no swapped sequence is left), so host memory for swapped state is bounded too. Waiting requests
+   may be held a few steps so that several start in one prefill (`grouping`: memra.engine.admission).
 
 Preemption off (`preemption=False`). For an engine that cannot swap (a pipeline whose stages live in
 other processes): the caller sizes total_blocks for every running sequence's whole context
@@ -63,9 +64,11 @@ scheduler even if the engine did not list it, so a missed report cannot overrun 
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from memra.engine.admission import PrefillGrouping
+from memra.engine.scheduled import Sequence, Status, StepPlan
 
 
 class QueueFull(Exception):
@@ -82,6 +85,7 @@ class SchedulerConfig:
     total_blocks: int = 1024  # KV blocks in the shared pool
     total_slots: int | None = None  # recurrent-state slots (hybrid models); None = unlimited (no GDN layers)
     preemption: bool = True  # False: never swap out; schedule() raises where it would have to (module docstring)
+    grouping: PrefillGrouping = field(default_factory=PrefillGrouping)  # waiting requests held to start together
 
     def __post_init__(self) -> None:
         names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
@@ -104,58 +108,6 @@ class SchedulerConfig:
         return self.max_running if self.total_slots is None else min(self.max_running, self.total_slots)
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"  # queued, never admitted; holds nothing
-    RUNNING = "running"  # admitted: holds its blocks and a recurrent slot
-    SWAPPED = "swapped"  # preempted: its state is on the host; holds nothing here
-    FINISHED = "finished"  # done or cancelled; forgotten by the scheduler
-
-
-@dataclass
-class Sequence:
-    """The scheduler's view of one request (the engine owns tokens and tensors)."""
-
-    rid: str
-    prompt_len: int
-    max_tokens: int
-    arrival: int  # monotonically increasing admission order
-    status: Status
-    prefilled: int = 0  # prompt tokens already in the cache
-    generated: int = 0  # tokens sampled so far (the first comes from the last prefill chunk)
-    blocks: int = 0  # KV blocks held (reserved for the step in flight, between schedule and step_done)
-    block_size: int = 16  # copied from the config so blocks_needed needs no arguments beyond the tokens
-
-    @property
-    def in_cache(self) -> int:
-        """Tokens in the KV cache: the newest sampled token is not fed until the next decode."""
-        return self.prefilled + max(self.generated - 1, 0)
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.prefilled >= self.prompt_len
-
-    @property
-    def decode_ready(self) -> bool:
-        """Fully prefilled, has a sampled token to feed, and not yet at max_tokens."""
-        return self.prefill_done and 1 <= self.generated < self.max_tokens
-
-    def blocks_needed(self, extra_tokens: int = 0) -> int:
-        """Blocks this sequence must hold for its cache plus `extra_tokens` more (a total, not a delta)."""
-        return -(-(self.in_cache + extra_tokens) // self.block_size)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    prefill: list[tuple[str, int, int]]  # (rid, start position, n tokens), cuts aligned (module docstring)
-    decode: list[str]  # rids that decode one token (fully prefilled, generated >= 1)
-    swap_out: list[str]  # preempt BEFORE the step: the engine copies KV + recurrent state to host and frees it
-    swap_in: list[str]  # resume BEFORE the step: the engine copies the state back (they run in this step)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.prefill or self.decode or self.swap_out or self.swap_in)
-
-
 class Scheduler:
     """Owns the queue, the running set and the block/slot counts; see the module docstring for the policy."""
 
@@ -171,6 +123,7 @@ class Scheduler:
         self._planned_prefill: dict[str, int] = {}
         self._planned_decode: set[str] = set()
         self._in_flight = False
+        self._held = 0  # steps the startable waiting requests have been held (memra.engine.admission)
 
     # --- requests ---
     def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
@@ -265,7 +218,11 @@ class Scheduler:
 
         # 3. Resume swapped (oldest first), then admit waiting (FCFS); stop at the first that cannot start.
         if not blocked and not swap_out:
-            candidates = self._with(Status.SWAPPED) + [self._seqs[rid] for rid in self._waiting]
+            startable = min(len(self._waiting), max(0, self.cfg.max_admitted - self.num_running()))
+            hold = self.cfg.grouping.holds(decoding=bool(decode), prefilling=bool(prefill), startable=startable,
+                                           held=self._held)
+            self._held = self._held + 1 if hold else 0 if startable else self._held
+            candidates = self._with(Status.SWAPPED) + ([] if hold else [self._seqs[rid] for rid in self._waiting])
             for seq in candidates:
                 if self.num_running() >= self.cfg.max_admitted:
                     break

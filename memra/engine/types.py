@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memra.cache import BLOCK_SIZE
+from memra.engine.admission import PrefillGrouping
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
@@ -24,13 +25,24 @@ class EngineConfig:
     token_budget: int = 2048  # tokens per engine step (decode rows + prefill chunk tokens)
     max_waiting: int = 256  # queued requests beyond which submit() raises QueueFull (HTTP 429)
     kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx (in-process only)
+    # Requests held while others decode so that several start in one prefill (memra.engine.admission):
+    prefill_wait_steps: int = 0  # most steps one is held (0: none)
+    prefill_group: int | None = None  # how many end the hold at once; default max(2, max_batch // 8)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise MemraError(f"engine {name} must be positive, got {getattr(self, name)}")
+        if self.prefill_wait_steps < 0:
+            raise MemraError(f"prefill_wait_steps must be >= 0, got {self.prefill_wait_steps}")
+        if self.prefill_group is not None and self.prefill_group < 1:
+            raise MemraError(f"prefill_group must be >= 1, got {self.prefill_group}")
         if self.token_budget < EXACT_PIECE:
             raise MemraError(f"token_budget must be at least {EXACT_PIECE} (one aligned prefill piece)")
+
+    @property
+    def grouping(self) -> PrefillGrouping:
+        return PrefillGrouping(self.prefill_wait_steps, self.prefill_group or max(2, self.max_batch // 8))
 
     @property
     def blocks(self) -> int:

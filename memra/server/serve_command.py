@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from memra.cli_common import add_load_args, load_model
+from memra.engine.types import EngineConfig
 from memra.errors import MemraError
 from memra.server.options import DEFAULT_MAX_BODY_MB
 
@@ -21,6 +22,12 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
     srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
     srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
+    srv.add_argument("--prefill-wait-steps", type=int, default=EngineConfig.prefill_wait_steps,
+                     help="while others decode, hold a new request up to this many steps so that several start "
+                          f"in one prefill (throughput for time to first token; 0: start each at once; default "
+                          f"{EngineConfig.prefill_wait_steps})")
+    srv.add_argument("--prefill-group", type=int, default=None,
+                     help="held requests that start together at once (default: max(2, max-batch / 8))")
     srv.add_argument("--api-key", default=None,
                      help="require Authorization: Bearer KEY on every route but /health and /v1/models "
                           "(visible in the process list: prefer --api-key-file or $MEMRA_API_KEY)")
@@ -69,13 +76,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from memra.pp.dist_driver import DistPipeline
     from memra.pp.dist_launch import launcher_rank
     from memra.server.api import build_app
-    from memra.engine.engine import Engine, EngineConfig
+    from memra.engine.engine import Engine
     from memra.server.http import HttpServer, bind
     from memra.server.metrics import Metrics
     from memra.server.options import ServerOptions, resolve_api_key
 
     cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
-                       max_waiting=args.max_waiting)
+                       max_waiting=args.max_waiting, prefill_wait_steps=args.prefill_wait_steps,
+                       prefill_group=args.prefill_group)
     if not 0 < args.port < 65536:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 1024:

@@ -1,0 +1,44 @@
+"""When the scheduler lets waiting requests start: at once, or held a few decode steps so that several
+start in one prefill.
+
+Why hold at all: an exact prefill runs in aligned 64-token pieces (E5), and the engine runs the k-th
+piece of every prompt that starts in a step as one forward (memra.step.prime_batch). A step that
+prefills therefore costs about the same whether one short prompt starts in it or eight: on a GPU the
+forwards' kernel launches, not their tokens, set its time, and every such step stalls the decode of
+all running rows. Under a steady stream of requests each finishing sequence would otherwise buy its
+successor a prefill step of its own.
+
+The rule (TGI's `max_waiting_tokens` in spirit): while rows are decoding and no prefill is planned for
+the step anyway, requests that could start are held back until `group` of them can start together
+or the first has been held `wait_steps` steps. A step that prefills anyway (a running prompt's next
+chunk) lets them all in, since joining its forwards is nearly free. With nothing decoding nothing is
+held: an idle engine starts a request at once. Held steps are counted only while some request could
+have started (a free place in the running set), so a full batch does not use up the wait.
+
+What holding costs: a held request's time to first token grows by at most `wait_steps` decode steps,
+and its place in the batch stays empty meanwhile. What it cannot cost: any bit of any output, since
+every request's tokens are the same whichever step it starts in. wait_steps = 0 turns it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillGrouping:
+    wait_steps: int = 0  # most steps a startable request is held (0: never held)
+    group: int = 1  # startable requests that end the hold at once
+
+    def __post_init__(self) -> None:
+        for name in ("wait_steps", "group"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "wait_steps" else 1):
+                raise ValueError(f"PrefillGrouping.{name} must be an integer >= {0 if name == 'wait_steps' else 1}, "
+                                 f"got {v!r}")
+
+    def holds(self, *, decoding: bool, prefilling: bool, startable: int, held: int) -> bool:
+        """Whether this step keeps the waiting requests out. startable: how many could start now (waiting
+        ones, up to the free places); held: the steps they have already been held."""
+        return (self.wait_steps > 0 and decoding and not prefilling and 0 < startable < self.group
+                and held < self.wait_steps)
