@@ -18,6 +18,16 @@ have started (a free place in the running set), so a full batch does not use up 
 What holding costs: a held request's time to first token grows by at most `wait_steps` decode steps,
 and its place in the batch stays empty meanwhile. What it cannot cost: any bit of any output, since
 every request's tokens are the same whichever step it starts in. wait_steps = 0 turns it off.
+
+Measured on an H200 (Llama-3-8B shape, random weights, `memra bench serve` at concurrency 64, 512
+requests of 128-256 tokens with 4-40-word prompts; group max(2, 64 / 8) = 8 unless said):
+    wait_steps   output tok/s   prefilling steps   TTFT p50 / p99
+    0            3,970          331 x 30.1 ms      85 / 523 ms
+    8            4,271          122 x 41.9 ms      147 / 460 ms
+    16 (16)      4,311          72 x 49.5 ms       199 / 689 ms
+    32 (16)      4,333          46 x 56.6 ms       323 / 846 ms
+and offline (memra.LLM, the same 512 prompts) 4,219 -> 4,518 tok/s at 8. The engine's default is 8:
+most of the gain for about 60 ms of median time to first token.
 """
 
 from __future__ import annotations

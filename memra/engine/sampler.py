@@ -136,7 +136,7 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
         pieces = [tokens.double()]
         for i, n in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
             logp = torch.log_softmax(logits[i].float(), dim=-1)
-            pieces.append(logp[tokens[i]].double().reshape(1))
+            pieces.append(logp.index_select(0, tokens[i : i + 1]).double())  # not logp[tokens[i]]: .item()
             if n:
                 vals, ids = torch.topk(logp, n)
                 pieces += [ids.double(), vals.double()]

@@ -26,7 +26,7 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests beyond which submit() raises QueueFull (HTTP 429)
     kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx (in-process only)
     # Requests held while others decode so that several start in one prefill (memra.engine.admission):
-    prefill_wait_steps: int = 0  # most steps one is held (0: none)
+    prefill_wait_steps: int = 8  # most steps one is held (0: none; 8 measured: module docstring there)
     prefill_group: int | None = None  # how many end the hold at once; default max(2, max_batch // 8)
 
     def __post_init__(self) -> None:
