@@ -1,12 +1,12 @@
 """When the scheduler lets waiting requests start: at once, or held a few decode steps so that several
 start in one prefill.
 
-Why hold at all: an exact prefill runs in aligned 64-token pieces (E5), and the engine runs the k-th
-piece of every prompt that starts in a step as one forward (memra.step.prime_batch). A step that
-prefills therefore costs about the same whether one short prompt starts in it or eight: on a GPU the
-forwards' kernel launches, not their tokens, set its time, and every such step stalls the decode of
-all running rows. Under a steady stream of requests each finishing sequence would otherwise buy its
-successor a prefill step of its own.
+Why hold at all: the prompts that start in one step go through shared forwards (memra.step
+.prime_batch; on a GPU with the invariant kernels, one forward takes them all), and such a forward's
+cost is mostly fixed: its few hundred kernels are launched one by one from Python, and it is not a
+captured graph. A step that prefills therefore costs about the same whether one short prompt starts
+in it or eight, and it delays the decode of every running row. Under a steady stream of requests
+each finishing sequence would otherwise buy its successor a prefilling step of its own.
 
 The rule (TGI's `max_waiting_tokens` in spirit): while rows are decoding and no prefill is planned for
 the step anyway, requests that could start are held back until `group` of them can start together
