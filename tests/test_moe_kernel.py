@@ -80,7 +80,21 @@ def test_a_token_does_not_depend_on_its_batchmates(dtype):
     weights, ids = route(x, router, 2)
     full = mk.moe_experts(x, weights, ids, w_gate_up, w_down)
     for rows in ([0], [17], [3, 4, 5], list(range(20, 40))):
-        same_bits(mk.moe_experts(x[rows], weights[rows], ids[rows], w_gate_up, w_down), full[rows])
+        for per_pair in (False, True):  # a tile per expert's pairs, or per pair (a decode step's plan)
+            same_bits(mk.moe_experts(x[rows], weights[rows], ids[rows], w_gate_up, w_down, per_pair), full[rows])
+
+
+def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
+    """The default for a decode step of a 256-expert layer: no sort, no tile table; still the loop's bits,
+    with two rows sharing an expert."""
+    w_gate_up, w_down, _ = layer(torch.bfloat16, n_experts=16, seed=30)
+    x = rnd(2, 64, dtype=torch.bfloat16, seed=31)
+    ids = torch.tensor([[1, 4], [4, 9]], device=DEVICE)
+    weights = torch.tensor([[0.7, 0.3], [0.25, 0.75]], device=DEVICE, dtype=torch.bfloat16)
+    plan = mk.plan_pairs(ids, (1, 16, 16, 4, 1))
+    assert plan.tile_expert.tolist() == [1, 4, 4, 9] and plan.token_of.tolist() == [0, 0, 1, 1]
+    same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down),  # 4 pairs x 4 <= 16 experts: per pair
+              reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
 
 
 def test_slot_order_does_not_matter():

@@ -7,7 +7,9 @@ a MoE step impossible to capture in a CUDA graph. Here instead:
 
     plan      sort the T*k pairs by expert on the device; give each expert whole BLOCK_M tiles of its
               pairs; a tile table of static length (an upper bound) says, per tile, its expert and the
-              span of sorted pairs it covers (empty spans for the unused tail)
+              span of sorted pairs it covers (empty spans for the unused tail). While the pairs are few
+              beside the experts (a decode step of a few rows) a tile per pair instead: no sort and no
+              table to build, four small launches where the sort and the table take about thirty
     gate_up   y1[p] = x[token(p)] @ w_gate_up[expert(p)]^T          one grid over (tile, N block)
     silu_mul  h = silu(gate) * up                                       elementwise (torch)
     down      y2[p] = h[p] @ w_down[expert(p)]^T                       one grid over (tile, N block)
@@ -132,6 +134,16 @@ def plan_groups(ids: torch.Tensor, n_experts: int, config: tuple[int, int, int, 
                      config)
 
 
+def plan_pairs(ids: torch.Tensor, config: tuple[int, int, int, int, int]) -> GroupPlan:
+    """ids [T, k] -> a plan with one tile per (token, slot) pair, in pair order (sorted position = pair
+    index). Same bits as plan_groups' plan, since a pair's product does not depend on the tile it
+    shares; it reads an expert that several tokens chose once per token, which costs nothing at T = 1
+    (a token's experts are distinct) and little while pairs are few beside the experts."""
+    t_rows, top_k = ids.shape
+    pair = torch.arange(t_rows * top_k, device=ids.device)
+    return GroupPlan(pair // top_k, pair, ids.reshape(-1), pair, pair + 1, config)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bool) -> torch.Tensor:
     """Pair p's row (x[token_of[p]] if gather, else x[p]) times its expert's w[e] [N, K]^T -> [P, N]."""
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -155,15 +167,19 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
+                w_down: torch.Tensor, per_pair: bool | None = None) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
-    x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]."""
+    x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
+    (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
     ids, perm = ids.sort(dim=1)  # each row's slots in ascending expert id: the reference's summation order
     weights = weights.gather(1, perm).contiguous()
     n_experts = w_gate_up.shape[0]
-    plan = plan_groups(ids, n_experts, tile_config(t_rows * top_k, n_experts, x.element_size()))
+    config = tile_config(t_rows * top_k, n_experts, x.element_size())
+    if per_pair is None:
+        per_pair = 4 * t_rows * top_k <= n_experts
+    plan = plan_pairs(ids, config) if per_pair else plan_groups(ids, n_experts, config)
     h = reference.silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F]
     y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
     out = torch.empty_like(x)
