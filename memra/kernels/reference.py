@@ -180,6 +180,21 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_neg: torch.Tensor, dt_bias: to
     return beta, g
 
 
+def gdn_heads(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
+              n_k_heads: int, n_v_heads: int, dk: int, dv: int, eps: float = 1e-6):
+    """What the delta rule reads, per token: conv output mixed [N, 2*Hk*Dk + Hv*Dv] (q | k | v) and gate
+    inputs b, a [N, Hv] -> q, k [N, Hv, Dk] (l2-normed, q scaled by Dk^-0.5, each key head repeated over
+    its Hv/Hk value heads), v [N, Hv, Dv], beta, decay [N, Hv], all fp32 (gdn_gates)."""
+    n, key_dim = mixed.shape[0], n_k_heads * dk
+    q, k, v = mixed.split([key_dim, key_dim, n_v_heads * dv], dim=-1)
+    q = l2_normalize(q.reshape(n, n_k_heads, dk).float(), eps) * dk ** -0.5
+    k = l2_normalize(k.reshape(n, n_k_heads, dk).float(), eps)
+    ratio = n_v_heads // n_k_heads
+    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    beta, decay = gdn_gates(b, a, a_neg, dt_bias)
+    return q, k, v.reshape(n, n_v_heads, dv).float(), beta, decay
+
+
 def gdn_recurrent(q, k, v, beta, g, state, step=None):
     """The delta rule, one token at a time (decode, and the definition of the op).
 

@@ -76,6 +76,13 @@ def _gdn_triton():
 
 
 @functools.cache
+def _gdn_heads_triton():
+    from memra.kernels.triton import gdn_heads
+
+    return gdn_heads
+
+
+@functools.cache
 def _moe_triton():
     from memra.kernels.triton import moe
 
@@ -114,7 +121,6 @@ class KernelTable:
     causal_conv = staticmethod(reference.causal_conv)
     causal_conv_step = staticmethod(reference.causal_conv_step)
     gdn_chunk = staticmethod(reference.gdn_chunk)
-    gdn_gates = staticmethod(reference.gdn_gates)
     moe_route = staticmethod(reference.moe_route)
     rope_cos_sin = staticmethod(reference.rope_cos_sin)
     silu_mul = staticmethod(reference.silu_mul)
@@ -172,6 +178,13 @@ class KernelTable:
 
     def l2_normalize(self, x, eps=1e-6):
         return self._impl(x).l2_normalize(x, eps)
+
+    def gdn_heads(self, mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv):
+        """reference.gdn_heads; one Triton launch wherever Triton runs on CUDA (triton.gdn_heads), which
+        every GDN path of a model then shares."""
+        if self.triton and mixed.is_cuda:
+            return _gdn_heads_triton().gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
+        return reference.gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
 
     def gated_rms_norm(self, o, z, w, eps):
         return self._impl(z).gated_rms_norm(o, z, w, eps)

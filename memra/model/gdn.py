@@ -18,7 +18,6 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], ops: KernelTable):
         g = cfg.gdn
         self.layer, self.g, self.eps, self.ops = layer, g, cfg.norm_eps, ops
-        self.ratio = g.n_v_heads // g.n_k_heads
         self.split = [g.conv_dim, g.value_dim, g.n_v_heads, g.n_v_heads]
         self.w_in, self.conv, self.wo = w["w_in"], w["conv"], w["wo"]
         self.a_neg, self.dt_bias, self.norm = w["a_neg"], w["dt_bias"], w["norm"]
@@ -27,14 +26,9 @@ class GatedDeltaNet:
         """Conv output [N, conv_dim] and gate inputs [N, Hv] -> q, k [N, Hv, Dk] (l2-normed, q scaled,
         key heads repeated over their value heads), v [N, Hv, Dv] fp32, beta, decay [N, Hv]. The same
         calls for a prompt chunk, a batch of decode rows or a verify's tokens."""
-        g, n = self.g, mixed.shape[0]
-        q, k, v = mixed.split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        q = self.ops.l2_normalize(q.reshape(n, g.n_k_heads, g.k_head_dim).float()) * g.k_head_dim ** -0.5
-        k = self.ops.l2_normalize(k.reshape(n, g.n_k_heads, g.k_head_dim).float())
-        q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
-        v = v.reshape(n, g.n_v_heads, g.v_head_dim).float()
-        beta, decay = self.ops.gdn_gates(b, a, self.a_neg, self.dt_bias)
-        return q, k, v, beta, decay
+        g = self.g
+        return self.ops.gdn_heads(mixed, b, a, self.a_neg, self.dt_bias, g.n_k_heads, g.n_v_heads, g.k_head_dim,
+                                  g.v_head_dim)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         g, t = self.g, x.shape[0]

@@ -1,0 +1,63 @@
+"""GDN's per-token preparation in one launch (memra.kernels.triton.gdn_heads) against its twin
+(reference.gdn_heads: within fp32 noise — Triton's exp, and a log1p through log), and against itself
+across token counts and column-sliced inputs (bit for bit). On CPU the kernel runs in Triton's
+interpreter (tests/conftest.py); MEMRA_TEST_DEVICE=cuda compiles it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra.kernels import reference  # noqa: E402
+from memra.kernels.triton import gdn_heads as gh  # noqa: E402
+
+DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
+HK, HV, DK, DV = 2, 6, 32, 24  # three value heads per key head; Dv not a power of two
+
+
+def inputs(n, dtype=torch.bfloat16, seed=0):
+    """The projection's output as the model splits it: mixed, b, a are column slices of one wide row."""
+    g = torch.Generator().manual_seed(seed)
+    conv = 2 * HK * DK + HV * DV
+    wide = (torch.randn(n, conv + 7 + 2 * HV, generator=g) * 2).to(device=DEVICE, dtype=dtype)
+    mixed, _, b, a = wide.split([conv, 7, HV, HV], dim=-1)
+    a_neg = -torch.rand(HV, generator=g).to(DEVICE) * 4
+    dt_bias = (torch.randn(HV, generator=g) * 3).to(DEVICE)
+    return mixed.contiguous(), b, a, a_neg, dt_bias
+
+
+def test_heads_match_the_twin():
+    mixed, b, a, a_neg, dt_bias = inputs(37)
+    got = gh.gdn_heads(mixed, b, a, a_neg, dt_bias, HK, HV, DK, DV)
+    want = reference.gdn_heads(mixed, b, a, a_neg, dt_bias, HK, HV, DK, DV)
+    for name, x, y in zip(("q", "k", "v", "beta", "decay"), got, want):
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        err = ((x - y).abs().max() / y.abs().max()).item()
+        assert err <= 4e-6, f"{name}: relative error {err:.3g}"
+    assert torch.equal(got[2], want[2])  # v is a cast: exact
+
+
+def test_softplus_keeps_its_tails():
+    """Far below zero softplus(x) ~ e^x, which log(1 + e^x) would round to 0; above 20 it is x."""
+    x = torch.tensor([-60.0, -30.0, -17.0, -3.0, 0.0, 5.0, 19.9, 25.0, 80.0])
+    hv = x.numel()  # one token, one key head over nine value heads: decay = -softplus(x) per head
+    a = x[None, :].to(DEVICE)
+    decay = gh.gdn_heads(torch.zeros(1, 2 * DK + hv * DV, device=DEVICE), a, a, -torch.ones(hv, device=DEVICE),
+                         torch.zeros(hv, device=DEVICE), 1, hv, DK, DV)[4][0]
+    assert torch.allclose(decay.double().cpu(), -torch.nn.functional.softplus(x.double()), rtol=1e-6, atol=0)
+
+
+def test_a_token_does_not_depend_on_the_call():
+    mixed, b, a, a_neg, dt_bias = inputs(70, seed=3)
+    full = gh.gdn_heads(mixed, b, a, a_neg, dt_bias, HK, HV, DK, DV)
+    for rows in (slice(0, 1), slice(5, 6), slice(20, 64)):
+        part = gh.gdn_heads(mixed[rows], b[rows], a[rows], a_neg, dt_bias, HK, HV, DK, DV)
+        for x, y in zip(part, full):
+            assert torch.equal(x, y[rows])
+    transposed = mixed.t().contiguous().t()  # as the conv over a prompt returns it: columns of unit stride
+    for x, y in zip(gh.gdn_heads(transposed, b, a, a_neg, dt_bias, HK, HV, DK, DV), full):
+        assert torch.equal(x, y)
