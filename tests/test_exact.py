@@ -80,7 +80,8 @@ def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_mode
     ref, rc = results[0]
     for logits, c in results[1:]:
         assert torch.equal(logits, ref)
-        for layer in rc.kv.layers:
+        for layer in (i for i in rc.kv.layers if i < model.cfg.n_layers):  # not an MTP block's: prime does
+            # not write it (the drafter does, from position 0), so a reused block still holds old bytes there
             assert torch.equal(kv_prefix(c, layer, len(ids)), kv_prefix(rc, layer, len(ids)))
         for layer in (rc.rec.layers if rc.rec else ()):
             assert torch.equal(c.ssm_state(layer), rc.ssm_state(layer))

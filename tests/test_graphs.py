@@ -41,7 +41,8 @@ def _state(model, caches) -> list[torch.Tensor]:
     """Every byte the sequences own: their KV blocks and their recurrent slots."""
     kv, rec = caches[0].kv, caches[0].rec
     blocks = torch.tensor([b for c in caches for b in c.blocks], device=model.device)
-    out = [kv.k[i][blocks] for i in kv.layers] + [kv.v[i][blocks] for i in kv.layers]
+    trunk = [i for i in kv.layers if i < model.cfg.n_layers]  # an MTP block's KV is the drafter's, unwritten here
+    out = [kv.k[i][blocks] for i in trunk] + [kv.v[i][blocks] for i in trunk]
     if rec is not None:
         slots = torch.tensor([c.slot for c in caches], device=model.device)
         out += [rec.conv[i][slots] for i in rec.layers] + [rec.ssm[i][slots] for i in rec.layers]
