@@ -103,6 +103,10 @@ def test_l2_normalize_and_gated_norm_match_twins():
         full = tk.gated_rms_norm(o, z, w, 1e-6)
         close(full, reference.gated_rms_norm(o, z, w, 1e-6), dtype)
         same_bits(tk.gated_rms_norm(o[1:2], z[1:2], w, 1e-6), full[1:2])
+        same_bits(tk.gated_rms_norm(o.to(dtype), z, w, 1e-6), full)  # fp32 o: rounded first, as a cast would
+        wide = rnd(5, 3 * 2 * 24, dtype=dtype, seed=10)  # z as the GDN's projection split leaves it: a column slice
+        zs = wide[:, 24 : 24 + 2 * 24].reshape(5, 2, 24)
+        same_bits(tk.gated_rms_norm(o, zs, w, 1e-6), tk.gated_rms_norm(o, zs.contiguous(), w, 1e-6))
 
 
 def test_delta_rule_step_matches_twin_and_is_row_invariant():

@@ -165,6 +165,13 @@ def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> 
     return F.silu(acc.to(u.dtype)), window[..., 1:]
 
 
+def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """causal_conv_step for rows whose states are pool[slots] ([slots, C, Kc-1]), stepped there -> out [B, C]."""
+    out, new = causal_conv_step(u, pool[slots], w)
+    pool[slots] = new
+    return out
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (eps inside the sqrt, as the GDN kernels define it)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -304,10 +311,11 @@ def gdn_prefill_inputs(t: int, h: int, dk: int, dv: int, device: str = "cuda", s
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm: RMSNorm(o) * w * SiLU(z) per value head; plain weight (not 1+w).
 
-    o [T, Hv, Dv] fp32 or model dtype, z [T, Hv, Dv] model dtype, w [Dv] fp32. Returns model dtype.
+    o [T, Hv, Dv] fp32 or model dtype (rounded to the model dtype first), z [T, Hv, Dv] model dtype,
+    w [Dv] fp32. Returns model dtype.
     """
     dtype = z.dtype
-    of = o.float()
+    of = o.to(dtype).float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
     y = w.to(dtype) * of.to(dtype)
     return (y * F.silu(z.float())).to(dtype)

@@ -76,6 +76,13 @@ def _gdn_triton():
 
 
 @functools.cache
+def _conv_triton():
+    from memra.kernels.triton import conv
+
+    return conv
+
+
+@functools.cache
 def _gdn_heads_triton():
     from memra.kernels.triton import gdn_heads
 
@@ -118,8 +125,6 @@ class KernelTable:
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
-    causal_conv = staticmethod(reference.causal_conv)
-    causal_conv_step = staticmethod(reference.causal_conv_step)
     gdn_chunk = staticmethod(reference.gdn_chunk)
     moe_route = staticmethod(reference.moe_route)
     rope_cos_sin = staticmethod(reference.rope_cos_sin)
@@ -178,6 +183,20 @@ class KernelTable:
 
     def l2_normalize(self, x, eps=1e-6):
         return self._impl(x).l2_normalize(x, eps)
+
+    def _conv(self, u):
+        # Triton's conv wherever Triton runs on CUDA, for every GDN path of the model (triton.conv: a
+        # prompt's, a verify's and a decode step's tokens then share their bits)
+        return _conv_triton() if self.triton and u.is_cuda else reference
+
+    def causal_conv(self, u, state, w):
+        return self._conv(u).causal_conv(u, state, w)
+
+    def causal_conv_step(self, u, states, w):
+        return self._conv(u).causal_conv_step(u, states, w)
+
+    def causal_conv_step_into(self, u, pool, slots, w):
+        return self._conv(u).causal_conv_step_into(u, pool, slots, w)
 
     def gdn_heads(self, mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv):
         """reference.gdn_heads; one Triton launch wherever Triton runs on CUDA (triton.gdn_heads), which

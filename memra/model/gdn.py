@@ -46,7 +46,7 @@ class GatedDeltaNet:
         state.copy_(new_state)
         if ctx.trail is not None:  # a verify column run alone (the row plan)
             ctx.trail.record(self.layer, ctx.column, conv_state, state)
-        y = self.ops.gated_rms_norm(o.to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        y = self.ops.gated_rms_norm(o, z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
 
     def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
@@ -69,7 +69,7 @@ class GatedDeltaNet:
             o, new_state = self.ops.gdn_prefill(q[lo:hi], k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi], state, ctx.pos0)
             state.copy_(new_state)
             outs.append(o)
-        y = self.ops.gated_rms_norm(torch.cat(outs).to(x.dtype), z.reshape(n, g.n_v_heads, g.v_head_dim), self.norm,
+        y = self.ops.gated_rms_norm(torch.cat(outs), z.reshape(n, g.n_v_heads, g.v_head_dim), self.norm,
                                     self.eps)
         return self.ops.linear(y.reshape(n, g.value_dim), self.wo)
 
@@ -79,22 +79,21 @@ class GatedDeltaNet:
         the pool (a graph's static step) or gathered, stepped and scattered (caches of their own)."""
         g, b_n, ctxs = self.g, x.shape[0], step.ctxs
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
-        if step.slots is not None:  # one pool, slots by index (a graph's static step)
-            conv_states = step.rec.conv[self.layer][step.slots]  # [B, C, Kc-1]: small, copied
+        if step.slots is not None:  # one pool, slots by index (a graph's static step): states stepped in place
+            mixed = self.ops.causal_conv_step_into(mixed, step.rec.conv[self.layer], step.slots, self.conv)
         else:
             conv_states = torch.stack([c.cache.conv_state(self.layer) for c in ctxs])
-        mixed, new_conv = self.ops.causal_conv_step(mixed, conv_states, self.conv)
+            mixed, new_conv = self.ops.causal_conv_step(mixed, conv_states, self.conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
         if step.slots is not None:  # the states ([B, Hv, Dk, Dv] fp32, 2 MiB a row on the 9B) stepped in the pool
             o = self.ops.delta_rule_step_into(q, k, v, beta, decay, step.rec.ssm[self.layer], step.slots)
-            step.rec.conv[self.layer][step.slots] = new_conv
         else:
             states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
             o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
             for i, c in enumerate(ctxs):
                 c.cache.conv_state(self.layer).copy_(new_conv[i])
                 c.cache.ssm_state(self.layer).copy_(new_states[i])
-        y = self.ops.gated_rms_norm(o.to(x.dtype), z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        y = self.ops.gated_rms_norm(o, z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return self.ops.linear(y.reshape(b_n, g.value_dim), self.wo)
 
     def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
@@ -120,5 +119,5 @@ class GatedDeltaNet:
         state.copy_(states[0, -1])
         if trail is not None:
             trail.record_ssm_all(self.layer, states[0])
-        y = self.ops.gated_rms_norm(o[0].to(x.dtype), z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        y = self.ops.gated_rms_norm(o[0], z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
         return self.ops.linear(y.reshape(t, g.value_dim), self.wo)

@@ -72,23 +72,33 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @triton.jit
-def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_on, stride_oh, stride_zn, stride_zh,
+                           BLOCK: tl.constexpr):
+    # Program (token, head). o of another dtype (the delta rule's fp32) is rounded to the output's first,
+    # as the cast the caller would otherwise launch rounds it; z may be a column slice of wider rows.
+    n = tl.program_id(0)
+    h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    o = tl.load(o_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out_ty = y_ptr.dtype.element_ty
+    o = tl.load(o_ptr + n * stride_on + h * stride_oh + cols, mask=mask, other=0.0).to(tl.float32)
+    if o_ptr.dtype.element_ty != out_ty:
+        o = round_to_bf16(o) if out_ty == tl.bfloat16 else o.to(out_ty).to(tl.float32)
+    z = tl.load(z_ptr + n * stride_zn + h * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    row = n * tl.num_programs(1) + h
     on = o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / D + eps))
     y = (w.to(out_ty).to(tl.float32) * on.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
     tl.store(y_ptr + row * D + cols, (y * (z / (1.0 + tl.exp(-z)))).to(out_ty), mask=mask)
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    d = o.shape[-1]
-    o2, z2 = o.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()
-    y = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
-    if o2.shape[0]:
-        _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, w, y, d, eps, BLOCK=triton.next_power_of_2(d))
-    return y.reshape(z.shape)
+    """o, z [N, H, D] (o of any float dtype, rounded to z's first; either may be strided by token and
+    head) -> [N, H, D] of z's dtype, contiguous."""
+    n, h, d = z.shape
+    o, z = (t if t.stride(-1) == 1 else t.contiguous() for t in (o, z))
+    y = torch.empty(n, h, d, dtype=z.dtype, device=z.device)
+    if n * h:
+        _gated_rms_norm_kernel[(n, h)](o, z, w, y, d, eps, o.stride(0), o.stride(1), z.stride(0), z.stride(1),
+                                       BLOCK=triton.next_power_of_2(d))
+    return y

@@ -1,7 +1,8 @@
-"""GDN's per-token preparation in one launch (memra.kernels.triton.gdn_heads) against its twin
-(reference.gdn_heads: within fp32 noise — Triton's exp, and a log1p through log), and against itself
-across token counts and column-sliced inputs (bit for bit). On CPU the kernel runs in Triton's
-interpreter (tests/conftest.py); MEMRA_TEST_DEVICE=cuda compiles it."""
+"""GDN's token preparation in Triton: the causal conv (memra.kernels.triton.conv) and the heads
+(memra.kernels.triton.gdn_heads) against their twins (reference.causal_conv / causal_conv_step /
+gdn_heads: within a rounding — Triton's exp), and against themselves (bit for bit): a token's bits do not
+depend on the call, and a decode step, a verify's run of tokens and a prompt agree. On CPU the kernels
+run in Triton's interpreter (tests/conftest.py); MEMRA_TEST_DEVICE=cuda compiles them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from memra.kernels import reference  # noqa: E402
+from memra.kernels.triton import conv as ck  # noqa: E402
 from memra.kernels.triton import gdn_heads as gh  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
@@ -61,3 +63,39 @@ def test_a_token_does_not_depend_on_the_call():
     transposed = mixed.t().contiguous().t()  # as the conv over a prompt returns it: columns of unit stride
     for x, y in zip(gh.gdn_heads(transposed, b, a, a_neg, dt_bias, HK, HV, DK, DV), full):
         assert torch.equal(x, y)
+
+
+def conv_inputs(t, c=300, kc=4, dtype=torch.bfloat16, seed=10):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: (torch.randn(*shape, generator=g) * 2).to(device=DEVICE, dtype=dtype)  # noqa: E731
+    return r(t, c), r(c, kc - 1), r(c, kc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_matches_the_twin(dtype):
+    u, state, w = conv_inputs(9, dtype=dtype)
+    out, new = ck.causal_conv(u, state, w)
+    want, want_new = reference.causal_conv(u, state, w)
+    assert torch.equal(new, want_new)  # the window's last inputs: a copy
+    err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err <= (2 ** -8 if dtype == torch.bfloat16 else 1e-6), f"relative error {err:.3g}"
+
+
+def test_decode_steps_verify_tokens_and_a_prompt_convolve_alike():
+    """T steps of one row, its state in a pool slot, give the conv over the T tokens bit for bit (the
+    verify's run of tokens, and a prompt), and leave the slot holding the conv's new state; the step's
+    rows do not depend on each other."""
+    u, state, w = conv_inputs(9, seed=11)
+    whole, new = ck.causal_conv(u, state, w)
+    pool = torch.zeros(4, *state.shape, dtype=state.dtype, device=DEVICE)
+    pool[2] = state
+    slot = torch.tensor([2], device=DEVICE)
+    steps = torch.cat([ck.causal_conv_step_into(u[i : i + 1], pool, slot, w) for i in range(u.shape[0])])
+    assert torch.equal(steps, whole) and torch.equal(pool[2], new)
+    rows, others = conv_inputs(3, seed=12)[0], torch.randn(4, *state.shape, generator=torch.Generator().manual_seed(13))
+    pool = others.to(device=DEVICE, dtype=state.dtype)
+    alone = [ck.causal_conv_step(rows[i : i + 1], pool[s : s + 1], w) for i, s in enumerate((3, 0, 1))]
+    together = ck.causal_conv_step_into(rows, pool, torch.tensor([3, 0, 1], device=DEVICE), w)
+    assert torch.equal(together, torch.cat([o for o, _ in alone]))
+    assert all(torch.equal(pool[s], st[0]) for s, (_, st) in zip((3, 0, 1), alone))
+    assert torch.equal(pool[2], others[2].to(device=DEVICE, dtype=state.dtype))  # a slot no row named: untouched

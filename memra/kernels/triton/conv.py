@@ -1,0 +1,123 @@
+"""GDN's depthwise causal conv + SiLU (Triton): over a prompt's tokens, and one step for a batch of
+decode rows with their states stepped where they live in the pool. Twins: reference.causal_conv,
+reference.causal_conv_step.
+
+In torch the step is a dozen launches per GDN layer (the window's cat, two casts, Kc multiplies and
+Kc - 1 adds, the rounding, the SiLU) plus the gather and scatter of the rows' states; here it is one.
+
+Bits: an output is acc = x0*w0 + x1*w1 + ... in fp32, left to right, each product and each sum rounded
+as torch's separate elementwise ops round them (the kernels are built with fp fusion off: a contracted
+multiply-add would round once), then rounded to the dtype, then SiLU (`_silu`: Triton's exp, so its
+last bit can differ from torch's) rounded to the dtype. Both kernels compute it with the same code
+(`_conv_out`), so a token convolved in a prompt, in a verify's run of tokens, or as a decode step has
+the same bits, whatever else shares the call; that is what the exact path needs of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra.kernels.triton.common import round_to_bf16
+
+CONV_BLOCK = 256  # channels per program
+
+
+@triton.jit
+def _to_dtype(x, ty: tl.constexpr):
+    """fp32 -> the nearest value of dtype `ty` (held in fp32)."""
+    if ty == tl.bfloat16:
+        return round_to_bf16(x)
+    return x.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_out(acc, ty: tl.constexpr):
+    """The conv sum rounded to the dtype, then SiLU rounded to the dtype (torch: silu(acc.to(dtype)))."""
+    x = _to_dtype(acc, ty)
+    return _to_dtype(tl.math.div_rn(x, 1.0 + tl.exp(-x)), ty).to(ty)
+
+
+@triton.jit
+def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, stride_slot, stride_out,
+                      KC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row, channel block): the window is the slot's Kc-1 saved inputs, then the row's new one.
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    state = pool_ptr + tl.load(slots_ptr + row).to(tl.int64) * stride_slot + c * (KC - 1)
+    u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(KC):
+        if j < KC - 1:
+            x = tl.load(state + j, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = u.to(tl.float32)
+        wj = tl.load(w_ptr + c * KC + j, mask=mask, other=0.0).to(tl.float32)
+        if j == 0:
+            acc = x * wj
+        else:
+            acc = acc + x * wj
+    for j in tl.static_range(KC - 1):  # the window moves on by one: every load above is done
+        if j < KC - 2:
+            tl.store(state + j, tl.load(state + j + 1, mask=mask, other=0.0), mask=mask)
+        else:
+            tl.store(state + j, u.to(pool_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (token t, channel block): window position t + j is saved input t + j (while < Kc-1), else
+    # token t + j - (Kc-1) of this call.
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(KC):
+        i = t + j
+        from_state = i < KC - 1
+        s = tl.load(state_ptr + c * (KC - 1) + i, mask=mask & from_state, other=0.0).to(tl.float32)
+        x = tl.load(u_ptr + (i - (KC - 1)) * stride_u + c, mask=mask & (i >= KC - 1), other=0.0).to(tl.float32)
+        x = tl.where(from_state, s, x)
+        wj = tl.load(w_ptr + c * KC + j, mask=mask, other=0.0).to(tl.float32)
+        if j == 0:
+            acc = x * wj
+        else:
+            acc = acc + x * wj
+    tl.store(out_ptr + t * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.causal_conv: u [T, C], state [C, Kc-1], w [C, Kc] -> (out [T, C], new state [C, Kc-1])."""
+    t, c = u.shape
+    kc = w.shape[1]
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    state, w = state.to(u.dtype).contiguous(), w.contiguous()
+    out = torch.empty(t, c, dtype=u.dtype, device=u.device)
+    if t:
+        _conv_kernel[(t, triton.cdiv(c, CONV_BLOCK))](u, state, w, out, c, u.stride(0), out.stride(0), KC=kc,
+                                                      BLOCK=CONV_BLOCK, enable_fp_fusion=False)
+    window = torch.cat((state, u.t()), dim=1)  # [C, Kc-1+T]: the new state is its last Kc-1 inputs
+    return out, window[:, window.shape[1] - (kc - 1):]
+
+
+def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One new token for each of B rows, whose states are pool[slots[b]] ([slots, C, Kc-1], stepped in
+    place): u [B, C] -> out [B, C]. reference.causal_conv_step's values."""
+    b, c = u.shape
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    assert pool.is_contiguous() and pool.dtype == u.dtype, "the pool's layout: [slots, C, Kc-1] of the model dtype"
+    out = torch.empty(b, c, dtype=u.dtype, device=u.device)
+    if b:
+        _conv_step_kernel[(b, triton.cdiv(c, CONV_BLOCK))](u, pool, slots, w.contiguous(), out, c, u.stride(0),
+                                                           pool.stride(0), out.stride(0), KC=w.shape[1],
+                                                           BLOCK=CONV_BLOCK, enable_fp_fusion=False)
+    return out
+
+
+def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.causal_conv_step: u [B, C], states [B, C, Kc-1] -> (out [B, C], new states)."""
+    new = states.to(u.dtype).contiguous().clone()
+    return causal_conv_step_into(u, new, torch.arange(u.shape[0], device=u.device), w), new
