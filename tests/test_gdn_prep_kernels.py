@@ -95,7 +95,8 @@ def test_decode_steps_verify_tokens_and_a_prompt_convolve_alike():
     rows, others = conv_inputs(3, seed=12)[0], torch.randn(4, *state.shape, generator=torch.Generator().manual_seed(13))
     pool = others.to(device=DEVICE, dtype=state.dtype)
     alone = [ck.causal_conv_step(rows[i : i + 1], pool[s : s + 1], w) for i, s in enumerate((3, 0, 1))]
-    together = ck.causal_conv_step_into(rows, pool, torch.tensor([3, 0, 1], device=DEVICE), w)
+    table = torch.tensor([[9, 3], [9, 0], [9, 1]], device=DEVICE)  # slots as a graph passes them: a column
+    together = ck.causal_conv_step_into(rows, pool, table[:, 1], w)
     assert torch.equal(together, torch.cat([o for o, _ in alone]))
     assert all(torch.equal(pool[s], st[0]) for s, (_, st) in zip((3, 0, 1), alone))
     assert torch.equal(pool[2], others[2].to(device=DEVICE, dtype=state.dtype))  # a slot no row named: untouched
