@@ -44,13 +44,14 @@ def test_heads_match_the_twin():
 
 
 def test_softplus_keeps_its_tails():
-    """Far below zero softplus(x) ~ e^x, which log(1 + e^x) would round to 0; above 20 it is x."""
+    """Far below zero softplus(x) ~ e^x, which log(1 + e^x) would round to 0; above 20 it is x. (1e-5:
+    on a GPU Triton's exp and log are the hardware's approximations, some ulps off.)"""
     x = torch.tensor([-60.0, -30.0, -17.0, -3.0, 0.0, 5.0, 19.9, 25.0, 80.0])
     hv = x.numel()  # one token, one key head over nine value heads: decay = -softplus(x) per head
     a = x[None, :].to(DEVICE)
     decay = gh.gdn_heads(torch.zeros(1, 2 * DK + hv * DV, device=DEVICE), a, a, -torch.ones(hv, device=DEVICE),
                          torch.zeros(hv, device=DEVICE), 1, hv, DK, DV)[4][0]
-    assert torch.allclose(decay.double().cpu(), -torch.nn.functional.softplus(x.double()), rtol=1e-6, atol=0)
+    assert torch.allclose(decay.double().cpu(), -torch.nn.functional.softplus(x.double()), rtol=1e-5, atol=0)
 
 
 def test_a_token_does_not_depend_on_the_call():

@@ -165,16 +165,6 @@ class KernelTable:
             return triton_ops().linear(x, w, residual=residual)
         return residual + self.linear(x, w)
 
-    def swiglu_down(self, gate_up, w, residual=None):
-        """(residual +) silu(gate) * up @ w^T for gate_up [..., 2F] (gate | up) and w [E, F]. Where the
-        invariant kernel runs on a plain weight, one launch: the activation in the projection's prologue
-        (triton.linear.swiglu_value, torch's two roundings, Triton's exp) and the add in its epilogue.
-        Else silu_mul and the projection apart. Every FFN of a model takes the same branch."""
-        if isinstance(w, torch.Tensor) and self._impl(gate_up) is not reference:
-            return triton_ops().linear(gate_up, w, residual=residual, swiglu=True)
-        act = self.silu_mul(gate_up)
-        return self.linear(act, w) if residual is None else self.linear_add(act, w, residual)
-
     def rms_norm(self, x, w, eps, zero_centered):
         return self._impl(x).rms_norm(x, w, eps, zero_centered)
 

@@ -46,7 +46,7 @@ class Block:
 
     def _ffn(self, h: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """The mixer's residual add, then the FFN's pre-norm and residual. On the exact GPU path the add
-        and the norm that reads it are one kernel (ops.add_rms_norm), and a dense FFN's activation and
-        residual add are in its down projection's launch (ops.swiglu_down)."""
+        and the norm that reads it are one kernel (ops.add_rms_norm), and the FFN's residual add is in
+        its down projection's epilogue (ops.linear_add): the same bits as apart."""
         h, x = self.ops.add_rms_norm(h, mixed, self.ffn_norm, self.eps, self.zc)
         return self.ffn.forward(x, residual=h)

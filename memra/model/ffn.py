@@ -15,9 +15,9 @@ class Mlp:
         self.w_gate_up, self.w_down, self.ops = w["w_gate_up"], w["w_down"], ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, E] -> [T, E]; with `residual`, residual + that (the activation and the add in the down
-        projection's launch where it can: ops.swiglu_down)."""
-        return self.ops.swiglu_down(self.ops.linear(x, self.w_gate_up), self.w_down, residual)
+        """x [T, E] -> [T, E]; with `residual`, residual + that (in the down projection's launch where it can)."""
+        act = self.ops.silu_mul(self.ops.linear(x, self.w_gate_up))
+        return self.ops.linear(act, self.w_down) if residual is None else self.ops.linear_add(act, self.w_down, residual)
 
 
 class Moe:

@@ -45,25 +45,11 @@ LINEAR_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warp
 LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
 
 
-@triton.jit
-def swiglu_value(g, u):
-    """silu(g) * u for one tile of gate and up values of the model dtype, rounded as torch's two ops
-    round: silu in fp32 (g / (1 + e^-g), the division correctly rounded) to the dtype, then the product
-    to the dtype. An elementwise function of its two inputs: the same value in every tile shape."""
-    ty = g.dtype
-    gf = g.to(tl.float32)
-    s = tl.math.div_rn(gf, 1.0 + tl.exp(-gf))
-    if ty == tl.bfloat16:
-        return round_to_bf16(round_to_bf16(s) * u.to(tl.float32)).to(ty)
-    return (s.to(ty).to(tl.float32) * u.to(tl.float32)).to(ty)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
-                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
-    # SWIGLU: x holds [gate | up] rows of 2K values, and the operand is swiglu_value(gate, up).
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -71,10 +57,6 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        if SWIGLU:
-            u = tl.load(x_ptr + rm[:, None] * stride_xm + K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                        other=0.0)
-            a = swiglu_value(a, u)
         b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -108,15 +90,12 @@ def linear_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant. With
     `residual` [..., N]: residual + that, in the epilogue, with the bits of the add done apart (the
-    block's residual add after its down projection, one launch fewer per layer). With swiglu, x is
-    [..., 2K] (gate | up) and the product is of swiglu_value(gate, up) (the SwiGLU activation in the
-    down projection's prologue: two launches fewer per dense FFN, and no [.., K] intermediate)."""
+    block's residual add after its down projection, one launch fewer per layer)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    k = k // 2 if swiglu else k
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -129,7 +108,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         bm, bn, bk, warps, stages = linear_config(m, x.element_size())
         _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x2, w, b if b is not None else w, r, y, m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0),
-            HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu,
-            IEEE=x.dtype == torch.float32 or _interpreting(),
+            HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.reshape(*lead, n)
