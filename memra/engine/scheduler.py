@@ -221,7 +221,10 @@ class Scheduler:
             startable = min(len(self._waiting), max(0, self.cfg.max_admitted - self.num_running()))
             hold = self.cfg.grouping.holds(decoding=bool(decode), prefilling=bool(prefill), startable=startable,
                                            held=self._held)
-            self._held = self._held + 1 if hold else 0 if startable else self._held
+            if hold:
+                self._held += 1
+            elif startable:  # they start now; with no place free the count waits as it is
+                self._held = 0
             candidates = self._with(Status.SWAPPED) + ([] if hold else [self._seqs[rid] for rid in self._waiting])
             for seq in candidates:
                 if self.num_running() >= self.cfg.max_admitted:

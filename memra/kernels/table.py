@@ -137,10 +137,14 @@ class KernelTable:
         """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
         return self.invariant
 
+    def _triton_on(self, x) -> bool:
+        """Triton runs here (CUDA, allowed), in the exact and the fast path alike: for the kernels whose
+        values are each a function of one token's inputs, so their bits never depend on the batch."""
+        return self.triton and x.is_cuda
+
     def _fused_rope(self, x) -> bool:
-        # One fused launch instead of five (triton.rope) wherever Triton runs on 16-bit activations, in
-        # the exact and the fast path alike: elementwise, so its bits never depend on the batch.
-        return self.triton and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        # One fused launch instead of five (triton.rope) on 16-bit activations.
+        return self._triton_on(x) and x.dtype in (torch.bfloat16, torch.float16)
 
     def apply_rope(self, x, cos, sin):
         return (triton_ops() if self._fused_rope(x) else reference).apply_rope(x, cos, sin)
@@ -171,13 +175,10 @@ class KernelTable:
     def add_rms_norm(self, h, delta, w, eps, zero_centered):
         return self._impl(h).add_rms_norm(h, delta, w, eps, zero_centered)
 
-    def l2_normalize(self, x, eps=1e-6):
-        return self._impl(x).l2_normalize(x, eps)
-
     def _conv(self, u):
-        # Triton's conv wherever Triton runs on CUDA, for every GDN path of the model (triton.conv: a
-        # prompt's, a verify's and a decode step's tokens then share their bits)
-        return _conv_triton() if self.triton and u.is_cuda else reference
+        # the same for every GDN path of the model (triton.conv: a prompt's, a verify's and a decode
+        # step's tokens then share their bits)
+        return _conv_triton() if self._triton_on(u) else reference
 
     def causal_conv(self, u, state, w):
         return self._conv(u).causal_conv(u, state, w)
@@ -191,7 +192,7 @@ class KernelTable:
     def gdn_heads(self, mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv):
         """reference.gdn_heads; one Triton launch wherever Triton runs on CUDA (triton.gdn_heads), which
         every GDN path of a model then shares."""
-        if self.triton and mixed.is_cuda:
+        if self._triton_on(mixed):
             return _gdn_heads_triton().gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
         return reference.gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
 

@@ -122,5 +122,5 @@ def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tens
 
 def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.causal_conv_step: u [B, C], states [B, C, Kc-1] -> (out [B, C], new states)."""
-    new = states.to(u.dtype).contiguous().clone()
+    new = states.to(u.dtype, memory_format=torch.contiguous_format, copy=True)
     return causal_conv_step_into(u, new, torch.arange(u.shape[0], device=u.device), w), new

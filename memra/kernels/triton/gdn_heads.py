@@ -12,7 +12,7 @@ the gate's five elementwise ops); a decode step of the 9B shape ran ~360 of them
 (token, key head) does it all: the two l2 sums are each one tree over one head's Dk values, as in
 memra.kernels.triton.norm, and everything else is elementwise, so a token's values do not depend on
 how many tokens share the call (promise E1). Every path (prefill chunk, stacked decode, the verify's
-tokens) prepares its heads here on the invariant path, so they agree with each other bit for bit.
+tokens) prepares its heads here wherever Triton runs on CUDA, so they agree with each other bit for bit.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def gdn_heads(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_neg: torc
     mixed, b, a = (t if t.stride(-1) == 1 else t.contiguous() for t in (mixed, b, a))  # rows of unit stride
     if n:
         _gdn_heads_kernel[(n, n_k_heads)](mixed, b, a, a_neg, dt_bias, q, k, v, beta, decay,
-                                          mixed.stride(0), b.stride(0), a.stride(0), n_k_heads * dk, dk, dv, eps, dk ** -0.5,
+                                          mixed.stride(0), b.stride(0), a.stride(0), n_k_heads * dk, dk, dv,
+                                          eps, dk ** -0.5,
                                           RATIO=n_v_heads // n_k_heads, BLOCK_K=triton.next_power_of_2(dk),
                                           BLOCK_V=triton.next_power_of_2(dv))
     return q, k, v, beta, decay
