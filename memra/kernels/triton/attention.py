@@ -12,64 +12,83 @@ import triton.language as tl
 
 from memra.kernels.triton.common import _interpreting
 
-ATTN_BLOCK_S = 16  # KV positions per step of the decode-attention loop (= the KV page size)
-ATTN_SPLIT = 1024  # positions per split of a long prefix (a multiple of ATTN_BLOCK_S)
+ATTN_SPLIT = 512  # positions per split of a long prefix: more programs for a few long rows
+
+
+def _decode_block_s(block_d: int) -> int:
+    """KV positions per step of the decode loop: a [BLOCK_S, D] tile of K and of V per step (fixed by
+    the head size, so by the model: a row's bits never depend on the batch)."""
+    return max(16, min(128, 8192 // block_d))
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, scale,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, qk_scale,
                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr):
-    # One program per (query row, head, split). Query row r attends over its own prefix: positions
-    # 0..S-1 whose flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one
-    # launch serves B sequences of decode or the T columns of a verify, and no length is a compile-time
-    # value). Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position,
-    # visited in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the
-    # batch, so a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output)
-    # for _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
+                             BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+                             PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+    # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
+    # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
+    # own, whatever its tile-mates). Query row r attends over its own prefix: positions 0..S-1 whose
+    # flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one launch serves
+    # B sequences of decode or the T columns of a verify, and no length is a compile-time value).
+    # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position, visited
+    # in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
+    # a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output) for
+    # _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
     r = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    kvh = h // GROUP
     start = tl.load(starts_ptr + r)
     S = tl.load(lens_ptr + r)
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
-    q = tl.load(q_ptr + (r * Hq + h) * D + cd, mask=md, other=0.0).to(tl.float32)
-    m_run = tl.full((), float("-inf"), tl.float32)
-    l_run = tl.zeros((), tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    cg = tl.arange(0, BLOCK_G)
+    heads = kvh * GROUP + cg  # [G] this KV head's query heads
+    mg = cg < GROUP
+    q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    m_run = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     hi = tl.minimum(S, (sp + 1) * SPLIT)
     for s0 in range(sp * SPLIT, hi, BLOCK_S):  # empty for a split past the row's prefix
         ps = s0 + tl.arange(0, BLOCK_S)
         ms = ps < hi
         rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
         base = (rows * HKV + kvh) * D
-        kt = tl.load(k_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
-        scores = tl.sum(kt * q[None, :], axis=1) * scale
-        scores = tl.where(ms, scores, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(scores, axis=0))
-        alpha = tl.exp(m_run - m_new)
-        p = tl.exp(scores - m_new)
-        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * vt, axis=0)
-        l_run = l_run * alpha + tl.sum(p, axis=0)
+        kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=ms[None, :] & md[:, None], other=0.0)  # [D, S]
+        if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
+            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(ms[None, :], s * qk_scale, float("-inf"))  # [G, S], log2 units
+        m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: a step holds at least one position
+        alpha = tl.exp2(m_run - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_run = l_run * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
+        if IEEE:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
         m_run = m_new
     if PARTIAL:
-        at = (r * Hq + h) * tl.num_programs(2) + sp
-        tl.store(m_ptr + at, m_run)
-        tl.store(l_ptr + at, l_run)
-        tl.store(o_ptr + at * D + cd, acc, mask=md)
+        at = (r * Hq + heads) * tl.num_programs(2) + sp  # [G]
+        tl.store(m_ptr + at, m_run, mask=mg)
+        tl.store(l_ptr + at, l_run, mask=mg)
+        tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=mg[:, None] & md[None, :])
     else:
-        tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_run).to(o_ptr.dtype.element_ty), mask=md)
+        out = acc / l_run[:, None]
+        tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mg[:, None] & md[None, :])
 
 
 @triton.jit
 def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
                            BLOCK_D: tl.constexpr):
     # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
-    # in split 0 gets exactly the unsplit kernel's bits: its weight is exp(0) = 1, the empty splits'
-    # are exp(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
+    # in split 0 gets exactly the unsplit kernel's bits: its weight is exp2(0) = 1, the empty splits'
+    # are exp2(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
     # the split be chosen per call (from the longest row) without changing any row's bits.
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -82,7 +101,7 @@ def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.const
     l_all = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for sp in tl.static_range(N_SPLITS):
-        w = tl.exp(tl.load(m_ptr + base + sp) - m_all)
+        w = tl.exp2(tl.load(m_ptr + base + sp) - m_all)  # maxima in log2 units, as the splits wrote them
         l_all = l_all + tl.load(l_ptr + base + sp) * w
         acc = acc + tl.load(part_ptr + (base + sp) * D + cd, mask=md, other=0.0) * w
     tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
@@ -105,16 +124,20 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         return o
     n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
     q, rows, starts, lens = q.contiguous(), rows.contiguous(), starts.contiguous(), lens.contiguous()
-    shape = dict(GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=ATTN_BLOCK_S, SPLIT=ATTN_SPLIT)
+    group, block_d = hq // hkv, triton.next_power_of_2(d)
+    shape = dict(GROUP=group, HKV=hkv, D=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                 BLOCK_S=_decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=q.dtype == torch.float32 or _interpreting())
+    qk_scale = scale * 1.4426950408889634  # exp2 in the kernel
     if n_splits <= 1:
-        _decode_attention_kernel[(n, hq, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, scale, PARTIAL=False, **shape)
+        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, qk_scale,
+                                              PARTIAL=False, **shape)
         return o
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
-    _decode_attention_kernel[(n, hq, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, hq, scale,
-                                                PARTIAL=True, **shape)
-    _combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=triton.next_power_of_2(d))
+    _decode_attention_kernel[(n, hkv, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, hq, qk_scale,
+                                                 PARTIAL=True, **shape)
+    _combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
     return o
 
 
