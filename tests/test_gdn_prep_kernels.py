@@ -101,3 +101,32 @@ def test_decode_steps_verify_tokens_and_a_prompt_convolve_alike():
     assert torch.equal(together, torch.cat([o for o, _ in alone]))
     assert all(torch.equal(pool[s], st[0]) for s, (_, st) in zip((3, 0, 1), alone))
     assert torch.equal(pool[2], others[2].to(device=DEVICE, dtype=state.dtype))  # a slot no row named: untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_of_several_sequences_convolve_as_they_would_alone(dtype):
+    """Cross-request prefill: pieces of three sequences (1 and 2 tokens: shorter than the window, so
+    the new saved inputs mix old ones and new; and 40 tokens) in one wave, their saved inputs in a
+    pool's slots: each piece's outputs and new saved inputs are the bits of its own causal_conv call,
+    the pool's other slots are untouched, and the twin's piece-by-piece definition agrees."""
+    from memra.kernels.pieces import RecurrentPieces
+
+    sizes, slots, kc = [1, 40, 2], [2, 0, 3], 4
+    mixed, *_ = inputs(sum(sizes), dtype, seed=9)
+    c = mixed.shape[1]
+    g = torch.Generator().manual_seed(10)
+    w = torch.randn(c, kc, generator=g).to(device=DEVICE, dtype=dtype)
+    pool = torch.randn(5, c, kc - 1, generator=g).to(device=DEVICE, dtype=dtype)
+    pieces = RecurrentPieces.of([0, 1, 41], sizes, [5, 0, 70], slots, pool.device)
+    before, twin_pool = pool.clone(), pool.clone()
+    out = ck.causal_conv_pieces(mixed, pool, w, pieces)
+    twin = reference.causal_conv_pieces(mixed, twin_pool, w, pieces)
+    for first, t, _, slot in pieces.spans:
+        solo, state = ck.causal_conv(mixed[first : first + t], before[slot], w)
+        assert torch.equal(out[first : first + t], solo)
+        assert torch.equal(pool[slot], state)
+    assert torch.equal(pool, twin_pool)  # saved inputs are copies: exact
+    err = ((out.float() - twin.float()).abs().max() / twin.float().abs().max()).item()
+    assert err <= (2 ** -8 if dtype == torch.bfloat16 else 1e-6), f"relative error {err:.3g}"
+    for slot in (1, 4):
+        assert torch.equal(pool[slot], before[slot])

@@ -270,6 +270,30 @@ def test_prefill_attention_matches_twin_and_does_not_depend_on_the_piece(dtype, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_pieces_of_several_sequences_in_one_launch_keep_their_solo_bits(dtype):
+    """Cross-request prefill: pieces of three sequences (different pools' pages, positions and lengths,
+    one of them longer than a query tile) stacked in one launch: each piece's rows are the bits of its
+    own prefill_attention call, and the twin's piece-by-piece definition agrees."""
+    from memra.kernels.pieces import AttentionPieces
+
+    n_blocks, block, hkv, hq, d = 16, 16, 2, 4, 32
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=70), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=71)
+    tables = ([9, 2, 7, 0, 3], [11, 5, 1], [10, 4, 14, 6, 8, 12, 13, 15, 1, 2])
+    spans = ((0, 70), (20, 41), (64, 150))  # (pos0, pos0 + tokens) of each sequence's piece
+    read = [torch.tensor(tb, device=DEVICE)[torch.arange(b, device=DEVICE) // block] * block
+            + torch.arange(b, device=DEVICE) % block for tb, (_, b) in zip(tables, spans)]
+    sizes = [b - a for a, b in spans]
+    firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+    q = rnd(sum(sizes), hq, d, dtype=dtype, seed=72)
+    pieces = AttentionPieces.of(firsts, [a for a, _ in spans], read)
+    out = tk.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
+    twin = reference.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
+    for first, n, (a, _), rows in zip(firsts, sizes, spans, read):
+        same_bits(out[first : first + n], tk.prefill_attention(q[first : first + n].clone(), k_pool, v_pool, rows, a, 0.2))
+        close(out[first : first + n], twin[first : first + n], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     """Long prefixes are split at fixed positions (ATTN_SPLIT, made small here). A row's bits must not
     depend on whether its call was split (the longest row decides): a short row in a split call has
@@ -297,6 +321,33 @@ def _gdn_inputs(t, h=2, dk=32, dv=48, seed=60):
     beta = torch.sigmoid(rnd(t, h, seed=seed + 4))
     g = -torch.rand(t, h, generator=torch.Generator().manual_seed(seed + 5)).to(DEVICE) * 0.5
     return q, k, v, beta, g, s0
+
+
+def test_gdn_prefill_of_several_sequences_in_one_launch_pair_keeps_their_solo_bits():
+    """Cross-request prefill: three sequences' pieces (a 1-token piece, one crossing an absolute
+    multiple of 64, a long one) in the rows of one wave, their states in a pool's slots: each piece's
+    output and final state have the bits of its own gdn_prefill call, stepped in place in the pool;
+    the twin's piece-by-piece definition agrees; the slots no piece names are untouched."""
+    from memra.kernels.pieces import RecurrentPieces
+    from memra.kernels.triton import gdn as gdn_triton
+
+    sizes, pos0s, slots = [1, 50, 140], [7, 40, 0], [3, 0, 2]
+    q, k, v, beta, g, s0 = _gdn_inputs(sum(sizes))
+    pool = rnd(5, *s0.shape, seed=77) * 0.1  # [slots, Hv, Dk, Dv]
+    firsts = [0, 1, 51]
+    pieces = RecurrentPieces.of(firsts, sizes, pos0s, slots, pool.device)
+    before, twin_pool = pool.clone(), pool.clone()
+    o = gdn_triton.gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
+    o_twin = reference.gdn_prefill_pieces(q, k, v, beta, g, twin_pool, pieces)
+    for first, t, pos0, slot in zip(firsts, sizes, pos0s, slots):
+        rows = slice(first, first + t)
+        o_solo, s_solo = gdn_triton.gdn_prefill(q[rows], k[rows], v[rows], beta[rows], g[rows], before[slot], pos0)
+        same_bits(o[rows], o_solo)
+        same_bits(pool[slot], s_solo)
+    close(o, o_twin, torch.float32)
+    close(pool, twin_pool, torch.float32)
+    for slot in (1, 4):
+        same_bits(pool[slot], before[slot])
 
 
 @pytest.mark.parametrize("pos0", [0, 40])

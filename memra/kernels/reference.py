@@ -114,6 +114,17 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     return causal_attention(q, k_pool.view(-1, hkv, d)[rows], v_pool.view(-1, hkv, d)[rows], pos0, scale)
 
 
+def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces,
+                             scale: float) -> torch.Tensor:
+    """prefill_attention for each of several sequences' pieces (memra.kernels.pieces.AttentionPieces),
+    piece by piece (the definition). q [N, Hq, D] -> [N, Hq, D]; rows in no piece are left unset."""
+    o = torch.empty_like(q)
+    for first, t, pos0, at in pieces.spans:
+        o[first : first + t] = prefill_attention(q[first : first + t], k_pool, v_pool, pieces.rows[at : at + pos0 + t],
+                                                 pos0, scale)
+    return o
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """One new query per head over a paged prefix: q [Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
@@ -152,6 +163,17 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[
     for j in range(1, kc):
         acc = acc + xf[:, j : j + t] * wf[:, j : j + 1]
     return F.silu(acc.to(u.dtype)).t(), window[:, window.shape[1] - (kc - 1) :]
+
+
+def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pieces) -> torch.Tensor:
+    """causal_conv for several sequences' pieces in the rows of one wave (memra.kernels.pieces
+    .RecurrentPieces), piece by piece: u [N, C] -> out [N, C]; pool[slot] [C, Kc-1] stepped in place."""
+    outs = []
+    for first, t, _, slot in pieces.spans:
+        out, new = causal_conv(u[first : first + t], pool[slot], w)
+        pool[slot].copy_(new)
+        outs.append(out)
+    return torch.cat(outs)
 
 
 def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +315,18 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
         o, state = gdn_chunk(q[a:b], k[a:b], v[a:b], beta[a:b], g[a:b], state)
         outs.append(o)
     return torch.cat(outs), state
+
+
+def gdn_prefill_pieces(q, k, v, beta, g, pool: torch.Tensor, pieces) -> torch.Tensor:
+    """gdn_prefill for several sequences' pieces in the rows of one wave (memra.kernels.pieces
+    .RecurrentPieces), piece by piece: -> o [N, Hv, Dv]; pool[slot] [Hv, Dk, Dv] stepped in place."""
+    outs = []
+    for first, t, pos0, slot in pieces.spans:
+        rows = slice(first, first + t)
+        o, new = gdn_prefill(q[rows], k[rows], v[rows], beta[rows], g[rows], pool[slot], pos0)
+        pool[slot].copy_(new)
+        outs.append(o)
+    return torch.cat(outs)
 
 
 def gdn_prefill_inputs(t: int, h: int, dk: int, dv: int, device: str = "cuda", seed: int = 0):

@@ -55,7 +55,7 @@ def triton_ops() -> types.SimpleNamespace | None:
         delta_rule_step=gdn.delta_rule_step, delta_rule_step_into=gdn.delta_rule_step_into,
         delta_rule_scan=gdn.delta_rule_scan,
         paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
-        prefill_attention=attention.prefill_attention,
+        prefill_attention=attention.prefill_attention, prefill_attention_pieces=attention.prefill_attention_pieces,
     )
 
 
@@ -183,6 +183,11 @@ class KernelTable:
     def causal_conv(self, u, state, w):
         return self._conv(u).causal_conv(u, state, w)
 
+    def causal_conv_pieces(self, u, pool, w, pieces):
+        """causal_conv of several sequences' pieces (memra.kernels.pieces.RecurrentPieces), their saved
+        inputs stepped in the pool: two launches for the wave."""
+        return self._conv(u).causal_conv_pieces(u, pool, w, pieces)
+
     def causal_conv_step(self, u, states, w):
         return self._conv(u).causal_conv_step(u, states, w)
 
@@ -216,6 +221,13 @@ class KernelTable:
             return _gdn_triton().gdn_prefill(q, k, v, beta, g, state, pos0)
         return reference.gdn_prefill(q, k, v, beta, g, state, pos0)
 
+    def gdn_prefill_pieces(self, q, k, v, beta, g, pool, pieces):
+        """gdn_prefill of several sequences' pieces (memra.kernels.pieces.RecurrentPieces), the states
+        stepped in the pool [slots, Hv, Dk, Dv]: one launch pair for the wave where gdn_prefill is Triton."""
+        if self.gdn_kernel and q.is_cuda:
+            return _gdn_triton().gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
+        return reference.gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
+
     def gdn_recurrent(self, q, k, v, beta, g, state):
         return reference.gdn_recurrent(q, k, v, beta, g, state, step=self.delta_rule_step)
 
@@ -230,6 +242,10 @@ class KernelTable:
 
     def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale):
         return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale)
+
+    def prefill_attention_pieces(self, q, k_pool, v_pool, pieces, scale):
+        """prefill_attention of several sequences' pieces (memra.kernels.pieces.AttentionPieces): one launch."""
+        return self._impl(q).prefill_attention_pieces(q, k_pool, v_pool, pieces, scale)
 
     def paged_decode_attention(self, q, k_pool, v_pool, rows, scale):
         return self._impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from memra.cache import Cache, KvPool, RecurrentPool, StateTrail
+from memra.kernels.pieces import AttentionPieces, RecurrentPieces
 from memra.upload import upload_values
 
 
@@ -33,19 +34,34 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
 class Segments:
     """Prompt pieces of several sequences in one forward (cross-request prefill): piece i in rows
     bounds[i] = [lo, hi) with context ctxs[i], and what every layer shares joined once per wave, not
-    once per layer (the rotary tables, and the K/V write rows where the pieces share a KV pool)."""
+    once per layer (the rotary tables; where the pieces share a KV pool, the K/V write rows and the
+    table that lets one attention launch serve every piece of two or more tokens; where they share a
+    recurrent pool, the table that lets GDN's launches serve every piece)."""
 
     ctxs: list[StepContext]
     bounds: list[tuple[int, int]]
     cos: torch.Tensor  # [N, R]
     sin: torch.Tensor
     kv_write_rows: torch.Tensor | None  # [N], or None: pools of their own (offline caches), piece by piece
+    attn: AttentionPieces | None = None  # the pieces of 2+ tokens (one pool); a 1-token piece attends as a decode row
+    single: tuple[int, ...] = ()  # with attn: the 1-token pieces, attended one by one as their solo forwards do
+    recurrent: RecurrentPieces | None = None  # GDN states in one pool: every piece in one launch per kernel
 
     @classmethod
     def of(cls, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> "Segments":
-        one_pool = len({id(c.cache.kv) for c in ctxs}) == 1
-        return cls(ctxs, bounds, joined([c.cos for c in ctxs]), joined([c.sin for c in ctxs]),
-                   joined([c.kv_write_rows for c in ctxs]) if one_pool else None)
+        cos, sin = joined([c.cos for c in ctxs]), joined([c.sin for c in ctxs])
+        rec = ctxs[0].cache.rec
+        recurrent = None
+        if rec is not None and all(c.cache.rec is rec and not c.recurrent and c.trail is None for c in ctxs):
+            recurrent = RecurrentPieces.of([a for a, _ in bounds], [b - a for a, b in bounds], [c.pos0 for c in ctxs],
+                                           [c.cache.slot for c in ctxs], ctxs[0].kv_read_rows.device)
+        if len({id(c.cache.kv) for c in ctxs}) > 1:
+            return cls(ctxs, bounds, cos, sin, None, recurrent=recurrent)
+        multi = [i for i, c in enumerate(ctxs) if c.n_tokens > 1]
+        attn = AttentionPieces.of([bounds[i][0] for i in multi], [ctxs[i].pos0 for i in multi],
+                                  [ctxs[i].kv_read_rows for i in multi]) if multi else None
+        return cls(ctxs, bounds, cos, sin, joined([c.kv_write_rows for c in ctxs]), attn,
+                   tuple(i for i, c in enumerate(ctxs) if c.n_tokens == 1), recurrent)
 
 
 @dataclass(frozen=True)

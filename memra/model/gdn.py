@@ -52,10 +52,23 @@ class GatedDeltaNet:
     def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
         """x [N, E]: prompt pieces of several sequences, piece i in rows wave.bounds[i], context wave.ctxs[i].
         Projections, norms and gates run over all N rows at once (row-wise ops); the conv and the chunked
-        delta rule run piece by piece on each sequence's own state, with the shapes of its solo forward."""
+        delta rule run each piece on its own sequence's state, with the arithmetic of its solo forward:
+        in one launch per kernel where the states share a pool (wave.recurrent), else piece by piece."""
         g, n = self.g, x.shape[0]
-        pieces = list(zip(wave.bounds, wave.ctxs))
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
+        if wave.recurrent is not None:
+            pool = wave.ctxs[0].cache.rec
+            mixed = self.ops.causal_conv_pieces(mixed, pool.conv[self.layer], self.conv, wave.recurrent)
+            q, k, v, beta, decay = self._heads(mixed, b, a)
+            o = self.ops.gdn_prefill_pieces(q, k, v, beta, decay, pool.ssm[self.layer], wave.recurrent)
+        else:
+            o = self._pieces_one_by_one(mixed, b, a, wave)
+        y = self.ops.gated_rms_norm(o, z.reshape(n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return self.ops.linear(y.reshape(n, g.value_dim), self.wo)
+
+    def _pieces_one_by_one(self, mixed, b, a, wave: Segments) -> torch.Tensor:
+        """The conv and the chunked delta rule a piece at a time (states in pools of their own) -> o [N, Hv, Dv]."""
+        pieces = list(zip(wave.bounds, wave.ctxs))
         convolved = []
         for (lo, hi), ctx in pieces:
             conv_state = ctx.cache.conv_state(self.layer)
@@ -69,9 +82,7 @@ class GatedDeltaNet:
             o, new_state = self.ops.gdn_prefill(q[lo:hi], k[lo:hi], v[lo:hi], beta[lo:hi], decay[lo:hi], state, ctx.pos0)
             state.copy_(new_state)
             outs.append(o)
-        y = self.ops.gated_rms_norm(torch.cat(outs), z.reshape(n, g.n_v_heads, g.v_head_dim), self.norm,
-                                    self.eps)
-        return self.ops.linear(y.reshape(n, g.value_dim), self.wo)
+        return torch.cat(outs)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The stacked batched decode: x [B, E], one generated token per sequence, each with its own

@@ -156,22 +156,44 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 64, 4, 2
 
 
-@triton.jit(do_not_specialize=["T", "pos0"])
-def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, T, pos0, Hq, qk_scale,
+@triton.jit(do_not_specialize=["T", "pos0", "n_pieces"])
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, T, pos0, n_pieces, Hq, qk_scale,
                               GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIECES: tl.constexpr):
     # Program (BLOCK_M queries, head): flash attention with the keys visited in blocks of BLOCK_N from
     # position 0, whatever the queries. A query's bits cannot depend on the piece it came in or on the
     # tile it shares: its scores and its P @ V are per-row MMA results, the blocks it sees are fixed
     # by absolute position, and the blocks past its own position (there for its tile-mates) are fully
     # masked, which leaves its running max, sum and output untouched (alpha = 1, p = 0).
-    mb = tl.program_id(0)
+    # PIECES: the programs cover several sequences' pieces (memra.kernels.pieces.AttentionPieces),
+    # each piece's tiles numbered as its solo launch numbers them; a program finds its piece in the
+    # table and then runs that solo program's arithmetic on the piece's rows.
+    if PIECES:
+        tile = tl.program_id(0)
+        piece = tl.zeros((), tl.int32)
+        first_tile = tl.zeros((), tl.int32)
+        seen = tl.zeros((), tl.int32)
+        for i in range(n_pieces):
+            n_tiles = tl.cdiv(tl.load(pieces_ptr + i * 4 + 1), BLOCK_M)
+            hit = (tile >= seen) & (tile < seen + n_tiles)
+            piece = tl.where(hit, i, piece)
+            first_tile = tl.where(hit, seen, first_tile)
+            seen += n_tiles
+        row0 = tl.load(pieces_ptr + piece * 4)
+        T = tl.load(pieces_ptr + piece * 4 + 1)
+        pos0 = tl.load(pieces_ptr + piece * 4 + 2)
+        rows_ptr += tl.load(pieces_ptr + piece * 4 + 3)
+        mb = tile - first_tile
+    else:
+        row0 = 0
+        mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
     rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the piece
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
-    q = tl.load(q_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], mask=(rm[:, None] < T) & md[None, :], other=0.0)
+    q = tl.load(q_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], mask=(rm[:, None] < T) & md[None, :],
+                other=0.0)
     q_pos = pos0 + rm
     m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_run = tl.zeros((BLOCK_M,), tl.float32)
@@ -200,7 +222,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, T, pos0, Hq,
         acc = acc * alpha[:, None] + pv
         m_run = m_new
     out = acc / l_run[:, None]
-    tl.store(o_ptr + (rm[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=(rm[:, None] < T) & md[None, :])
 
 
@@ -210,12 +232,31 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [pos0 + T] flat pool rows in position order (the new
     tokens' K/V already written). -> [T, Hq, D]. A query's bits do not depend on T or pos0's piece."""
     t, hq, d = q.shape
-    hkv = k_pool.shape[-2]
     o = torch.empty_like(q)
     if t:
-        _prefill_attention_kernel[(triton.cdiv(t, PREFILL_BLOCK_M), hq)](
-            q.contiguous(), k_pool, v_pool, rows.contiguous(), o, t, pos0, hq, scale * 1.4426950408889634,
-            GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
-            IEEE=q.dtype == torch.float32 or _interpreting(), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-            num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES)
+        _launch_prefill(q, k_pool, v_pool, rows, o, (triton.cdiv(t, PREFILL_BLOCK_M), hq), scale, o, t, pos0, 0, False)
     return o
+
+
+def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces,
+                             scale: float) -> torch.Tensor:
+    """prefill_attention for several sequences' pieces in one launch (memra.kernels.pieces
+    .AttentionPieces): q [N, Hq, D] -> [N, Hq, D], each piece's rows with the bits of its own call;
+    rows in no piece are left unset."""
+    hq = q.shape[1]
+    o = torch.empty_like(q)
+    n_tiles = sum(triton.cdiv(t, PREFILL_BLOCK_M) for _, t, _, _ in pieces.spans)
+    if n_tiles:
+        _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (n_tiles, hq), scale, pieces.table, 0, 0,
+                        len(pieces.spans), True)
+    return o
+
+
+def _launch_prefill(q, k_pool, v_pool, rows, o, grid, scale, table, t, pos0, n_pieces, use_table) -> None:
+    hq, d = q.shape[1:]
+    hkv = k_pool.shape[-2]
+    _prefill_attention_kernel[grid](
+        q.contiguous(), k_pool, v_pool, rows.contiguous(), o, table, t, pos0, n_pieces, hq, scale * 1.4426950408889634,
+        GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
+        IEEE=q.dtype == torch.float32 or _interpreting(), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        PIECES=use_table, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES)

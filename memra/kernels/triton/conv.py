@@ -1,6 +1,7 @@
-"""GDN's depthwise causal conv + SiLU (Triton): over a prompt's tokens, and one step for a batch of
-decode rows with their states stepped where they live in the pool. Twins: reference.causal_conv,
-reference.causal_conv_step.
+"""GDN's depthwise causal conv + SiLU (Triton): over a prompt's tokens (or the pieces of several
+sequences in one wave, their states stepped in the pool), and one step for a batch of decode rows with
+their states stepped where they live in the pool. Twins: reference.causal_conv,
+reference.causal_conv_pieces, reference.causal_conv_step.
 
 In torch the step is a dozen launches per GDN layer (the window's cat, two casts, Kc multiplies and
 Kc - 1 adds, the rounding, the SiLU) plus the gather and scatter of the rows' states; here it is one.
@@ -8,8 +9,8 @@ Kc - 1 adds, the rounding, the SiLU) plus the gather and scatter of the rows' st
 Bits: an output is acc = x0*w0 + x1*w1 + ... in fp32, left to right, each product and each sum rounded
 as torch's separate elementwise ops round them (the kernels are built with fp fusion off: a contracted
 multiply-add would round once), then rounded to the dtype, then SiLU (Triton's exp, so its last bit
-can differ from torch's) rounded to the dtype. Both kernels compute it with the same code
-(`_conv_out`), so a token convolved in a prompt, in a verify's run of tokens, or as a decode step has
+can differ from torch's) rounded to the dtype. Every kernel computes it with the same code
+(`_conv_out`; the prompt kernels also share `_conv_acc`), so a token convolved in a prompt, in a verify's run of tokens, or as a decode step has
 the same bits, whatever else shares the call; that is what the exact path needs of them.
 A graph's padding rows all name the pools' scratch slot: their read-modify-writes of it race, which
 touches no live row's state or output.
@@ -70,12 +71,9 @@ def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, s
 
 
 @triton.jit
-def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (token t, channel block): window position t + j is saved input t + j (while < Kc-1), else
-    # token t + j - (Kc-1) of this call.
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < C
+def _conv_acc(u_ptr, state_ptr, w_ptr, t, c, mask, stride_u, KC: tl.constexpr, BLOCK: tl.constexpr):
+    # Token t of a piece whose rows start at u_ptr: window position t + j is saved input t + j (while
+    # < Kc-1, from state_ptr [C, Kc-1]), else the piece's token t + j - (Kc-1).
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(KC):
         i = t + j
@@ -88,7 +86,57 @@ def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: 
             acc = x * wj
         else:
             acc = acc + x * wj
+    return acc
+
+
+@triton.jit
+def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (token t, channel block) of one piece.
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    acc = _conv_acc(u_ptr, state_ptr, w_ptr, t, c, mask, stride_u, KC, BLOCK)
     tl.store(out_ptr + t * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C, stride_u, stride_out, stride_slot,
+                        KC: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row of the wave, channel block): the row's piece found in the table (rows: first row,
+    # tokens, slot, ...), then _conv_kernel's arithmetic for that piece's token, its saved inputs read
+    # from the piece's pool slot.
+    n = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    first = tl.zeros((), tl.int32)
+    slot = tl.zeros((), tl.int32)
+    for i in range(n_pieces):
+        lo = tl.load(pieces_ptr + i * 5)
+        hit = (n >= lo) & (n < lo + tl.load(pieces_ptr + i * 5 + 1))
+        first = tl.where(hit, lo, first)
+        slot = tl.where(hit, tl.load(pieces_ptr + i * 5 + 2), slot)
+    acc = _conv_acc(u_ptr + first.to(tl.int64) * stride_u, pool_ptr + slot.to(tl.int64) * stride_slot, w_ptr, n - first,
+                    c, mask, stride_u, KC, BLOCK)
+    tl.store(out_ptr + n * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_state_pieces_kernel(u_ptr, pool_ptr, pieces_ptr, C, stride_u, stride_slot, KC: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    # Program (piece, channel block): the slot's saved inputs become the last Kc-1 of (saved, tokens),
+    # in place. Input j comes from window position t + j > j, never from one this loop already wrote.
+    p = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    first = tl.load(pieces_ptr + p * 5)
+    t = tl.load(pieces_ptr + p * 5 + 1)
+    state = pool_ptr + tl.load(pieces_ptr + p * 5 + 2).to(tl.int64) * stride_slot + c * (KC - 1)
+    for j in tl.static_range(KC - 1):
+        i = t + j
+        from_state = i < KC - 1
+        s = tl.load(state + i, mask=mask & from_state, other=0.0)
+        x = tl.load(u_ptr + (first + i - (KC - 1)).to(tl.int64) * stride_u + c, mask=mask & (i >= KC - 1), other=0.0)
+        tl.store(state + j, tl.where(from_state, s, x.to(pool_ptr.dtype.element_ty)), mask=mask)
 
 
 def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +151,25 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[
                                                       BLOCK=CONV_BLOCK, enable_fp_fusion=False)
     window = torch.cat((state, u.t()), dim=1)  # [C, Kc-1+T]: the new state is its last Kc-1 inputs
     return out, window[:, window.shape[1] - (kc - 1):]
+
+
+def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pieces) -> torch.Tensor:
+    """causal_conv for several sequences' pieces in the rows of one wave (memra.kernels.pieces
+    .RecurrentPieces): u [N, C] -> out [N, C]; each piece's saved inputs, pool[slot] of pool [slots, C,
+    Kc-1] (u's dtype), stepped in place. Two launches: the conv, then the states (after every token
+    has read them)."""
+    n, c = u.shape
+    kc = w.shape[1]
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    w = w.contiguous()
+    out = torch.empty(n, c, dtype=u.dtype, device=u.device)
+    blocks = triton.cdiv(c, CONV_BLOCK)
+    if n:
+        _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, len(pieces.spans), c, u.stride(0), out.stride(0),
+                                         pool.stride(0), KC=kc, BLOCK=CONV_BLOCK, enable_fp_fusion=False)
+        _conv_state_pieces_kernel[(len(pieces.spans), blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
+                                                               KC=kc, BLOCK=CONV_BLOCK)
+    return out
 
 
 def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

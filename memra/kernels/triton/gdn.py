@@ -1,7 +1,9 @@
 """Gated DeltaNet's delta rule in Triton: one token at a time for decode and the verify (`delta_rule_scan`,
 `delta_rule_step`, at the end of this file), and over a prompt piece in chunks (`gdn_prefill`).
 
-The chunked prefill runs in two Triton launches per layer.
+The chunked prefill runs in two Triton launches per layer: for one prompt piece, or for the pieces of
+several sequences in one wave of cross-request prefill (gdn_prefill_pieces: their states stepped in
+place in the pool, each piece's programs the ones its own call runs).
 
 The reference (reference.gdn_prefill) runs the closed (WY) form chunk by chunk from the host: ~25 torch
 launches per 64-token chunk, so a 4096-token piece of a 24-GDN-layer model issues ~40k launches. Per
@@ -102,17 +104,22 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
     tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
 
 
-@triton.jit(do_not_specialize=["n_chunks"])
-def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, n_chunks, H,
-                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, PREC: tl.constexpr):
-    """One (value head, block of value columns): the state's columns through every chunk in order."""
+@triton.jit(do_not_specialize=["stride_slot"])
+def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, pieces_ptr,
+                    stride_slot, H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """One (value head, block of value columns, piece): the piece's state columns through its chunks in
+    order. A piece is a row of pieces_ptr (first row, tokens, slot, first chunk, end chunk); its state
+    is read at s_ptr + slot * stride_slot and written at s_out_ptr + slot * stride_slot (a pool's slot,
+    in place; or a lone state, slot 0)."""
     h = tl.program_id(0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    piece = tl.program_id(2)
     ck, rc = tl.arange(0, BLOCK_DK), tl.arange(0, CHUNK)
     mk, mv = ck < DK, cv < DV
-    s = tl.load(s_ptr + h * DK * DV + ck[:, None] * DV + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-    for c in range(n_chunks):
+    at = tl.load(pieces_ptr + piece * 5 + 2).to(tl.int64) * stride_slot + h * DK * DV + ck[:, None] * DV + cv[None, :]
+    s = tl.load(s_ptr + at, mask=mk[:, None] & mv[None, :], other=0.0)
+    for c in range(tl.load(pieces_ptr + piece * 5 + 3), tl.load(pieces_ptr + piece * 5 + 4)):
         a = tl.load(cuts_ptr + c)
         n = tl.load(cuts_ptr + c + 1) - a
         t = a + rc
@@ -130,7 +137,7 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
-    tl.store(s_out_ptr + h * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=mk[:, None] & mv[None, :])
+    tl.store(s_out_ptr + at, s, mask=mk[:, None] & mv[None, :])
 
 
 def gdn_prefill(q, k, v, beta, g, state, pos0: int):
@@ -142,15 +149,29 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     if not t:
         return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.float().clone()
     cuts = aligned_cuts(t, pos0, GDN_CHUNK)
-    bounds = upload_values([a for a, _ in cuts] + [t], torch.int32, q.device)
+    meta = upload_values([0, t, 0, 0, len(cuts)] + [a for a, _ in cuts] + [t], torch.int32, q.device)
+    s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=q.device)
+    return _prefill(q, k, v, beta, g, meta[5:], meta[:5].view(1, 5), state.contiguous(), s_out, 0), s_out
+
+
+def gdn_prefill_pieces(q, k, v, beta, g, pool, pieces):
+    """gdn_prefill for several sequences' pieces in the rows of one wave (memra.kernels.pieces
+    .RecurrentPieces), the states stepped in place in pool [slots, Hv, Dk, Dv] fp32 -> o [N, Hv, Dv].
+    The same two launches as one piece's, each piece's programs doing what its own call's do."""
+    return _prefill(q, k, v, beta, g, pieces.cuts, pieces.table, pool, pool, pool.stride(0))
+
+
+def _prefill(q, k, v, beta, g, cuts, pieces, s_in, s_out, stride_slot) -> torch.Tensor:
+    t, h, dk = q.shape
+    dv = v.shape[-1]
     q, k, v, beta, g = (x.contiguous().float() for x in (q, k, v, beta, g))
     f32 = dict(dtype=torch.float32, device=q.device)
     u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)
-    p, gcum = torch.empty(len(cuts), h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
-    o, s_out = torch.empty(t, h, dv, **f32), torch.empty(h, dk, dv, **f32)
-    chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum)
-    chunk_scan(q, k, u, w, p, gcum, state.contiguous(), o, s_out, bounds)
-    return o, s_out
+    p, gcum = torch.empty(cuts.numel() - 1, h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
+    o = torch.empty(t, h, dv, **f32)
+    chunk_prep(q, k, v, beta, g, cuts, u, w, p, gcum)
+    chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, cuts, pieces, stride_slot)
+    return o
 
 
 def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
@@ -162,12 +183,12 @@ def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
         BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION, num_warps=GDN_PREP_WARPS)
 
 
-def chunk_scan(q, k, u, w, p, gcum, state, o, s_out, bounds) -> None:
-    """Second launch: the state through the chunks in order, writing O and the final state."""
+def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot) -> None:
+    """Second launch: each piece's state through its chunks in order, writing O and the final state."""
     _, h, dk = q.shape
     dv = u.shape[-1]
-    _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV))](
-        q, k, u, w, p, gcum, state, o, s_out, bounds, bounds.numel() - 1, h, DK=dk, DV=dv,
+    _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV), pieces.shape[0])](
+        q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot, h, DK=dk, DV=dv,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
         num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
 
