@@ -145,13 +145,18 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does: kernel compilation, the decode plan's
         check, and on a GPU every batch bucket's decode graph (memra.engine.backends.InProcess.warm_graphs)."""
-        c = self.backend.new_cache(self.cache_ctx)
         n = min(EXACT_PIECE + 2, self.cache_ctx - 1)  # a piece boundary crossed, where the context allows
+        # Two prompts where the pools hold them: the engine's own prefill, several sequences' pieces in one
+        # forward (prime_batch), whose kernels are not the ones a lone prompt's forward runs.
+        k = 2 if self.cfg.max_batch >= 2 and self.backend.blocks * BLOCK_SIZE >= 2 * self.cache_ctx else 1
+        caches = [self.backend.new_cache(self.cache_ctx) for _ in range(k)]
+        prompts = [[(7 + 31 * i + 5 * j) % self.model.cfg.vocab_size for i in range(n - j)] for j in range(k)]
         try:
-            logits = self.model.prime([(7 + 31 * i) % self.model.cfg.vocab_size for i in range(n)], c)
-            self.model.decode_step_batch([int(logits.argmax())], [c])
+            lasts = self.model.prime_batch(prompts, caches)
+            self.model.decode_step_batch([int(last.argmax()) for last in lasts], caches)
         finally:
-            c.free()
+            for c in caches:
+                c.free()
         self.backend.warm_graphs(self.cfg.max_batch, self.cache_ctx)
 
     def start(self, warm_up: bool = True) -> "Engine":
