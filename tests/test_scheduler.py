@@ -13,6 +13,7 @@ import pytest
 
 from memra.engine.admission import PrefillGrouping
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, Status, StepPlan
+from memra.errors import MemraError
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -503,8 +504,16 @@ def started(plan: StepPlan) -> list[str]:
 
 @pytest.mark.parametrize("kwargs", [{"wait_steps": -1}, {"group": 0}, {"wait_steps": 1.5}, {"group": True}])
 def test_grouping_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError, match="PrefillGrouping"):
+    with pytest.raises(MemraError, match="--prefill-(wait-steps|group) must be an integer"):
         PrefillGrouping(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"prefill_wait_steps": -1}, {"prefill_group": 0}])
+def test_the_engine_config_refuses_bad_hold_settings_with_the_flag_named(kwargs):
+    from memra.engine.types import EngineConfig
+
+    with pytest.raises(MemraError, match="--prefill-(wait-steps|group) must be an integer >= "):
+        EngineConfig(**kwargs)
 
 
 def test_an_idle_engine_starts_a_request_at_once():

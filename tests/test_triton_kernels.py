@@ -76,10 +76,7 @@ def test_rms_norm_matches_twin_and_is_row_invariant(dtype, zero_centered):
     same_bits(tk.rms_norm(x[2:3], w, 1e-6, zero_centered), full[2:3])
 
 
-def test_l2_normalize_and_gated_norm_match_twins():
-    x = rnd(7, 4, 24, seed=6)
-    close(tk.l2_normalize(x), reference.l2_normalize(x), torch.float32)
-    same_bits(tk.l2_normalize(x[3:4]), tk.l2_normalize(x)[3:4])
+def test_gated_norm_matches_twin():
     for dtype in DTYPES:
         o, z, w = rnd(5, 2, 24, seed=7), rnd(5, 2, 24, dtype=dtype, seed=8), rnd(24, seed=9)
         full = tk.gated_rms_norm(o, z, w, 1e-6)

@@ -33,16 +33,14 @@ class EngineConfig:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise MemraError(f"engine {name} must be positive, got {getattr(self, name)}")
-        if self.prefill_wait_steps < 0:
-            raise MemraError(f"prefill_wait_steps must be >= 0, got {self.prefill_wait_steps}")
-        if self.prefill_group is not None and self.prefill_group < 1:
-            raise MemraError(f"prefill_group must be >= 1, got {self.prefill_group}")
+        _ = self.grouping  # PrefillGrouping refuses bad hold settings: one check, one message for every caller
         if self.token_budget < EXACT_PIECE:
             raise MemraError(f"token_budget must be at least {EXACT_PIECE} (one aligned prefill piece)")
 
     @property
     def grouping(self) -> PrefillGrouping:
-        return PrefillGrouping(self.prefill_wait_steps, self.prefill_group or max(2, self.max_batch // 8))
+        group = self.prefill_group if self.prefill_group is not None else max(2, self.max_batch // 8)
+        return PrefillGrouping(self.prefill_wait_steps, group)
 
     @property
     def blocks(self) -> int:

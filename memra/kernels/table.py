@@ -49,7 +49,7 @@ def triton_ops() -> types.SimpleNamespace | None:
         return None
     return types.SimpleNamespace(
         linear=linear.linear,
-        rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm, l2_normalize=norm.l2_normalize,
+        rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
         apply_rope=rope.apply_rope, rope_write_kv=rope.rope_write_kv,
         delta_rule_step=gdn.delta_rule_step, delta_rule_step_into=gdn.delta_rule_step_into,

@@ -2,10 +2,13 @@
 
     linear     dense matmul, one frozen tile per bucket of M          (reference.linear)
     quant      matmuls over GGUF-packed Q8_0 / Q4_K weights            (quant.reference_linear)
-    norm       RMS, residual + RMS, l2 and gated RMS row norms         (reference.*_norm, l2_normalize)
+    norm       RMS, residual + RMS and gated RMS row norms             (reference.*_norm)
     rope       rotary embedding, one fused elementwise launch          (reference.apply_rope)
-    attention  paged decode (split at fixed positions) and prefill     (reference.paged_*, prefill_attention)
-    gdn        the delta rule: recurrent step / scan, chunked prefill  (reference.delta_rule_*, gdn_prefill)
+    attention  paged decode (split at fixed positions) and prefill     (reference.paged_*, prefill_attention*)
+               (one prompt piece, or every piece of a wave in one launch)
+    gdn        the delta rule: recurrent step / scan, chunked prefill  (reference.delta_rule_*, gdn_prefill*)
+    gdn_heads  GDN's token preparation: l2 norms, scale, heads, gates (reference.gdn_heads)
+    conv       GDN's causal conv: prompt, a wave's pieces, decode step (reference.causal_conv*)
     moe        grouped expert matmuls planned on the device            (reference.moe_experts)
     sampling   a batch's seeded sampling in one launch                 (memra.sampling.device_sample)
     common     what several families share: the interpreter switch, fp32 -> bf16 rounding

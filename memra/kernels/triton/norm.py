@@ -1,6 +1,7 @@
-"""Row norms in Triton (RMS, residual add + RMS, l2, gated RMS): one program per row, the whole row in one
+"""Row norms in Triton (RMS, residual add + RMS, gated RMS): one program per row, the whole row in one
 tile, so a row's sum is one tree of fixed shape whatever the number of rows (memra.kernels.triton.linear
-says why that matters). Twins: reference.rms_norm, add_rms_norm, l2_normalize, gated_rms_norm."""
+says why that matters). Twins: reference.rms_norm, add_rms_norm, gated_rms_norm. (GDN's l2 norms run
+inside memra.kernels.triton.gdn_heads.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import triton.language as tl
 
 from memra.kernels.triton.common import round_to_bf16
 
-RMS_ZERO_CENTRED, RMS_LLAMA, L2 = 0, 1, 2
+RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
 
 
 @triton.jit
@@ -26,21 +27,17 @@ def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constex
         s_ty = s_ptr.dtype.element_ty
         x = round_to_bf16(x) if s_ty == tl.bfloat16 else x.to(s_ty).to(tl.float32)
         tl.store(s_ptr + row * D + cols, x.to(s_ty), mask=mask)
-    ss = tl.sum(x * x, axis=0)
-    if MODE == 2:  # l2: x / sqrt(sum + eps), fp32 out
-        tl.store(y_ptr + row * D + cols, x * (1.0 / tl.sqrt(ss + eps)), mask=mask)
-    else:
-        xn = x * (1.0 / tl.sqrt(ss / D + eps))
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        out_ty = y_ptr.dtype.element_ty
-        if MODE == 0:  # zero-centred style: multiply in fp32, round last
-            tl.store(y_ptr + row * D + cols, (xn * w).to(out_ty), mask=mask)
-        else:  # llama style: round the normalised row, multiply in the model dtype
-            y = w.to(out_ty).to(tl.float32) * xn.to(out_ty).to(tl.float32)
-            tl.store(y_ptr + row * D + cols, y.to(out_ty), mask=mask)
+    xn = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out_ty = y_ptr.dtype.element_ty
+    if MODE == 0:  # zero-centred style: multiply in fp32, round last
+        tl.store(y_ptr + row * D + cols, (xn * w).to(out_ty), mask=mask)
+    else:  # llama style: round the normalised row, multiply in the model dtype
+        y = w.to(out_ty).to(tl.float32) * xn.to(out_ty).to(tl.float32)
+        tl.store(y_ptr + row * D + cols, y.to(out_ty), mask=mask)
 
 
-def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, out_dtype: torch.dtype,
+def _row_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, out_dtype: torch.dtype,
               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = x.shape[-1]
     x2 = x.reshape(-1, d).contiguous()
@@ -48,7 +45,7 @@ def _row_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, mode: int, ou
     r2 = residual.reshape(-1, d).contiguous() if residual is not None else None
     s = torch.empty_like(x2) if residual is not None else None
     if x2.shape[0]:
-        _row_norm_kernel[(x2.shape[0],)](x2, w if w is not None else x2, y, r2 if r2 is not None else x2,
+        _row_norm_kernel[(x2.shape[0],)](x2, w, y, r2 if r2 is not None else x2,
                                          s if s is not None else x2, d, eps, MODE=mode, RESIDUAL=residual is not None,
                                          BLOCK=triton.next_power_of_2(d))
     return y.reshape(x.shape), (s.reshape(x.shape) if s is not None else None)
@@ -65,10 +62,6 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: flo
     rms_norm on the rounded sum, so the same bits as the two ops apart."""
     y, s = _row_norm(h, w, eps, RMS_ZERO_CENTRED if zero_centered else RMS_LLAMA, h.dtype, residual=delta)
     return s, y
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return _row_norm(x.float(), None, eps, L2, torch.float32)[0]
 
 
 @triton.jit
