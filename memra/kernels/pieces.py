@@ -24,7 +24,8 @@ from memra.upload import upload_values
 class AttentionPieces:
     """Prompt pieces of several sequences sharing one KV pool, for one prefill-attention launch."""
 
-    spans: tuple[tuple[int, int, int, int], ...]  # per piece: (first row in the wave, tokens, pos0, where its prefix starts in rows)
+    # per piece: (first row in the wave, tokens, pos0, where its prefix starts in rows)
+    spans: tuple[tuple[int, int, int, int], ...]
     rows: torch.Tensor  # [sum of pos0 + tokens] the pieces' flat KV-pool rows (each its whole prefix, in order), joined
     table: torch.Tensor  # [P, 4] int32 on the device: the spans, as the kernel reads them
 
@@ -36,7 +37,8 @@ class AttentionPieces:
             spans.append((first, rows.numel() - pos0, pos0, at))
             at += rows.numel()
         rows = read_rows[0] if len(read_rows) == 1 else torch.cat(read_rows)
-        return cls(tuple(spans), rows, upload_values([x for s in spans for x in s], torch.int32, rows.device).view(-1, 4))
+        table = upload_values([x for span in spans for x in span], torch.int32, rows.device).view(-1, 4)
+        return cls(tuple(spans), rows, table)
 
 
 @dataclass(frozen=True)

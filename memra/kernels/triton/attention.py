@@ -1,8 +1,9 @@
 """Attention over a paged KV prefix in Triton: decode / verify rows (split at fixed positions for long
-prefixes) and causal prefill of a prompt piece. Keys are visited in blocks fixed by absolute position,
-in order, with an online softmax in fp32, so a query's bits depend only on its own prefix, never on the
-batch or the piece it came in. Twins: reference.paged_attention_rows, paged_decode_attention,
-prefill_attention."""
+prefixes) and causal prefill of a prompt piece, or of every piece of a wave in one launch. Keys are
+visited in blocks fixed by absolute position, in order, with an online softmax in fp32 (scores and
+P @ V as MMAs, p rounded to the model dtype for the second, as flash attention does), so a query's bits
+depend only on its own prefix, never on the batch or the piece it came in. Twins:
+reference.paged_attention_rows, paged_decode_attention, prefill_attention, prefill_attention_pieces."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     every lens[r] known to the caller (default N). -> [R, Hq, D].
 
     Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
-    32k context would otherwise stream its prefix through just Hq programs); a row's bits depend only
+    32k context would otherwise stream its prefix through just Hkv programs); a row's bits depend only
     on its own prefix either way (see _combine_splits_kernel)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]

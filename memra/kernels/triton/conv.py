@@ -10,8 +10,9 @@ Bits: an output is acc = x0*w0 + x1*w1 + ... in fp32, left to right, each produc
 as torch's separate elementwise ops round them (the kernels are built with fp fusion off: a contracted
 multiply-add would round once), then rounded to the dtype, then SiLU (Triton's exp, so its last bit
 can differ from torch's) rounded to the dtype. Every kernel computes it with the same code
-(`_conv_out`; the prompt kernels also share `_conv_acc`), so a token convolved in a prompt, in a verify's run of tokens, or as a decode step has
-the same bits, whatever else shares the call; that is what the exact path needs of them.
+(`_conv_out`; the prompt kernels also share `_conv_acc`), so a token convolved in a prompt, in a wave
+of several prompts, in a verify's run of tokens, or as a decode step has the same bits, whatever else
+shares the call; that is what the exact path needs of them.
 A graph's padding rows all name the pools' scratch slot: their read-modify-writes of it race, which
 touches no live row's state or output.
 """
