@@ -160,3 +160,20 @@ def test_the_engine_prefills_a_steps_requests_in_shared_forwards():
     for prompt, out in zip(prompts, outs):
         ids = llm.tokenizer.encode(prompt, add_special=True)
         assert out.outputs[0].token_ids == list(generate_tokens(llm.model, ids, params, eos_ids=llm.tokenizer.eos_ids))
+
+
+def test_the_warm_up_runs_the_engines_shared_prefill():
+    """Engine.warm_up primes through the engine's own prefill path (several prompts in shared forwards
+    where batching is live), so the kernels a step's wave runs are compiled before the first request,
+    and leaves every block and slot free."""
+    import memra
+
+    llm = memra.LLM(memra.load("demo", device=DEVICE).with_doors(MEMRA_EXACT="0"), max_batch=4, max_ctx=128,
+                    warm_up=False)
+    kv, rec = llm.engine.backend.kv, llm.engine.backend.rec
+    free = (sorted(kv.free), sorted(rec.free))
+    before = counters.snapshot()
+    llm.engine.warm_up()
+    live = counters.delta(before)
+    assert live["prime_batches"] >= 1 and live["prime_batch_segments"] >= 2
+    assert (sorted(kv.free), sorted(rec.free)) == free
