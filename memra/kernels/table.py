@@ -214,19 +214,18 @@ class KernelTable:
     def delta_rule_scan(self, q, k, v, beta, g, s):
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
-    def gdn_prefill(self, q, k, v, beta, g, state, pos0):
+    def _chunked_gdn(self, q):
         # The Triton form where the invariant kernels run (MEMRA_GDN_KERNEL=0 is the door back): same chunks
         # at the same absolute cuts as the reference's loop, so a token's bits still do not depend on its piece.
-        if self.gdn_kernel and q.is_cuda:
-            return _gdn_triton().gdn_prefill(q, k, v, beta, g, state, pos0)
-        return reference.gdn_prefill(q, k, v, beta, g, state, pos0)
+        return _gdn_triton() if self.gdn_kernel and q.is_cuda else reference
+
+    def gdn_prefill(self, q, k, v, beta, g, state, pos0):
+        return self._chunked_gdn(q).gdn_prefill(q, k, v, beta, g, state, pos0)
 
     def gdn_prefill_pieces(self, q, k, v, beta, g, pool, pieces):
         """gdn_prefill of several sequences' pieces (memra.kernels.pieces.RecurrentPieces), the states
         stepped in the pool [slots, Hv, Dk, Dv]: one launch pair for the wave where gdn_prefill is Triton."""
-        if self.gdn_kernel and q.is_cuda:
-            return _gdn_triton().gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
-        return reference.gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
+        return self._chunked_gdn(q).gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
 
     def gdn_recurrent(self, q, k, v, beta, g, state):
         return reference.gdn_recurrent(q, k, v, beta, g, state, step=self.delta_rule_step)

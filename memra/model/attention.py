@@ -37,14 +37,14 @@ class Attention:
         with exactly the shapes of its solo forward."""
         q, k, v, gate = self._project(x)
         pieces = list(zip(wave.bounds, wave.ctxs))
-        if wave.kv_write_rows is None:  # pools of their own: piece by piece
+        if wave.kv_write_rows is not None:
+            q = self._rope_write(q, k, v, wave.cos, wave.sin, wave.ctxs[0].cache.kv, wave.kv_write_rows)
+        else:  # pools of their own: piece by piece
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
+        if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
             return self._output(joined([self._attend(q[a:b], c) for (a, b), c in pieces]), gate)
         kv = wave.ctxs[0].cache.kv
-        q = self._rope_write(q, k, v, wave.cos, wave.sin, kv, wave.kv_write_rows)
-        if wave.attn is None:  # only 1-token pieces
-            return self._output(joined([self._attend(q[a:b], c) for (a, b), c in pieces]), gate)
         o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale)
         for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
             (a, b), c = pieces[i]
