@@ -68,6 +68,23 @@ def test_linear_with_residual_is_the_linear_then_the_add(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_torchs_two_ops(dtype):
+    """SwiGLU's activation in one launch: on a GPU torch's bits (its expf, division and two roundings),
+    in the interpreter (numpy's exp) within the twin tolerance; a row's bits alone are its bits in the
+    call, and a [..., 2F] view of a wider projection (gate | up columns of a split) reads the same."""
+    x = rnd(37, 2 * 1100, dtype=dtype, seed=5, scale=4.0)  # F = 1100: two column blocks, a ragged one
+    x[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, -0.0])  # exp overflow, signed zero
+    got = tk.silu_mul(x)
+    if DEVICE.startswith("cuda"):
+        same_bits(got, reference.silu_mul(x))
+    else:
+        close(got, reference.silu_mul(x), dtype)
+    same_bits(tk.silu_mul(x[5:6].clone()), got[5:6])
+    wide = torch.cat((x, rnd(37, 16, dtype=dtype, seed=6)), dim=1)[:, : 2 * 1100]  # rows of stride 2216
+    same_bits(tk.silu_mul(wide.view(37, 1, 2200)), got.view(37, 1, 1100))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [True, False])
 def test_rms_norm_matches_twin_and_is_row_invariant(dtype, zero_centered):
     x, w = rnd(9, 3, 40, dtype=dtype, seed=4), rnd(40, seed=5) + 1

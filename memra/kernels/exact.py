@@ -93,6 +93,7 @@ def _triton_probes(rnd, failures: list[str]) -> None:
             _check(f"triton linear[{m}x{k}] vs rows of [{wide}x{k}]", tk.linear(x[:m].clone(), w), full[:m], failures)
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
+        _check(f"triton silu_mul[{k}] row 7 alone", tk.silu_mul(x[7:8].clone()), tk.silu_mul(x)[7:8], failures)
     _quant_probes(rnd, failures)
     _moe_probes(rnd, tk, failures)
     _prefill_probes(rnd, tk, failures)

@@ -5,8 +5,9 @@ Which implementation runs is decided here and nowhere else, because exactness de
   may depend on how many rows share a call.
 - CUDA in exact mode with Triton present (and MEMRA_TRITON not 0): the batch-invariant Triton twins
   for every op whose torch form picks its algorithm from the row count (matmuls, row norms, the
-  delta-rule step, decode attention). Elementwise ops stay in torch: the self-test checks that they
-  give a value the same bits wherever it sits.
+  delta-rule step, decode attention). Elementwise ops stay in torch (the self-test checks that they
+  give a value the same bits wherever it sits), but for SwiGLU's activation: one launch for torch's
+  two, with torch's bits.
 
 `invariant` says whether the second table is live; the decode plan uses it to decide whether B rows
 may run as one stacked forward (memra.decode_plan).
@@ -44,11 +45,11 @@ def triton_ops() -> types.SimpleNamespace | None:
     """The Triton twins of the batch-shaped ops under memra.kernels.reference's names (so the table can
     call either through one `_impl`), or None where Triton is not installed (CPU-only machines)."""
     try:
-        from memra.kernels.triton import attention, gdn, linear, norm, rope
+        from memra.kernels.triton import activation, attention, gdn, linear, norm, rope
     except ImportError:
         return None
     return types.SimpleNamespace(
-        linear=linear.linear,
+        linear=linear.linear, silu_mul=activation.silu_mul,
         rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
         gated_rms_norm=norm.gated_rms_norm,
         apply_rope=rope.apply_rope, rope_write_kv=rope.rope_write_kv,
@@ -128,7 +129,6 @@ class KernelTable:
     gdn_chunk = staticmethod(reference.gdn_chunk)
     moe_route = staticmethod(reference.moe_route)
     rope_cos_sin = staticmethod(reference.rope_cos_sin)
-    silu_mul = staticmethod(reference.silu_mul)
 
     def _impl(self, x: torch.Tensor):
         return triton_ops() if self.invariant and x.is_cuda else reference
@@ -168,6 +168,11 @@ class KernelTable:
         if isinstance(w, torch.Tensor) and self._impl(x) is not reference:
             return triton_ops().linear(x, w, residual=residual)
         return residual + self.linear(x, w)
+
+    def silu_mul(self, gate_up):
+        """SwiGLU's activation: one Triton launch with torch's bits where the invariant kernels run
+        (triton.activation), torch's two elementwise kernels elsewhere."""
+        return self._impl(gate_up).silu_mul(gate_up)
 
     def rms_norm(self, x, w, eps, zero_centered):
         return self._impl(x).rms_norm(x, w, eps, zero_centered)

@@ -4,6 +4,7 @@
     quant      matmuls over GGUF-packed Q8_0 / Q4_K weights            (quant.reference_linear)
     norm       RMS, residual + RMS and gated RMS row norms             (reference.*_norm)
     rope       rotary embedding, one fused elementwise launch          (reference.apply_rope)
+    activation SwiGLU's silu(gate) * up in one launch, torch's bits    (reference.silu_mul)
     attention  paged decode (split at fixed positions) and prefill     (reference.paged_*, prefill_attention*)
                (one prompt piece, or every piece of a wave in one launch)
     gdn        the delta rule: recurrent step / scan, chunked prefill  (reference.delta_rule_*, gdn_prefill*)

@@ -21,3 +21,11 @@ def round_to_bf16(w):
     bits = w.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(w != w, w, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to_dtype(x, ty: tl.constexpr):
+    """fp32 -> the nearest value of dtype `ty` (held in fp32): what torch's store into a `ty` tensor keeps."""
+    if ty == tl.bfloat16:
+        return round_to_bf16(x)
+    return x.to(ty).to(tl.float32)

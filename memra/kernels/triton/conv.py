@@ -23,24 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import round_to_bf16
+from memra.kernels.triton.common import round_to_dtype
 
 CONV_BLOCK = 256  # channels per program
 
 
 @triton.jit
-def _to_dtype(x, ty: tl.constexpr):
-    """fp32 -> the nearest value of dtype `ty` (held in fp32)."""
-    if ty == tl.bfloat16:
-        return round_to_bf16(x)
-    return x.to(ty).to(tl.float32)
-
-
-@triton.jit
 def _conv_out(acc, ty: tl.constexpr):
     """The conv sum rounded to the dtype, then SiLU rounded to the dtype (torch: silu(acc.to(dtype)))."""
-    x = _to_dtype(acc, ty)
-    return _to_dtype(tl.math.div_rn(x, 1.0 + tl.exp(-x)), ty).to(ty)
+    x = round_to_dtype(acc, ty)
+    return round_to_dtype(tl.math.div_rn(x, 1.0 + tl.exp(-x)), ty).to(ty)
 
 
 @triton.jit
