@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
+from memra.cache import BLOCK_SIZE, PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
 from memra.pools import KvBudget, ModelPools
 from memra.settings import Settings
 from memra.config import ModelConfig, RopeConfig
@@ -23,6 +24,7 @@ from memra.model.context import Segments, StackedStep, StepContext
 from memra.model.mtp import MtpBlock
 from memra import step
 from memra.runner.choose import choose_executor
+from memra.upload import upload
 
 
 def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,6 +105,28 @@ class HybridModel:
         read_rows = cache.read_rows(pos0 + n_tokens, device)  # shared by every attention layer
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
                            kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows, trail=trail, column=column)
+
+    def wave_contexts(self, caches, pos0s: list[int], sizes: list[int],
+                      device: torch.device | None = None) -> list[StepContext]:
+        """context(caches[i], pos0s[i], sizes[i], recurrent=False) for every piece of a prefill wave, from
+        one upload and one rotary call for the whole wave rather than ~14 launches per piece: the same
+        values (the tables are elementwise in the position; the pool rows are read_rows' arithmetic on
+        the block tables, done on the host)."""
+        device = self.device if device is None else device
+        n_blocks = [-(-(pos0 + n) // BLOCK_SIZE) for pos0, n in zip(pos0s, sizes)]
+        offsets = np.arange(BLOCK_SIZE, dtype=np.int64)
+        host = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int64) for pos0, n in zip(pos0s, sizes)]
+                              + [(np.asarray(c.blocks[:nb], dtype=np.int64)[:, None] * BLOCK_SIZE + offsets).ravel()
+                                 for c, nb in zip(caches, n_blocks)])
+        flat = upload(torch.from_numpy(host), device)  # [N positions, then each piece's whole blocks' rows]
+        cos, sin = self.ops.rope_cos_sin(flat[: sum(sizes)], self.inv_freq.to(device), self.dtype)
+        ctxs, at, row_at = [], 0, sum(sizes)
+        for c, pos0, n, nb in zip(caches, pos0s, sizes, n_blocks):
+            read_rows = flat[row_at : row_at + pos0 + n]
+            ctxs.append(StepContext(cache=c, pos0=pos0, n_tokens=n, cos=cos[at : at + n], sin=sin[at : at + n],
+                                    recurrent=False, kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows))
+            at, row_at = at + n, row_at + nb * BLOCK_SIZE
+        return ctxs
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, E] (no scaling)."""

@@ -31,7 +31,7 @@ def segment_layers(model, h: torch.Tensor, caches, pos0s: list[int], bounds: lis
     """Prompt pieces of several sequences in one forward (cross-request prefill): h [N, E], piece i in
     rows bounds[i] = [lo, hi), caches[i]'s tokens at pos0s[i]..; through layers [a, b). -> [N, E];
     positions not advanced."""
-    ctxs = [model.context(c, p, hi - lo, recurrent=False, device=device) for c, p, (lo, hi) in zip(caches, pos0s, bounds)]
+    ctxs = model.wave_contexts(caches, pos0s, [hi - lo for lo, hi in bounds], device)
     return model.forward_layers_segments(h, ctxs, bounds, a, b)
 
 
