@@ -315,3 +315,13 @@ def test_engine_time_splits_the_wall_by_step_kind():
     assert "prefill" in lines[1] and "50.00 ms each" in lines[1]
     assert "idle" in lines[-1] and "0.80 s" in lines[-1]
     assert engine_time({}, {}, 2.0) == []  # a server that does not export it: nothing to say
+
+
+def test_a_launched_server_that_cannot_start_is_one_line_naming_why(tmp_path):
+    """--launch runs `memra serve` as a child process; one that exits before it answers is a MemraError
+    carrying the child's own one-line error, and leaves no process behind."""
+    from memra.bench.serve_launch import launch_server
+
+    with pytest.raises(MemraError, match=r"the server exited with status \d+: .*no-such-model") as err:
+        launch_server(str(tmp_path / "no-such-model"), max_batch=2, max_ctx=64, device="cpu", dtype=None, api_key=None)
+    assert "\n" not in str(err.value)

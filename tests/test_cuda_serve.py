@@ -1,6 +1,6 @@
 """memra's server under load, on the GPU (what tools/gpu_serve_report.py used to print, now pass/fail):
 
-- `memra bench serve --launch demo`: memra's server in this process, mixed prompt lengths and max_tokens,
+- `memra bench serve --launch demo`: `memra serve` in a child process, mixed prompt lengths and max_tokens,
   10% of the streams cancelled mid-answer; nothing lost, duplicated or failed, every completed greedy
   answer equal to offline generation, the /metrics counters equal to the client's totals (the command
   exits 0 only then). On the GPU the report's load, 200 requests at concurrency 32; on CPU a small one.

@@ -19,6 +19,7 @@ from memra.bench.config import BenchConfig, default_device
 from memra.bench.serve_checks import (check_against_offline, check_metrics, engine_time, list_models, memra_offline,
                                       scrape_metrics)
 from memra.bench.serve_client import run_serve_bench
+from memra.bench.serve_launch import launch_server
 from memra.bench.serve_report import ServeBenchConfig
 from memra.errors import MemraError
 
@@ -32,8 +33,8 @@ def add_bench_parser(sub) -> None:
     d = ServeBenchConfig()
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     p.add_argument("--launch", metavar="MODEL", default=None,
-                   help="start memra's server in this process with MODEL on a free loopback port and test it "
-                        "(then --offline-check uses the same loaded model); 'demo' = the bundled model")
+                   help="start `memra serve MODEL` in a process of its own on a free loopback port, test it, "
+                        "stop it, then check every answer against offline generation; 'demo' = the bundled model")
     p.add_argument("--max-batch", type=int, default=32, help="with --launch: the server's --max-batch")
     p.add_argument("--max-ctx", type=int, default=1024, help="with --launch: the server's --max-ctx")
     p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
@@ -72,29 +73,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            stream_fraction=args.stream_fraction, seed=args.seed, timeout_s=args.timeout)
     server = None
     if args.launch:
-        server, args.url = _launch(args)
+        server = launch_server(args.launch, max_batch=args.max_batch, max_ctx=args.max_ctx, device=args.device,
+                               dtype=args.dtype, api_key=args.api_key)
+        args.url = server.url
     try:
         return _bench(args, cfg, server)
     finally:
         if server is not None:
             server.stop()
-
-
-def _launch(args):
-    """An in-process memra server on a free port: (ServerThread, url)."""
-    import memra
-    from memra.server.api import build_app
-    from memra.engine.engine import Engine, EngineConfig
-    from memra.server.http import ServerThread
-    from memra.server.metrics import Metrics
-    from memra.server.options import ServerOptions
-
-    model = memra.load(args.launch, device=args.device, dtype=args.dtype)
-    metrics = Metrics("memra")
-    engine = Engine(model, EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx), metrics)
-    server = ServerThread(build_app(engine, "memra", ServerOptions(api_key=args.api_key), metrics=metrics)).start()
-    server.model = model
-    return server, server.url
 
 
 def _bench(args, cfg: ServeBenchConfig, server) -> int:
@@ -114,7 +100,9 @@ def _bench(args, cfg: ServeBenchConfig, server) -> int:
             print(line)
         problems += check_metrics(before, after, report, prefix=args.metrics_prefix)
     if args.offline_check or (server is not None and not args.no_offline_check):
-        target = server.model if server is not None else args.offline_check
+        if server is not None:
+            server.stop()  # its memory back before the offline model loads
+        target = args.offline_check or args.launch
         problems += check_against_offline(report, memra_offline(target, args.device, args.dtype))
     for p in problems:
         print(f"check failed: {p}")
