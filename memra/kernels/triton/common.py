@@ -3,14 +3,19 @@ runs), and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
 from memra.settings import process_env
 
 
+@functools.cache
 def _interpreting() -> bool:
-    return process_env().get("TRITON_INTERPRET", "0") == "1"  # Triton's own switch (tests on CPU)
+    """Triton's own switch (tests on CPU). Read once: Triton fixes it when a kernel is first decorated,
+    and the launch wrappers ask on every call, which must not read the environment each time."""
+    return process_env().get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
