@@ -177,3 +177,19 @@ def test_the_warm_up_runs_the_engines_shared_prefill():
     live = counters.delta(before)
     assert live["prime_batches"] >= 1 and live["prime_batch_segments"] >= 2
     assert (sorted(kv.free), sorted(rec.free)) == free
+
+
+def test_the_gpu_warm_up_meets_every_prefill_size_class():
+    """On a GPU the warm-up runs a prefill wave in each size class up to the step's token budget (each
+    of the projections' tile buckets compiles before a request meets it): sizes by factors of four,
+    split over prompts that fit the context, at least two where the pools allow a shared forward."""
+    from memra.engine.warmup import wave_prompts, wave_sizes
+
+    assert wave_sizes(2048) == [2, 8, 32, 128, 512, 2048]
+    assert wave_sizes(100) == [2, 8, 32, 100] and wave_sizes(2) == [2]
+    for tokens, ctx, most in ((2, 1024, 64), (512, 1024, 64), (2048, 1024, 64), (2048, 300, 64), (9, 1024, 1)):
+        prompts = wave_prompts(tokens, ctx, most, vocab=50)
+        assert sum(map(len, prompts)) == tokens and all(0 < len(p) < ctx for p in prompts)
+        assert min(2, most) <= len(prompts) <= most
+        assert all(0 <= t < 50 for p in prompts for t in p)
+    assert wave_prompts(2048, 300, 4, vocab=50) == []  # needs 7 prompts of the context: more than the pools hold

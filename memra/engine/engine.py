@@ -49,6 +49,7 @@ from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.seq_state import SeqState
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
+from memra.engine.warmup import warm_up
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.step import EXACT_PIECE
@@ -143,21 +144,9 @@ class Engine:
         self._wake.set()
 
     def warm_up(self) -> None:
-        """Pay the first-use costs before the first request does: kernel compilation, the decode plan's
-        check, and on a GPU every batch bucket's decode graph (memra.engine.backends.InProcess.warm_graphs)."""
-        n = min(EXACT_PIECE + 2, self.cache_ctx - 1)  # a piece boundary crossed, where the context allows
-        # Two prompts where the pools hold them: the engine's own prefill, several sequences' pieces in one
-        # forward (prime_batch), whose kernels are not the ones a lone prompt's forward runs.
-        k = 2 if self.cfg.max_batch >= 2 and self.backend.blocks * BLOCK_SIZE >= 2 * self.cache_ctx else 1
-        caches = [self.backend.new_cache(self.cache_ctx) for _ in range(k)]
-        prompts = [[(7 + 31 * i + 5 * j) % self.model.cfg.vocab_size for i in range(n - j)] for j in range(k)]
-        try:
-            lasts = self.model.prime_batch(prompts, caches)
-            self.model.decode_step_batch([int(last.argmax()) for last in lasts], caches)
-        finally:
-            for c in caches:
-                c.free()
-        self.backend.warm_graphs(self.cfg.max_batch, self.cache_ctx)
+        """Pay the first-use costs before the first request does (memra.engine.warmup): kernel compilation
+        for every prefill size class, the decode plan's check, and on a GPU every batch bucket's decode graph."""
+        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
