@@ -115,12 +115,17 @@ class HybridModel:
         device = self.device if device is None else device
         n_blocks = [-(-(pos0 + n) // BLOCK_SIZE) for pos0, n in zip(pos0s, sizes)]
         offsets = np.arange(BLOCK_SIZE, dtype=np.int64)
+        # Each piece's rows start 16 bytes into the upload's alignment (the positions padded to an even
+        # count): Triton compiles a kernel per pointer alignment, and a view at an odd int64 offset would
+        # cost a compile in the middle of serving.
+        n_pos = sum(sizes) + sum(sizes) % 2
         host = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int64) for pos0, n in zip(pos0s, sizes)]
+                              + [np.zeros(n_pos - sum(sizes), dtype=np.int64)]
                               + [(np.asarray(c.blocks[:nb], dtype=np.int64)[:, None] * BLOCK_SIZE + offsets).ravel()
                                  for c, nb in zip(caches, n_blocks)])
-        flat = upload(torch.from_numpy(host), device)  # [N positions, then each piece's whole blocks' rows]
+        flat = upload(torch.from_numpy(host), device)  # [N positions (+1), then each piece's whole blocks' rows]
         cos, sin = self.ops.rope_cos_sin(flat[: sum(sizes)], self.inv_freq.to(device), self.dtype)
-        ctxs, at, row_at = [], 0, sum(sizes)
+        ctxs, at, row_at = [], 0, n_pos
         for c, pos0, n, nb in zip(caches, pos0s, sizes, n_blocks):
             read_rows = flat[row_at : row_at + pos0 + n]
             ctxs.append(StepContext(cache=c, pos0=pos0, n_tokens=n, cos=cos[at : at + n], sin=sin[at : at + n],
