@@ -2,12 +2,12 @@
 `memra chat` and memra.LLM alike.
 
     submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode, fed the last
-                                        step's tokens on the device -> land the last step: its tokens
-                                        to the host, ended sequences freed (memra.engine.inflight)
-                                        -> prefill chunks -> every row's token chosen on the device,
-                                        not waited for (memra.engine.sampler) -> the landed tokens'
-                                        events to each request's sink, once this step is launched,
-                                        so the readers' threads run while the GPU does
+                                        step's tokens on the device -> prefill chunks -> land the last
+                                        step: its tokens to the host, ended sequences freed
+                                        (memra.engine.inflight) -> every row's token chosen on the
+                                        device, not waited for (memra.engine.sampler) -> the landed
+                                        tokens' events to each request's sink, once this step is
+                                        launched, so the readers' threads run while the GPU does
 
 step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
 
