@@ -32,15 +32,14 @@ def wave_prompts(tokens: int, cache_ctx: int, max_prompts: int, vocab: int) -> l
     k = max(-(-tokens // max(longest, 1)), min(2, max_prompts, tokens))
     if k > max_prompts or longest < 1:
         return []
-    lengths = [tokens // k + (j < tokens % k) for j in range(k)]
-    return [[(7 + 31 * i + 5 * j) % vocab for i in range(n)] for j, n in enumerate(lengths)]
+    return [_prompt(j, tokens // k + (j < tokens % k), vocab) for j in range(k)]
 
 
 def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -> None:
     """Run the warm-up above on `backend`'s pools; every block and slot it takes is handed back."""
     free_prompts = min(max_batch, backend.slots or max_batch, _room(backend, cache_ctx))
     n = min(EXACT_PIECE + 2, cache_ctx - 1)  # a piece boundary crossed, where the context allows
-    first = [[(7 + 31 * i + 5 * j) % model.cfg.vocab_size for i in range(n - j)] for j in range(min(2, free_prompts))]
+    first = [_prompt(j, max(n - j, 1), model.cfg.vocab_size) for j in range(min(2, free_prompts))]
     _prime(model, backend, first, cache_ctx, decode=True)
     if model.device.type == "cuda":
         for size in wave_sizes(token_budget):
@@ -48,6 +47,11 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
             if prompts:
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
+
+
+def _prompt(j: int, n: int, vocab: int) -> list[int]:
+    """Warm-up prompt j: n token ids, spread over the vocabulary."""
+    return [(7 + 31 * i + 5 * j) % vocab for i in range(n)]
 
 
 def _room(backend, cache_ctx: int) -> int:
