@@ -20,6 +20,7 @@ _counts = {
     "prime_batch_splits": 0,  # ... of those forwards, the ones that walked the stage split (PP)
     "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
     "graph_replays": 0,  # decode steps replayed from them
+    "kernel_compiles": 0,  # Triton kernels compiled or loaded from its disk cache (after warm-up: a stalled step)
     # speculative decoding (memra.spec)
     "spec_verify_forwards": 0,  # decode_step_t calls (T-token verify forwards)
     "spec_verify_columns": 0,  # tokens they fed (sum of T)

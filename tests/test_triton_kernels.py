@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from memra.kernels import reference  # noqa: E402
 from memra.kernels.table import triton_ops  # noqa: E402  (interpreted on CPU: conftest sets TRITON_INTERPRET)
@@ -382,3 +383,19 @@ def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     o2, s2 = gdn_triton.gdn_prefill(q[cut:], k[cut:], v[cut:], beta[cut:], g[cut:], s1, pos0 + cut)
     same_bits(torch.cat((o1, o2)), o)
     same_bits(s2, s)
+
+
+@triton.jit
+def _one_store(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="Triton's interpreter compiles nothing")
+def test_a_kernel_compile_moves_the_liveness_counter():
+    """What memra:kernel_compiles_total counts: a kernel Triton compiles in this process (a fresh
+    specialisation of a small kernel here: the element type of its pointer)."""
+    from memra import counters
+
+    before = counters.snapshot()
+    _one_store[(1,)](torch.zeros(1, device=DEVICE, dtype=torch.float64))
+    assert counters.delta(before)["kernel_compiles"] == 1

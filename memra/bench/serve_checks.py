@@ -63,7 +63,8 @@ def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
 
 def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float, prefix: str = "memra:") -> list[str]:
     """Where the server's engine spent the run (memra:engine_step_seconds by kind): steps, their mean
-    time and their share of the client's wall time. Empty when the server does not export it."""
+    time and their share of the client's wall time; and how many kernels it compiled meanwhile (a
+    compile after the warm-up stalls a step). Empty when the server exports neither."""
     lines, busy = [], 0.0
     for kind in ("decode", "prefill", "mixed"):
         key = f"{prefix}engine_step_seconds_%s{{kind={kind}}}"
@@ -75,6 +76,9 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
             lines.append(f"engine      {kind:8s}{int(n):7d} steps, {s / n * 1e3:8.2f} ms each, {s:7.2f} s{share}")
     if lines:
         lines.append(f"engine      idle    {max(wall_s - busy, 0.0):7.2f} s of {wall_s:.2f} s wall")
+    compiles = f"{prefix}kernel_compiles_total"
+    if compiles in after:  # after the warm-up, each one stalled a step for its compile
+        lines.append(f"engine      kernel compiles during the run: {int(after[compiles] - before.get(compiles, 0.0))}")
     return lines
 
 

@@ -45,9 +45,10 @@ def triton_ops() -> types.SimpleNamespace | None:
     """The Triton twins of the batch-shaped ops under memra.kernels.reference's names (so the table can
     call either through one `_impl`), or None where Triton is not installed (CPU-only machines)."""
     try:
-        from memra.kernels.triton import activation, attention, gdn, linear, norm, rope
+        from memra.kernels.triton import activation, attention, common, gdn, linear, norm, rope
     except ImportError:
         return None
+    common.count_compiles()
     return types.SimpleNamespace(
         linear=linear.linear, silu_mul=activation.silu_mul,
         rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,

@@ -1,5 +1,5 @@
 """What several Triton families share: whether Triton's interpreter runs them (TRITON_INTERPRET, CI's CPU
-runs), and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
+runs), the count of kernels compiled, and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import triton
 import triton.language as tl
 
+from memra import counters
 from memra.settings import process_env
 
 
@@ -16,6 +17,26 @@ def _interpreting() -> bool:
     """Triton's own switch (tests on CPU). Read once: Triton fixes it when a kernel is first decorated,
     and the launch wrappers ask on every call, which must not read the environment each time."""
     return process_env().get("TRITON_INTERPRET", "0") == "1"
+
+
+def count_compiles() -> None:
+    """From now on, count every kernel Triton compiles in this process (or loads from its disk cache)
+    in the liveness counter `kernel_compiles` (on /metrics as memra:kernel_compiles_total): after the
+    warm-up each one is a step that stalled for it. Through Triton's own post-compile hook, chained
+    after any hook already there; a second call changes nothing (memra.kernels.table.triton_ops calls it)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return  # a Triton without the hook: the counter stays at 0
+    previous = runtime.jit_post_compile_hook
+    if getattr(previous, "counts_kernel_compiles", False):
+        return
+
+    def counted(*args, **kwargs):
+        counters.bump("kernel_compiles")
+        return previous(*args, **kwargs) if previous is not None else None
+
+    counted.counts_kernel_compiles = True
+    runtime.jit_post_compile_hook = counted
 
 
 @triton.jit
