@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from memra.config import ModelConfig
@@ -208,6 +209,13 @@ class Cache:
             self._tables[key] = cached
         pos = torch.arange(stop, device=device)
         return cached[1][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    def host_block_rows(self, stop: int) -> np.ndarray:
+        """read_rows' arithmetic on the host, for whole blocks: the flat pool rows of the blocks holding
+        positions 0..stop-1, in position order (int64 [ceil(stop / BLOCK_SIZE) * BLOCK_SIZE]; the tail
+        past stop is the rest of the last block)."""
+        blocks = np.asarray(self.blocks[: -(-stop // BLOCK_SIZE)], dtype=np.int64)
+        return (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE, dtype=np.int64)).ravel()
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for n_tokens more positions, or refuse before anything is written."""

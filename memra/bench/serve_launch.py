@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import IO
 
 from memra.errors import MemraError
 from memra.settings import process_env
@@ -37,7 +38,7 @@ def free_port() -> int:
 class LaunchedServer:
     proc: subprocess.Popen
     url: str
-    log: "tempfile._TemporaryFileWrapper"  # the child's stdout + stderr
+    log: IO[bytes]  # the child's stdout + stderr (a temporary file)
 
     def output(self) -> str:
         self.log.flush()

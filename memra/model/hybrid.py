@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from memra.cache import BLOCK_SIZE, PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
+from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
 from memra.pools import KvBudget, ModelPools
 from memra.settings import Settings
 from memra.config import ModelConfig, RopeConfig
@@ -113,24 +113,21 @@ class HybridModel:
         values (the tables are elementwise in the position; the pool rows are read_rows' arithmetic on
         the block tables, done on the host)."""
         device = self.device if device is None else device
-        n_blocks = [-(-(pos0 + n) // BLOCK_SIZE) for pos0, n in zip(pos0s, sizes)]
-        offsets = np.arange(BLOCK_SIZE, dtype=np.int64)
+        total = sum(sizes)
+        rows = [c.host_block_rows(pos0 + n) for c, pos0, n in zip(caches, pos0s, sizes)]
         # Each piece's rows start 16 bytes into the upload's alignment (the positions padded to an even
         # count): Triton compiles a kernel per pointer alignment, and a view at an odd int64 offset would
         # cost a compile in the middle of serving.
-        n_pos = sum(sizes) + sum(sizes) % 2
         host = np.concatenate([np.arange(pos0, pos0 + n, dtype=np.int64) for pos0, n in zip(pos0s, sizes)]
-                              + [np.zeros(n_pos - sum(sizes), dtype=np.int64)]
-                              + [(np.asarray(c.blocks[:nb], dtype=np.int64)[:, None] * BLOCK_SIZE + offsets).ravel()
-                                 for c, nb in zip(caches, n_blocks)])
+                              + [np.zeros(total % 2, dtype=np.int64)] + rows)
         flat = upload(torch.from_numpy(host), device)  # [N positions (+1), then each piece's whole blocks' rows]
-        cos, sin = self.ops.rope_cos_sin(flat[: sum(sizes)], self.inv_freq.to(device), self.dtype)
-        ctxs, at, row_at = [], 0, n_pos
-        for c, pos0, n, nb in zip(caches, pos0s, sizes, n_blocks):
+        cos, sin = self.ops.rope_cos_sin(flat[:total], self.inv_freq.to(device), self.dtype)
+        ctxs, at, row_at = [], 0, total + total % 2
+        for c, pos0, n, piece_rows in zip(caches, pos0s, sizes, rows):
             read_rows = flat[row_at : row_at + pos0 + n]
             ctxs.append(StepContext(cache=c, pos0=pos0, n_tokens=n, cos=cos[at : at + n], sin=sin[at : at + n],
                                     recurrent=False, kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows))
-            at, row_at = at + n, row_at + nb * BLOCK_SIZE
+            at, row_at = at + n, row_at + len(piece_rows)
         return ctxs
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
