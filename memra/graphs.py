@@ -86,13 +86,8 @@ class StaticDecode:
     def body(self) -> torch.Tensor:
         """The decode step of every row, from `args` alone -> logits [Bp, V] fp32 (into self.logits)."""
         m = self.model
-        ids, pos, slots, table = self.args[:, 0], self.args[:, 1], self.args[:, 2], self.args[:, 3:]
-        flat = (table[:, :, None] * BLOCK_SIZE + self.offsets).reshape(self.bucket, -1)  # [Bp, NB*BLOCK]
-        write_rows = flat.gather(1, pos[:, None])[:, 0]  # [Bp] where each row's new K/V goes
-        cos, sin = m.ops.rope_cos_sin(pos, m.inv_freq, m.dtype)  # [Bp, R]
-        group = RowGroup(self.kv, slice(None), write_rows, flat.reshape(-1), self.starts, pos + 1, flat.shape[1])
-        step = StackedStep([], cos, sin, (group,), rec=self.rec, slots=slots if self.rec is not None else None)
-        h = m.embed_tokens(ids)
+        step = table_step(m, self.kv, self.rec, self.args[:, 1:], self.offsets, self.starts)
+        h = m.embed_tokens(self.args[:, 0])
         for block in m.blocks:
             h = block.forward_stacked(h, step)
         self.logits.copy_(m.logits(m.norm_out(h)))
@@ -103,16 +98,9 @@ class StaticDecode:
         slot) into `args`. The scratch comes with each call, not with the graph: a bucket's graph may
         first be captured by a full batch, which pads nothing."""
         # Only the table columns some row uses come from the host, so a wide table (a long max_ctx) costs
-        # no copy per step; the rest are zeroed on the device (block 0: a valid index for paths that
-        # gather a row's whole table and mask by length, never a stale block of an earlier fill).
-        # Built in numpy, whose element stores are cheap next to torch's: 64 rows of 20 blocks take
-        # 0.05-0.1 ms against 1.7 ms on a 2-core CPU, host time spent before the replay can launch.
+        # no copy per step; the rest are zeroed on the device (never a stale block of an earlier fill).
         b, used = len(caches), max(len(c.blocks) for c in caches)
-        host = np.zeros((self.bucket, 2 + used), dtype=np.int64)
-        for i, c in enumerate(caches):
-            host[i, 0] = c.pos
-            host[i, 1] = c.slot if c.slot is not None else 0
-            host[i, 2 : 2 + len(c.blocks)] = c.blocks
+        host = host_rows(caches, self.bucket, used)
         if b < self.bucket:  # inert rows: position 0 of the scratch block, the scratch slot
             if scratch is None:
                 raise RuntimeError(f"a batch of {b} in the graph of bucket {self.bucket} needs the pools' scratch "
@@ -148,6 +136,43 @@ class StaticDecode:
             self.graph.replay()
             counters.bump("graph_replays")
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
+
+
+def table_step(model, kv: KvPool, rec: RecurrentPool | None, rows: torch.Tensor, offsets: torch.Tensor,
+               starts: torch.Tensor) -> StackedStep:
+    """The stacked step of rows described on the device by rows [B, 2 + NB] (position, recurrent slot,
+    block table): everything derived there, as the captured step derives it. offsets = arange(BLOCK_SIZE);
+    starts[r] = r * NB * BLOCK_SIZE, where row r's prefix begins in the flat rows."""
+    pos, slots, table = rows[:, 0], rows[:, 1], rows[:, 2:]
+    flat = (table[:, :, None] * BLOCK_SIZE + offsets).reshape(rows.shape[0], -1)  # [B, NB*BLOCK]
+    write_rows = flat.gather(1, pos[:, None])[:, 0]  # [B] where each row's new K/V goes
+    cos, sin = model.ops.rope_cos_sin(pos, model.inv_freq, model.dtype)  # [B, R]
+    group = RowGroup(kv, slice(None), write_rows, flat.reshape(-1), starts, pos + 1, flat.shape[1])
+    return StackedStep([], cos, sin, (group,), rec=rec, slots=slots if rec is not None else None)
+
+
+def host_rows(caches: list[Cache], height: int, width: int) -> np.ndarray:
+    """[height, 2 + width] int64: each cache's position, recurrent slot (0 without one) and block table,
+    zero beyond (block 0: a valid index for paths that gather a row's whole table and mask by length).
+    Built in numpy, whose element stores are cheap next to torch's: 64 rows of 20 blocks take 0.05-0.1
+    ms against 1.7 ms on a 2-core CPU, host time spent before the step can launch."""
+    host = np.zeros((height, 2 + width), dtype=np.int64)
+    for i, c in enumerate(caches):
+        host[i, 0] = c.pos
+        host[i, 1] = c.slot if c.slot is not None else 0
+        host[i, 2 : 2 + len(c.blocks)] = c.blocks
+    return host
+
+
+def eager_table_step(model, caches: list[Cache]) -> StackedStep:
+    """The captured step's inputs for these rows, built eagerly (the mixed step's decode rows,
+    memra.runner.bodies.mixed_layers): the same table width as their graph, so the attention kernel gets
+    the same bound and each row the graph's bits."""
+    nb = table_blocks(max(c.max_ctx for c in caches))
+    dev = model.device
+    rows = upload(torch.from_numpy(host_rows(caches, len(caches), nb)), dev)
+    return table_step(model, caches[0].kv, caches[0].rec, rows, torch.arange(BLOCK_SIZE, device=dev),
+                      torch.arange(len(caches), device=dev) * (nb * BLOCK_SIZE))
 
 
 def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None) -> GraphKey:

@@ -134,15 +134,8 @@ def prime_batch(model, prompts, caches, chunk_size: int | None = None,
     chunk = PRIME_CHUNK_MAX_TOKENS if chunk_size is None else int(chunk_size)
     if not 1 <= chunk <= PRIME_CHUNK_MAX_TOKENS:
         raise MemraError(f"prime chunk size must be in 1..{PRIME_CHUNK_MAX_TOKENS}, got {chunk_size}")
-    if len(prompts) != len(caches):
-        raise MemraError(f"prime_batch got {len(prompts)} prompts for {len(caches)} caches")
-    if len({id(c) for c in caches}) != len(caches):
-        raise MemraError("prime_batch got the same cache twice; each prompt must be its own sequence")
     exact = _exact(model)
-    tokens = [_as_ids(model, p) for p in prompts]
-    model.executor.preflight("prime", caches)
-    for c, t in zip(caches, tokens):
-        c.reserve(t.numel())  # refuses (context overflow) before any position moves
+    tokens = _check_prompts(model, prompts, caches)
     pieces = [_pieces(model, t, c.pos, chunk, exact) for t, c in zip(tokens, caches)]
     if not batching_prime(model, exact):
         return [model.executor.run_prime(p, c, False, False) for p, c in zip(pieces, caches)]
@@ -156,6 +149,58 @@ def prime_batch(model, prompts, caches, chunk_size: int | None = None,
                 if row is not None:
                     out[i] = row
     return out
+
+
+def _check_prompts(model, prompts, caches) -> list[torch.Tensor]:
+    """Every refusal of a batched prime, before any position moves. -> each prompt's ids on the device."""
+    if len(prompts) != len(caches):
+        raise MemraError(f"prime_batch got {len(prompts)} prompts for {len(caches)} caches")
+    if len({id(c) for c in caches}) != len(caches):
+        raise MemraError("prime_batch got the same cache twice; each prompt must be its own sequence")
+    tokens = [_as_ids(model, p) for p in prompts]
+    model.executor.preflight("prime", caches)
+    for c, t in zip(caches, tokens):
+        c.reserve(t.numel())  # refuses (context overflow) before any position moves
+    return tokens
+
+
+def mixes(model, exact: bool, dec_caches, pre_caches) -> bool:
+    """Do a decode step and a prefill wave share one forward here? Where the executor mixes (unsplit, and
+    MEMRA_MIXED_STEP: by default where decode steps are not graphed), the wave's pieces may share one
+    (batching_prime), the decode rows run stacked and every cache is in the same two pools. Then every op a row meets is either row-wise (on the exact path a
+    batch-invariant kernel, whose row bits the self-test holds equal across row counts) or its own
+    kind's mixer launch (a decode row's attention and recurrent step, a piece's prefill attention and
+    chunked scan) with the shapes of its own forward: no row can take bits from the other kind."""
+    if not (model.executor.mixes_steps and batching_prime(model, exact) and _plan(model, exact) == "stacked"):
+        return False
+    kv, rec = dec_caches[0].kv, dec_caches[0].rec
+    return all(c.kv is kv and c.rec is rec for c in (*dec_caches, *pre_caches))
+
+
+@on_model_device
+@torch.inference_mode()
+def mixed_step(model, tokens, dec_caches, prompts, pre_caches) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The engine's step: decode_step_batch(tokens, dec_caches) and prime_batch(prompts, pre_caches), in
+    one forward where `mixes` holds and the prompts make one wave of one piece each, so the weights are
+    read once for both (a prefill of a few short prompts otherwise costs a whole second weight read).
+    -> (decode logits [B, V] fp32 or None without rows, each prompt's last-position logits [V]): bit for
+    bit what the two calls return (tests/test_llm.py holds the engine's answers to the reference loop).
+    Elsewhere it makes the two calls, decode first."""
+    exact = _exact(model)
+    if not (dec_caches and prompts and mixes(model, exact, dec_caches, pre_caches)):
+        return (model.decode_step_batch(tokens, dec_caches) if dec_caches else None,
+                model.prime_batch(prompts, pre_caches) if prompts else [])
+    if {id(c) for c in dec_caches} & {id(c) for c in pre_caches}:
+        raise MemraError("mixed_step got a cache both to decode and to prefill; a sequence takes one of the two")
+    ids = _check_batch(model, tokens, dec_caches)
+    pre = _check_prompts(model, prompts, pre_caches)
+    pieces = [_pieces(model, t, c.pos, PRIME_CHUNK_MAX_TOKENS, exact) for t, c in zip(pre, pre_caches)]
+    if any(len(p) > 1 for p in pieces) or sum(t.numel() for t in pre) > PRIME_CHUNK_MAX_TOKENS:
+        return model.decode_step_batch(ids, dec_caches), model.prime_batch(pre, pre_caches)  # more than one wave
+    logits, lasts = model.executor.run_mixed(ids, dec_caches, [p[0] for p in pieces], pre_caches)
+    counters.bump("decode_batch_rows", len(dec_caches))
+    counters.bump("mixed_steps")
+    return logits, lasts
 
 
 def _token_groups(items: list[int], sizes: list[int], budget: int) -> list[list[int]]:

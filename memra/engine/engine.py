@@ -1,9 +1,10 @@
 """The engine: the one loop that decides every next token, for the server, `memra generate`,
 `memra chat` and memra.LLM alike.
 
-    submit() --> [commands] --> step(): schedule -> swap out/in -> one batched decode, fed the last
-                                        step's tokens on the device -> prefill chunks -> land the last
-                                        step: its tokens to the host, ended sequences freed
+    submit() --> [commands] --> step(): schedule -> swap out/in -> the decode rows, fed the last
+                                        step's tokens on the device, and the prefill chunks, in one
+                                        forward where they may share it (memra.step.mixed_step) ->
+                                        land the last step: its tokens to the host, ended sequences freed
                                         (memra.engine.inflight) -> every row's token chosen on the
                                         device, not waited for (memra.engine.sampler) -> the landed
                                         tokens' events to each request's sink, once this step is
@@ -52,7 +53,7 @@ from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_err
 from memra.engine.warmup import warm_up
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
-from memra.step import EXACT_PIECE
+from memra.step import EXACT_PIECE, mixed_step
 from memra.upload import upload_values
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "TokenEvent", "Unavailable"]
@@ -270,29 +271,27 @@ class Engine:
         for rid in plan.swap_in:
             self.seqs[rid].swap_in(self.backend, self.cache_ctx)
         prefilled: dict[str, int] = {}
-        ready: list[SeqState] = []  # sequences that get a token this step, in the order of `logits`' rows
-        logits: list[torch.Tensor] = []
-        if plan.decode:  # first: a graphed step returns once launched, and the GPU runs it while the host
-            # issues the prefill's kernels (disjoint sequences: the order of the two forwards changes no bits)
-            rows = [self.seqs[rid] for rid in plan.decode]
-            ids = decode_ids(rows, self._inflight, self.model.device)
-            logits.append(self.model.decode_step_batch(ids, [s.cache for s in rows]))
-            ready += rows
-        if plan.prefill:  # every prefill chunk of the step in shared forwards (memra.step.prime_batch)
-            chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
-            for s, start, _ in chunks:
-                if s.cache is None:
-                    s.cache = self._new_cache(s)
-                assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
-            lasts = self.model.prime_batch([s.prompt[start : start + n] for s, start, n in chunks],
-                                           [s.cache for s, _, _ in chunks])
-            for (s, start, n), last in zip(chunks, lasts):
-                prefilled[s.rid] = n
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(n)
-                if start + n == len(s.prompt):  # its first token comes from the last prompt position
-                    ready.append(s)
-                    logits.append(last[None])
+        rows = [self.seqs[rid] for rid in plan.decode]
+        chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
+        for s, start, _ in chunks:
+            if s.cache is None:
+                s.cache = self._new_cache(s)
+            assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
+        # The decode rows, fed the last step's tokens on the device, and every prefill chunk: in one forward
+        # where memra.step.mixes holds, else a graphed decode (it returns once launched, and the GPU runs it
+        # while the host issues the prefill's kernels) and the chunks' shared forwards (memra.step.prime_batch).
+        decoded, lasts = mixed_step(self.model, decode_ids(rows, self._inflight, self.model.device) if rows else None,
+                                    [s.cache for s in rows], [s.prompt[start : start + n] for s, start, n in chunks],
+                                    [s.cache for s, _, _ in chunks])
+        ready: list[SeqState] = list(rows)  # sequences that get a token this step, in the order of `logits`' rows
+        logits: list[torch.Tensor] = [decoded] if rows else []
+        for (s, start, n), last in zip(chunks, lasts):
+            prefilled[s.rid] = n
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(n)
+            if start + n == len(s.prompt):  # its first token comes from the last prompt position
+                ready.append(s)
+                logits.append(last[None])
         # The last step's tokens, after this step's kernels are all queued: waiting for them first held a
         # prefilling step's launches back until the GPU had finished the step before (4.4 ms a mixed step
         # in an H200 profile). A sequence that ends as it lands keeps its blocks until here, which the

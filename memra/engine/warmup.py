@@ -1,7 +1,7 @@
 """An engine's warm-up: the first-use costs paid before the first request rather than by it.
 
-- The engine's own prefill (prime_batch, several prompts' pieces in one forward where batching is live)
-  and a decode step: kernel compilation and the decode plan's check.
+- The engine's own prefill (prime_batch, several prompts' pieces in one forward where batching is live),
+  a decode step and a mixed step (memra.step.mixed_step): kernel compilation and the decode plan's check.
 - On a GPU, one prefill wave in each size class a step can run (2 tokens, then x4, up to the step's
   token budget). Triton compiles a kernel per tile configuration, and the projections take theirs by
   the wave's row count (memra.kernels.triton.linear.LINEAR_BUCKETS); a class met first by a request
@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from memra.cache import BLOCK_SIZE
-from memra.step import EXACT_PIECE
+from memra.step import EXACT_PIECE, mixed_step
 
 
 def wave_sizes(token_budget: int) -> list[int]:
@@ -41,6 +41,8 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
     n = min(EXACT_PIECE + 2, cache_ctx - 1)  # a piece boundary crossed, where the context allows
     first = [_prompt(j, max(n - j, 1), model.cfg.vocab_size) for j in range(min(2, free_prompts))]
     _prime(model, backend, first, cache_ctx, decode=True)
+    if free_prompts >= 3:
+        _mixed(model, backend, first, cache_ctx)
     if model.device.type == "cuda":
         for size in wave_sizes(token_budget):
             prompts = wave_prompts(size, cache_ctx, free_prompts, model.cfg.vocab_size)
@@ -57,6 +59,17 @@ def _prompt(j: int, n: int, vocab: int) -> list[int]:
 def _room(backend, cache_ctx: int) -> int:
     """How many sequences of cache_ctx tokens the KV pool holds at once."""
     return backend.blocks * BLOCK_SIZE // cache_ctx
+
+
+def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
+    """The engine's mixed step (memra.step.mixed_step): these prompts' sequences decode while one more prefills."""
+    caches = [backend.new_cache(cache_ctx) for _ in range(len(prompts) + 1)]
+    try:
+        model.prime_batch(prompts, caches[:-1])
+        mixed_step(model, [1] * len(prompts), caches[:-1], [prompts[0]], caches[-1:])
+    finally:
+        for c in caches:
+            c.free()
 
 
 def _prime(model, backend, prompts: list[list[int]], cache_ctx: int, decode: bool) -> None:

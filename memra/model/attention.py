@@ -36,6 +36,20 @@ class Attention:
         pieces share a KV pool, as in the engine); each piece attends over its own sequence's prefix,
         with exactly the shapes of its solo forward."""
         q, k, v, gate = self._project(x)
+        return self._output(self._attend_pieces(q, k, v, wave), gate)
+
+    def forward_mixed(self, x: torch.Tensor, step: StackedStep, wave: Segments) -> torch.Tensor:
+        """x [B + N, E]: B decode rows (step), then N rows of prompt pieces (wave, rows counted from B).
+        The projections run over all rows; each kind attends as its own forward does."""
+        q, k, v, gate = self._project(x)
+        b = x.shape[0] - wave.bounds[-1][1]
+        o = torch.cat((self._attend_rows(q[:b], k[:b], v[:b], step), self._attend_pieces(q[b:], k[b:], v[b:], wave)))
+        return self._output(o, gate)
+
+    def _attend_pieces(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wave: Segments) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (not yet rotated) of a wave's pieces -> [N, Hq*D]: every piece's
+        K/V written, then each attends over its own sequence's prefix."""
+        n = q.shape[0]
         pieces = list(zip(wave.bounds, wave.ctxs))
         if wave.kv_write_rows is not None:
             q = self._rope_write(q, k, v, wave.cos, wave.sin, wave.ctxs[0].cache.kv, wave.kv_write_rows)
@@ -43,13 +57,13 @@ class Attention:
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
         if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
-            return self._output(joined([self._attend(q[a:b], c) for (a, b), c in pieces]), gate)
+            return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
         kv = wave.ctxs[0].cache.kv
         o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale)
         for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
             (a, b), c = pieces[i]
             o[a:b] = self._attend(q[a:b], c).view(b - a, self.n_heads, self.head_dim)
-        return self._output(o.reshape(x.shape[0], self.n_heads * self.head_dim), gate)
+        return o.reshape(n, self.n_heads * self.head_dim)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """x [B, E]: row i is one new token of step.ctxs[i]'s sequence — B sequences of a batched decode,

@@ -32,6 +32,11 @@ class Block:
         x = self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc)
         return self._ffn(h, self.mixer.forward_segments(x, wave))
 
+    def forward_mixed(self, h: torch.Tensor, step: StackedStep, wave: Segments) -> torch.Tensor:
+        """h [B + N, E] -> [B + N, E]: a decode step's B rows, then a prefill wave's N rows, in one forward
+        (memra.step.mixed_step). Row-wise work over all rows; each kind's mixer part as its own forward."""
+        return self._ffn(h, self.mixer.forward_mixed(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step, wave))
+
     def forward_stacked(self, h: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """h [B, E] -> [B, E]: one token each of B sequences, stacked (the fast, non-exact decode)."""
         return self._ffn(h, self.mixer.forward_stacked(self.ops.rms_norm(h, self.attn_norm, self.eps, self.zc), step))

@@ -31,7 +31,6 @@ class GatedDeltaNet:
                                   g.v_head_dim)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        g, t = self.g, x.shape[0]
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state = ctx.cache.conv_state(self.layer)
         mixed, new_conv = self.ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
@@ -46,25 +45,45 @@ class GatedDeltaNet:
         state.copy_(new_state)
         if ctx.trail is not None:  # a verify column run alone (the row plan)
             ctx.trail.record(self.layer, ctx.column, conv_state, state)
-        y = self.ops.gated_rms_norm(o, z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
+        return self._output(o, z)
 
     def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
         """x [N, E]: prompt pieces of several sequences, piece i in rows wave.bounds[i], context wave.ctxs[i].
         Projections, norms and gates run over all N rows at once (row-wise ops); the conv and the chunked
         delta rule run each piece on its own sequence's state, with the arithmetic of its solo forward:
         in one launch per kernel where the states share a pool (wave.recurrent), else piece by piece."""
-        g, n = self.g, x.shape[0]
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
-        if wave.recurrent is not None:
-            pool = wave.ctxs[0].cache.rec
-            mixed = self.ops.causal_conv_pieces(mixed, pool.conv[self.layer], self.conv, wave.recurrent)
-            q, k, v, beta, decay = self._heads(mixed, b, a)
-            o = self.ops.gdn_prefill_pieces(q, k, v, beta, decay, pool.ssm[self.layer], wave.recurrent)
-        else:
-            o = self._pieces_one_by_one(mixed, b, a, wave)
-        y = self.ops.gated_rms_norm(o, z.reshape(n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return self.ops.linear(y.reshape(n, g.value_dim), self.wo)
+        return self._output(self._mix_pieces(mixed, b, a, wave), z)
+
+    def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
+        """The stacked batched decode: x [B, E], one generated token per sequence, each with its own
+        cache. Projections run as one [B, E] matmul; the delta-rule states are stepped where they are in
+        the pool (a graph's static step) or gathered, stepped and scattered (caches of their own)."""
+        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
+        return self._output(self._mix_rows(mixed, b, a, step), z)
+
+    def forward_mixed(self, x: torch.Tensor, step: StackedStep, wave: Segments) -> torch.Tensor:
+        """x [B + N, E]: B decode rows (step), then N rows of prompt pieces (wave, rows counted from B).
+        Projections, norms and gates over all rows; the recurrent part of each kind as its own forward runs it."""
+        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
+        r = x.shape[0] - wave.bounds[-1][1]
+        return self._output(torch.cat((self._mix_rows(mixed[:r], b[:r], a[:r], step),
+                                       self._mix_pieces(mixed[r:], b[r:], a[r:], wave))), z)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output o [T, Hv, Dv], gated and normed by z [T, value_dim], projected -> [T, E]."""
+        g, t = self.g, o.shape[0]
+        y = self.ops.gated_rms_norm(o, z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
+        return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
+
+    def _mix_pieces(self, mixed, b, a, wave: Segments) -> torch.Tensor:
+        """Prompt pieces' conv and chunked delta rule -> o [N, Hv, Dv]."""
+        if wave.recurrent is None:
+            return self._pieces_one_by_one(mixed, b, a, wave)
+        pool = wave.ctxs[0].cache.rec
+        mixed = self.ops.causal_conv_pieces(mixed, pool.conv[self.layer], self.conv, wave.recurrent)
+        q, k, v, beta, decay = self._heads(mixed, b, a)
+        return self.ops.gdn_prefill_pieces(q, k, v, beta, decay, pool.ssm[self.layer], wave.recurrent)
 
     def _pieces_one_by_one(self, mixed, b, a, wave: Segments) -> torch.Tensor:
         """The conv and the chunked delta rule a piece at a time (states in pools of their own) -> o [N, Hv, Dv]."""
@@ -84,12 +103,9 @@ class GatedDeltaNet:
             outs.append(o)
         return torch.cat(outs)
 
-    def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
-        """The stacked batched decode: x [B, E], one generated token per sequence, each with its own
-        cache. Projections run as one [B, E] matmul; the delta-rule states are stepped where they are in
-        the pool (a graph's static step) or gathered, stepped and scattered (caches of their own)."""
-        g, b_n, ctxs = self.g, x.shape[0], step.ctxs
-        mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
+    def _mix_rows(self, mixed, b, a, step: StackedStep) -> torch.Tensor:
+        """Decode rows' conv step and delta-rule step, one token each -> o [B, Hv, Dv]."""
+        ctxs = step.ctxs
         if step.slots is not None:  # one pool, slots by index (a graph's static step): states stepped in place
             mixed = self.ops.causal_conv_step_into(mixed, step.rec.conv[self.layer], step.slots, self.conv)
         else:
@@ -97,15 +113,13 @@ class GatedDeltaNet:
             mixed, new_conv = self.ops.causal_conv_step(mixed, conv_states, self.conv)
         q, k, v, beta, decay = self._heads(mixed, b, a)
         if step.slots is not None:  # the states ([B, Hv, Dk, Dv] fp32, 2 MiB a row on the 9B) stepped in the pool
-            o = self.ops.delta_rule_step_into(q, k, v, beta, decay, step.rec.ssm[self.layer], step.slots)
-        else:
-            states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
-            o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
-            for i, c in enumerate(ctxs):
-                c.cache.conv_state(self.layer).copy_(new_conv[i])
-                c.cache.ssm_state(self.layer).copy_(new_states[i])
-        y = self.ops.gated_rms_norm(o, z.reshape(b_n, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return self.ops.linear(y.reshape(b_n, g.value_dim), self.wo)
+            return self.ops.delta_rule_step_into(q, k, v, beta, decay, step.rec.ssm[self.layer], step.slots)
+        states = torch.stack([c.cache.ssm_state(self.layer) for c in ctxs])
+        o, new_states = self.ops.delta_rule_step(q, k, v, beta, decay, states)
+        for i, c in enumerate(ctxs):
+            c.cache.conv_state(self.layer).copy_(new_conv[i])
+            c.cache.ssm_state(self.layer).copy_(new_states[i])
+        return o
 
     def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
@@ -116,7 +130,6 @@ class GatedDeltaNet:
         - the delta rule as one scan over the T tokens in order: decode's own kernel (T=1 per row
           there), so every token's step has decode's bits. The state after each token is kept for
           rollback (the trail)."""
-        g, t = self.g, x.shape[0]
         cache, trail = step.ctxs[0].cache, step.ctxs[0].trail
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
         conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
@@ -130,5 +143,4 @@ class GatedDeltaNet:
         state.copy_(states[0, -1])
         if trail is not None:
             trail.record_ssm_all(self.layer, states[0])
-        y = self.ops.gated_rms_norm(o[0], z.reshape(t, g.n_v_heads, g.v_head_dim), self.norm, self.eps)
-        return self.ops.linear(y.reshape(t, g.value_dim), self.wo)
+        return self._output(o[0], z)

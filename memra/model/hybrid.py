@@ -149,6 +149,15 @@ class HybridModel:
             h = block.forward_segments(h, wave)
         return h
 
+    def forward_layers_mixed(self, h: torch.Tensor, step: StackedStep, ctxs: list[StepContext],
+                             bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """A decode step and a prefill wave in one walk over every layer: h [B + N, E], the decode rows
+        (step) first, then the prompt pieces (ctxs[i] in rows B + bounds[i]; memra.step.mixed_step)."""
+        wave = Segments.of(ctxs, bounds)
+        for block in self.blocks:
+            h = block.forward_mixed(h, step, wave)
+        return h
+
     def forward_layers_stacked(self, h: torch.Tensor, ctxs: list[StepContext], start: int = 0,
                                stop: int | None = None, tokens: bool = False) -> torch.Tensor:
         """The stacked walk over layers [start, stop): h [B, E], one new token per row — B sequences of a

@@ -265,6 +265,7 @@ class DistPipeline:
 
     runtime = None  # no in-process stage runtime: the stages are processes
     batches_prime = False  # a PRIME command carries one sequence's piece
+    mixes_steps = False  # a decode and a prefill are commands of their own
 
     @property
     def plan_verified(self) -> dict:

@@ -90,6 +90,7 @@ class PipelineExecutor:
             self.refuse_unsplit(call, "MEMRA_SPEC_PP=1 (the split verify)")
 
     batches_prime = True
+    mixes_steps = False  # the stages walk a decode or a wave; a mixed forward is the unsplit executor's
 
     def run_prime_wave(self, pieces, caches, want) -> list:
         if not self.runtime.doors.prime_pp:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from memra.cache import Cache, StateTrail
-from memra.graphs import graphed_decode
+from memra.graphs import eager_table_step, graphed_decode
 
 
 def piece_layers(model, h: torch.Tensor, cache: Cache, pos0: int, a: int, b: int | None,
@@ -42,6 +42,16 @@ def segment_bounds(pieces) -> list[tuple[int, int]]:
         bounds.append((lo, lo + p.numel()))
         lo += p.numel()
     return bounds
+
+
+def mixed_layers(model, h: torch.Tensor, dec_caches, pre_caches, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """A decode step and a prefill wave in one walk over every layer: h [B + N, E], one new token for each
+    of dec_caches (at cache.pos), then prompt pieces into pre_caches (piece i in rows B + bounds[i]).
+    -> [B + N, E]; positions not advanced. The decode rows get their captured step's inputs
+    (memra.graphs.eager_table_step), so each has the bits of the graphed step it replaces."""
+    step = eager_table_step(model, dec_caches)
+    ctxs = model.wave_contexts(pre_caches, [c.pos for c in pre_caches], [hi - lo for lo, hi in bounds])
+    return model.forward_layers_mixed(h, step, ctxs, bounds)
 
 
 def rows_layers(model, h: torch.Tensor, caches, plan: str, a: int, b: int | None,

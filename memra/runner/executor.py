@@ -24,6 +24,7 @@ from memra.decode_plan import decode_bucketed
 from memra.runner.bodies import (
     decode_one,
     decode_stacked,
+    mixed_layers,
     piece_layers,
     segment_bounds,
     segment_layers,
@@ -40,6 +41,7 @@ class Executor(Protocol):
     n_stages: int
     runtime: object | None  # the in-process pipeline's runtime (memra.pp.runtime.PpRuntime), else None
     batches_prime: bool  # can run several sequences' prompt pieces in one forward (run_prime_wave)
+    mixes_steps: bool  # can run a decode step and a prefill wave in one forward (run_mixed)
 
     def open_cache(self, max_ctx: int):
         """A new sequence's cache, drawn from the pools this placement owns."""
@@ -58,6 +60,10 @@ class Executor(Protocol):
         """One forward over one prompt piece of each of several sequences (only where batches_prime). ->
         the last-position logits [V] of piece i where want[i] (its prompt's final piece), else None."""
 
+    def run_mixed(self, ids: torch.Tensor, dec_caches, pieces: Sequence[torch.Tensor], pre_caches):
+        """One stacked decode step of rows ids [B] and one prompt piece into each of pre_caches, in one forward
+        (only where mixes_steps). -> (logits [B, V] fp32, each piece's last-position logits [V])."""
+
     def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         """One decode step of rows ids [B] -> logits [B, V] fp32. `batched`: called as decode_step_batch."""
 
@@ -74,6 +80,7 @@ class UnsplitExecutor:
 
     def __init__(self, model):
         self.model = model
+        self.mixes_steps = model.settings.mixes_steps(model.device.type)  # MEMRA_MIXED_STEP, decided at load
 
     def open_cache(self, max_ctx: int) -> Cache:
         return self.model.pools().new_cache(max_ctx)
@@ -105,6 +112,17 @@ class UnsplitExecutor:
         h = segment_layers(m, m.embed_tokens(torch.cat(list(pieces))), caches, [c.pos for c in caches], bounds, 0, None)
         advance_wave(pieces, caches)
         return wave_logits(m, h, bounds, want)
+
+    def run_mixed(self, ids: torch.Tensor, dec_caches, pieces, pre_caches):
+        m, b = self.model, len(dec_caches)
+        bounds = segment_bounds(pieces)
+        h = mixed_layers(m, m.embed_tokens(torch.cat([ids, *pieces])), dec_caches, pre_caches, bounds)
+        for c in dec_caches:
+            c.pos += 1
+        advance_wave(pieces, pre_caches)
+        rows = upload_values(list(range(b)) + [b + hi - 1 for _, hi in bounds], torch.long, h.device)
+        logits = m.logits(m.norm_out(h.index_select(0, rows)))  # the decode rows, then each piece's last
+        return logits[:b], list(logits[b:])
 
     def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         m = self.model
