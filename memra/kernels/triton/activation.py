@@ -18,10 +18,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from memra.kernels.triton.common import _interpreting, round_to_dtype
+from memra.kernels.triton.launch import lean
 
 SILU_BLOCK = 1024  # feature columns per program (8 per thread at 4 warps: 16-byte loads of bf16)
 
 
+@lean
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Program (row, block of features): gate at columns [0, F), up at [F, 2F) of the row.

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.common import _interpreting
+from memra.kernels.triton.launch import lean
 
 ATTN_SPLIT = 512  # positions per split of a long prefix: more programs for a few long rows
 
@@ -22,6 +23,7 @@ def _decode_block_s(block_d: int) -> int:
     return max(16, min(128, 8192 // block_d))
 
 
+@lean
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, qk_scale,
                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -84,6 +86,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
                  mask=mg[:, None] & md[None, :])
 
 
+@lean
 @triton.jit
 def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
                            BLOCK_D: tl.constexpr):
@@ -157,6 +160,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 64, 4, 2
 
 
+@lean
 @triton.jit(do_not_specialize=["T", "pos0", "n_pieces"])
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, T, pos0, n_pieces, Hq, qk_scale,
                               GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.common import round_to_dtype
+from memra.kernels.triton.launch import lean
 
 CONV_BLOCK = 256  # channels per program
 
@@ -35,6 +36,7 @@ def _conv_out(acc, ty: tl.constexpr):
     return round_to_dtype(tl.math.div_rn(x, 1.0 + tl.exp(-x)), ty).to(ty)
 
 
+@lean
 @triton.jit
 def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, stride_slot, stride_out,
                       KC: tl.constexpr, BLOCK: tl.constexpr):
@@ -82,6 +84,7 @@ def _conv_acc(u_ptr, state_ptr, w_ptr, t, c, mask, stride_u, KC: tl.constexpr, B
     return acc
 
 
+@lean
 @triton.jit
 def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr):
     # Program (token t, channel block) of one piece.
@@ -92,6 +95,7 @@ def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: 
     tl.store(out_ptr + t * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@lean
 @triton.jit
 def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C, stride_u, stride_out, stride_slot,
                         KC: tl.constexpr, BLOCK: tl.constexpr):
@@ -113,6 +117,7 @@ def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C
     tl.store(out_ptr + n * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@lean
 @triton.jit
 def _conv_state_pieces_kernel(u_ptr, pool_ptr, pieces_ptr, C, stride_u, stride_slot, KC: tl.constexpr,
                               BLOCK: tl.constexpr):

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
+from memra.kernels.triton.launch import lean
 from memra.upload import upload_values
 
 # Frozen launch configs (tools/gpu_gdn_prefill.py times the alternatives): value columns of the state per
@@ -67,6 +68,7 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+@lean
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -104,6 +106,7 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
     tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
 
 
+@lean
 @triton.jit(do_not_specialize=["stride_slot"])
 def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, pieces_ptr,
                     stride_slot, H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
@@ -198,6 +201,7 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
 GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
 
 
+@lean
 @triton.jit(do_not_specialize=["T", "INDEXED"])
 def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
                             INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):

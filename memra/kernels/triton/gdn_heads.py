@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.triton.launch import lean
+
 
 @triton.jit
 def _softplus(x):
@@ -33,6 +35,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, log1p)
 
 
+@lean
 @triton.jit
 def _gdn_heads_kernel(m_ptr, b_ptr, a_ptr, a_neg_ptr, dt_bias_ptr, q_ptr, k_ptr, v_ptr, beta_ptr, decay_ptr,
                       stride_m, stride_b, stride_a, KEY_DIM, DK, DV, eps, scale,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.common import _interpreting, round_to_bf16
+from memra.kernels.triton.launch import lean
 
 # The frozen configurations. Changing any of these changes bits (never across batch sizes, but
 # across memra versions), so they are constants rather than autotuned.
@@ -45,6 +46,7 @@ LINEAR_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warp
 LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
 
 
+@lean
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,

@@ -10,10 +10,12 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.common import round_to_bf16
+from memra.kernels.triton.launch import lean
 
 RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
 
 
+@lean
 @triton.jit
 def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -64,6 +66,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: flo
     return s, y
 
 
+@lean
 @triton.jit
 def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_on, stride_oh, stride_zn, stride_zh,
                            BLOCK: tl.constexpr):

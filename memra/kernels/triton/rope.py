@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.triton.launch import lean
+
 
 @triton.jit
 def _rotated(base, cos_ptr, sin_ptr, t, c, D, R, HALF: tl.constexpr, ty: tl.constexpr):
@@ -29,6 +31,7 @@ def _rotated(base, cos_ptr, sin_ptr, t, c, D, R, HALF: tl.constexpr, ty: tl.cons
     return tl.where(in_rot, (a.to(tl.float32) + b.to(tl.float32)).to(ty), x)
 
 
+@lean
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, HALF: tl.constexpr,
                  BLOCK_D: tl.constexpr):
@@ -40,6 +43,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, 
     tl.store(y_ptr + (t * H + h) * D + c, y, mask=c < D)
 
 
+@lean
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rows_ptr, qo_ptr, kp_ptr, vp_ptr, HQ, HKV,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, D, R, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
