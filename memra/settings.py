@@ -112,9 +112,9 @@ class Settings:
 
     def mixes_steps(self, device_type: str) -> bool:
         """MEMRA_MIXED_STEP: run a step's decode rows and prefill chunks as one forward (memra.step.mixed_step)?
-        auto: where decode steps are not replayed from CUDA graphs. An eager mixed forward is host-bound
-        on a GPU: 25.5 ms against 17.3 ms for the graphed decode plus the prefill (an 8B shape, 60 rows and
-        4 prompts of 29 tokens, H200), although its kernels need 10 ms against 13."""
+        auto: where decode steps are not replayed from CUDA graphs. On a GPU an eager mixed forward is
+        host-bound: served, its steps took 28.2 ms against 20.7 for the graphed decode plus the prefill
+        (8B shape, H200), although its kernels need 10 ms where the two calls' need 13."""
         if self.mixed_step == "auto":
             return not (device_type == "cuda" and self.cuda_graphs)
         return self.mixed_step == "1"
@@ -133,8 +133,8 @@ class Settings:
         on = lambda b: "1" if b else "0"  # noqa: E731
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
-                "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step, "MEMRA_GATE_SEED": str(self.gate_seed),
-                "MEMRA_GATE_CANARY": on(self.gate_canary), **self.pp_env}
+                "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
+                "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
         """These settings with some doors set (a value, parsed as from the environment) or unset (None):

@@ -184,14 +184,14 @@ def mixed_step(model, tokens, dec_caches, prompts, pre_caches) -> tuple[torch.Te
     one forward where `mixes` holds and the prompts make one wave of one piece each, so the weights are
     read once for both (a prefill of a few short prompts otherwise costs a whole second weight read).
     -> (decode logits [B, V] fp32 or None without rows, each prompt's last-position logits [V]): bit for
-    bit what the two calls return (tests/test_llm.py holds the engine's answers to the reference loop).
-    Elsewhere it makes the two calls, decode first."""
+    bit what the two calls return (tests/test_mixed_step.py compares them on CUDA). Elsewhere it makes
+    the two calls, decode first."""
+    if {id(c) for c in dec_caches} & {id(c) for c in pre_caches}:
+        raise MemraError("mixed_step got a cache both to decode and to prefill; a sequence takes one of the two")
     exact = _exact(model)
     if not (dec_caches and prompts and mixes(model, exact, dec_caches, pre_caches)):
         return (model.decode_step_batch(tokens, dec_caches) if dec_caches else None,
                 model.prime_batch(prompts, pre_caches) if prompts else [])
-    if {id(c) for c in dec_caches} & {id(c) for c in pre_caches}:
-        raise MemraError("mixed_step got a cache both to decode and to prefill; a sequence takes one of the two")
     ids = _check_batch(model, tokens, dec_caches)
     pre = _check_prompts(model, prompts, pre_caches)
     pieces = [_pieces(model, t, c.pos, PRIME_CHUNK_MAX_TOKENS, exact) for t, c in zip(pre, pre_caches)]

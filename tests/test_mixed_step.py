@@ -103,12 +103,13 @@ def test_the_door_decides_where_steps_mix(load_model):
 
 
 def test_a_cache_cannot_both_decode_and_prefill(load_model):
-    model = load_model(hf_dir("llama")).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP="1")
-    a, b = model.new_cache(64), model.new_cache(64)
-    model.prime([1, 2, 3], a)
-    with pytest.raises(MemraError, match="both to decode and to prefill"):
-        step.mixed_step(model, [4], [a], [[5, 6], [7]], [b, a])
-    assert (a.pos, b.pos) == (3, 0)  # refused before any position moved
+    for doors in ("1", "0"):  # mixed or as two calls, the same refusal
+        model = load_model(hf_dir("llama")).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP=doors)
+        a, b = model.new_cache(64), model.new_cache(64)
+        model.prime([1, 2, 3], a)
+        with pytest.raises(MemraError, match="both to decode and to prefill"):
+            step.mixed_step(model, [4], [a], [[5, 6], [7]], [b, a])
+        assert (a.pos, b.pos) == (3, 0)  # refused before any position moved
 
 
 def test_the_engine_mixes_steps_and_each_request_keeps_its_tokens():

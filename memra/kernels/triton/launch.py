@@ -60,6 +60,10 @@ class Lean:
         key = (device, tuple(_arg_key(a) for a in args), tuple(kwargs.items()))
         compiled = self.variants.get(key)
         if compiled is None:
+            # The key holds runtime arguments by their specialization only: a constexpr (compiled in by
+            # value) must come by name, a tensor positionally.
+            if any(p.is_constexpr for p in self.params[: len(args)]):
+                raise TypeError(f"{self.fn.__name__}: pass constexprs by name to a lean launch")
             if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
                 raise TypeError(f"{self.fn.__name__}: pass tensors positionally to a lean launch")
             self.variants[key] = self.fn[grid](*args, **kwargs)  # compiles (or finds) the variant, and launches
