@@ -121,8 +121,14 @@ def test_table_and_json_round_trip(full_run):
     text = report.table()
     for r in report.rows:
         assert r.model in text
-    for word in ("exact", "fast", "hf", "decode", "prefill", "ttft", "roofline", "vs HF", "vs HF static", "exact/fast", "GB/s"):
+    for word in ("exact", "fast", "hf", "decode", "prefill", "ttft", "roofline", "vs HF", "vs HF static", "exact/fast", "GB/s",
+                 "ctx"):
         assert word in text
+    lines = text.splitlines()
+    for r in report.rows:  # a decode row shows the mean context its roofline assumes
+        if r.phase == "decode" and r.status == "ok":
+            assert r.context > 0
+            assert any(line.split()[:5] == [r.model, r.mode, "decode", str(r.batch), str(r.context)] for line in lines)
     data = json.loads(json.dumps(report.to_json()))
     back = BenchReport.from_json(data)
     assert back == report

@@ -105,13 +105,14 @@ class BenchReport:
             lines.append(f"{m.name}: {m.arch}, {layers} layers, {si(m.params)} trunk params, "
                          f"{si(m.weight_bytes)}B; HF peer: {m.hf_peer}")
             lines += [f"  note: {n}" for n in m.notes]
-        head = ("model", "mode", "phase", "B", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "vs HF static",
+        head = ("model", "mode", "phase", "B", "ctx", "tok/s", "ms/op", "roofline", "of roof", "vs HF", "vs HF static",
                 "exact/fast", "of pooled", "notes")
         body = [head]
         fmt = lambda x, spec: "-" if x is None else format(x, spec)
         for r in self.rows:
             tps = r.status if r.status != "ok" else fmt(r.tokens_per_s, ".1f")
-            body.append((r.model, r.mode, r.phase, str(r.batch), tps,
+            ctx = str(r.context) if r.phase == "decode" and r.context else "-"  # the mean context a decode row reads
+            body.append((r.model, r.mode, r.phase, str(r.batch), ctx, tps,
                          fmt(None if r.seconds is None else r.seconds * 1e3, ".2f"),
                          fmt(r.roofline_tokens_per_s, ".1f"), fmt(r.vs_roofline, ".1%"),
                          fmt(r.vs_hf, ".2f") + ("x" if r.vs_hf else ""),
