@@ -186,7 +186,8 @@ def mixed_step(model, tokens, dec_caches, prompts, pre_caches) -> tuple[torch.Te
     -> (decode logits [B, V] fp32 or None without rows, each prompt's last-position logits [V]): bit for
     bit what the two calls return (tests/test_mixed_step.py compares them on CUDA). Elsewhere it makes
     the two calls, decode first."""
-    if {id(c) for c in dec_caches} & {id(c) for c in pre_caches}:
+    # (a decode-only step, the common one, builds no sets here)
+    if dec_caches and pre_caches and {id(c) for c in dec_caches} & {id(c) for c in pre_caches}:
         raise MemraError("mixed_step got a cache both to decode and to prefill; a sequence takes one of the two")
     exact = _exact(model)
     if not (dec_caches and prompts and mixes(model, exact, dec_caches, pre_caches)):
