@@ -69,6 +69,7 @@ class GraphKey:
     kv_version: int
     rec: int | None  # id() of the recurrent pool
     rec_version: int | None
+    tokens: int = 0  # a mixed step's prompt-token bucket (memra.mixed_graphs); 0 for a decode step
 
 
 class StaticDecode:
@@ -114,28 +115,35 @@ class StaticDecode:
         self.args[b:, 0] = 0
 
     def run(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> torch.Tensor:
-        """The step for these rows -> their logits [B, V]. The first run of a bucket runs it eagerly on a
-        side stream (which also compiles every kernel, so none compiles during capture), then records
-        the graph; recording launches nothing, so the step happens once. Later runs replay. Off the GPU
-        there are no graphs: the static step runs eagerly (how the CPU tests exercise it)."""
+        """The step for these rows -> their logits [B, V], replayed (or first captured: run_static)."""
         self.fill(ids, caches, scratch)
-        if self.args.device.type != "cuda":
-            self.body()
-        elif self.graph is None:
-            side = torch.cuda.Stream(self.args.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.body()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.body()
-            self.graph = graph
-            counters.bump("graph_captures")
-        else:
-            self.graph.replay()
-            counters.bump("graph_replays")
+        run_static(self)
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
+
+
+def run_static(static, pool=None) -> None:
+    """Run a static step's body() (reading its filled buffers, writing its outputs). The first run on a
+    GPU runs it eagerly on a side stream (which also compiles every kernel, so none compiles during
+    capture), then records static.graph (in the memory pool `pool`, or one of its own); recording
+    launches nothing, so the step happens once. Later runs replay. Off the GPU there are no graphs: the
+    body runs eagerly (how the CPU tests exercise it)."""
+    device = static.logits.device
+    if device.type != "cuda":
+        static.body()
+    elif static.graph is None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            static.body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            static.body()
+        static.graph = graph
+        counters.bump("graph_captures")
+    else:
+        static.graph.replay()
+        counters.bump("graph_replays")
 
 
 def table_step(model, kv: KvPool, rec: RecurrentPool | None, rows: torch.Tensor, offsets: torch.Tensor,
@@ -175,14 +183,27 @@ def eager_table_step(model, caches: list[Cache]) -> StackedStep:
                       torch.arange(len(caches), device=dev) * (nb * BLOCK_SIZE))
 
 
-def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None) -> GraphKey:
+def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None, tokens: int = 0) -> GraphKey:
     """Which captured step serves this bucket and width over these pools as they are now (an enlarged
     pool has new tensors, so its version is part of the key)."""
     return GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None,
-                    rec.version if rec is not None else None)
+                    rec.version if rec is not None else None, tokens)
 
 
-def _eligible(model, caches: list[Cache]) -> bool:
+def static_for(store: dict, key: GraphKey, make):
+    """The static step stored under `key`, made by make() on first use. Steps captured against tensors a
+    pool has since replaced (KV blocks or state slots: an older version of the same pools) are dropped."""
+    static = store.get(key)
+    if static is None:
+        for old in [k for k in store if (k.kv, k.rec) == (key.kv, key.rec)
+                    and (k.kv_version, k.rec_version) != (key.kv_version, key.rec_version)]:
+            del store[old]
+        static = store[key] = make()
+    return static
+
+
+def graphable(model, caches: list[Cache]) -> bool:
+    """May a step over these caches be replayed from a graph here?"""
     if model.device.type != "cuda" or not model.settings.cuda_graphs:  # MEMRA_CUDA_GRAPHS
         return False
     if any(f == "moe" for f in model.cfg.ffns) and not model.ops.grouped_moe():
@@ -195,10 +216,10 @@ def reserve_scratch(model, kv: KvPool, rec: RecurrentPool | None) -> None:
     """Set aside one KV block and one recurrent slot of these pools for inert rows, now. A server
     sizes its pools one larger and calls this before admitting anything, so its own accounting of
     blocks and slots never meets the scratch."""
-    _scratch(kv, rec, model.graph_scratch)
+    scratch_of(kv, rec, model.graph_scratch)
 
 
-def _scratch(kv: KvPool, rec: RecurrentPool | None, memo: dict) -> tuple[int | None, int | None] | None:
+def scratch_of(kv: KvPool, rec: RecurrentPool | None, memo: dict) -> tuple[int | None, int | None] | None:
     """The pools' scratch block and slot for inert rows, taken once per pool; None if there is no room."""
     key = (id(kv), id(rec))
     if key not in memo:
@@ -211,22 +232,17 @@ def _scratch(kv: KvPool, rec: RecurrentPool | None, memo: dict) -> tuple[int | N
 def graphed_decode(model, ids: torch.Tensor, caches: list[Cache]) -> torch.Tensor | None:
     """The stacked decode step of `caches` (ids [B] on the device) replayed from a graph, advancing
     every cache by one position -> logits [B, V] fp32; or None where graphs do not apply (eager then)."""
-    if not _eligible(model, caches):
+    if not graphable(model, caches):
         return None
     kv, rec, b = caches[0].kv, caches[0].rec, len(caches)
     bucket, scratch = bucket_for(b), None
     if bucket is not None and bucket > b:
-        scratch = _scratch(kv, rec, model.graph_scratch)
+        scratch = scratch_of(kv, rec, model.graph_scratch)
     if bucket is None or (bucket > b and scratch is None):
         bucket = b  # no room for inert rows (or wider than every bucket): a graph of exactly this width
     nb = table_blocks(max(c.max_ctx for c in caches))
-    key = graph_key(bucket, nb, kv, rec)
-    static = model.decode_graphs.get(key)
-    if static is None:
-        for old in [k for k in model.decode_graphs if (k.kv, k.rec) == (key.kv, key.rec)
-                    and (k.kv_version, k.rec_version) != (key.kv_version, key.rec_version)]:
-            del model.decode_graphs[old]  # captured against tensors a pool has replaced (KV blocks or state slots)
-        static = model.decode_graphs[key] = StaticDecode(model, kv, rec, bucket, nb)
+    static = static_for(model.decode_graphs, graph_key(bucket, nb, kv, rec),
+                        lambda: StaticDecode(model, kv, rec, bucket, nb))
     logits = static.run(ids, caches, scratch)
     for c in caches:
         c.pos += 1

@@ -111,10 +111,15 @@ class Settings:
         return dict(self.pp_doors)
 
     def mixes_steps(self, device_type: str) -> bool:
-        """MEMRA_MIXED_STEP: run a step's decode rows and prefill chunks as one forward (memra.step.mixed_step)?
-        auto: where decode steps are not replayed from CUDA graphs. On a GPU an eager mixed forward is
-        host-bound: served, its steps took 28.2 ms against 20.7 for the graphed decode plus the prefill
-        (8B shape, H200), although its kernels need 10 ms where the two calls' need 13."""
+        """MEMRA_MIXED_STEP: may a step's decode rows and prefill chunks run as one forward
+        (memra.step.mixed_step)? auto and 1: yes; 0: never (the two calls)."""
+        return self.mixed_step != "0"
+
+    def mixes_eagerly(self, device_type: str) -> bool:
+        """... and where no captured mixed step applies (memra.mixed_graphs), launched one kernel at a time?
+        auto: only where decode steps are not replayed from CUDA graphs. On a GPU an eager mixed forward
+        is host-bound: served, its steps took 28.2 ms against 20.7 for the graphed decode plus the
+        prefill (8B shape, H200), although its kernels need 10 ms where the two calls' need 13."""
         if self.mixed_step == "auto":
             return not (device_type == "cuda" and self.cuda_graphs)
         return self.mixed_step == "1"
@@ -158,8 +163,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_SAMPLE_KERNEL", "1", "a batch's seeded sampling in one Triton launch on CUDA; 0 = row by row"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
-    ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = where decode "
-     "steps are not graphed (CPU, or MEMRA_CUDA_GRAPHS=0) | 1 | 0"),
+    ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "
+     "where decode steps are graphed (else the two calls), eager elsewhere (CPU, MEMRA_CUDA_GRAPHS=0) | 1 = "
+     "eager too where no graph fits | 0"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

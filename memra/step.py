@@ -166,7 +166,7 @@ def _check_prompts(model, prompts, caches) -> list[torch.Tensor]:
 
 def mixes(model, exact: bool, dec_caches, pre_caches) -> bool:
     """Do a decode step and a prefill wave share one forward here? Where the executor mixes (unsplit, and
-    MEMRA_MIXED_STEP: by default where decode steps are not graphed), the wave's pieces may share one
+    MEMRA_MIXED_STEP: on a GPU as a captured graph, memra.mixed_graphs), the wave's pieces may share one
     (batching_prime), the decode rows run stacked and every cache is in the same two pools. Then every op a row meets is either row-wise (on the exact path a
     batch-invariant kernel, whose row bits the self-test holds equal across row counts) or its own
     kind's mixer launch (a decode row's attention and recurrent step, a piece's prefill attention and
@@ -198,10 +198,12 @@ def mixed_step(model, tokens, dec_caches, prompts, pre_caches) -> tuple[torch.Te
     pieces = [_pieces(model, t, c.pos, PRIME_CHUNK_MAX_TOKENS, exact) for t, c in zip(pre, pre_caches)]
     if any(len(p) > 1 for p in pieces) or sum(t.numel() for t in pre) > PRIME_CHUNK_MAX_TOKENS:
         return model.decode_step_batch(ids, dec_caches), model.prime_batch(pre, pre_caches)  # more than one wave
-    logits, lasts = model.executor.run_mixed(ids, dec_caches, [p[0] for p in pieces], pre_caches)
+    out = model.executor.run_mixed(ids, dec_caches, [p[0] for p in pieces], pre_caches)
+    if out is None:  # no captured mixed step fits, and an eager one would be host-bound here
+        return model.decode_step_batch(ids, dec_caches), model.prime_batch(pre, pre_caches)
     counters.bump("decode_batch_rows", len(dec_caches))
     counters.bump("mixed_steps")
-    return logits, lasts
+    return out
 
 
 def _token_groups(items: list[int], sizes: list[int], budget: int) -> list[list[int]]:

@@ -136,7 +136,7 @@ def test_a_bucket_first_run_by_a_full_batch_pads_a_smaller_one(load_model, arch,
     """A bucket's static step first run by a batch that fills it (no padding) and then by a smaller
     batch, which pads with the pools' scratch block and slot: the server at full load (issue 18, point 9:
     the padding rows took the graph's stored scratch, which a full batch had left as None). On CPU the
-    static step runs eagerly (graphs._eligible forced). CPU BLAS rounds a [4, E] product differently from
+    static step runs eagerly (graphs.graphable forced). CPU BLAS rounds a [4, E] product differently from
     a [3, E] one, so here only the first (unpadded) step is held to the stacked step's bits and the
     rest within fp32 rounding (max |a - b| <= 1e-5 max |b|); the CUDA test below holds every step to the bit."""
     model = load_model(hf_dir(arch)).with_doors(MEMRA_CUDA_GRAPHS="0")
@@ -148,7 +148,7 @@ def test_a_bucket_first_run_by_a_full_batch_pads_a_smaller_one(load_model, arch,
         want.append(logits)
         t = logits.argmax(-1).tolist() + t[w:]
     model = model.with_doors(MEMRA_CUDA_GRAPHS="1")
-    monkeypatch.setattr(graphs, "_eligible", lambda m, c: True)
+    monkeypatch.setattr(graphs, "graphable", lambda m, c: True)
     static_caches, toks_s = _shared_caches(model, 4, spare=1)
     assert toks_s == toks
     got, t = [], list(toks)

@@ -1,7 +1,8 @@
 """The engine's step in one forward (memra.step.mixed_step): a decode step's rows and a prefill wave's
 pieces share the projections, and each kind attends and steps its recurrent state as its own forward.
-By default it runs where decode steps are not graphed (MEMRA_MIXED_STEP=auto); the CUDA tests open the
-door (=1) to hold the mixed forward to the bits of the graphed decode and the prefill it would replace.
+By default it runs eagerly where decode steps are not graphed and, where they are, only as a captured
+graph (MEMRA_MIXED_STEP=auto; tests/test_mixed_graphs.py); the CUDA tests here open the door (=1) to
+hold the eager mixed forward to the bits of the graphed decode and the prefill it would replace.
 
 Exact where every row-wise op is a batch-invariant kernel (CUDA): the mixed step's logits and cache
 bits are the two separate calls' (decode_step_batch, prime_batch), bit for bit. On CPU the exact path
@@ -90,13 +91,15 @@ def test_the_exact_path_mixes_only_where_it_keeps_the_bits(load_model, arch):
 def test_the_door_decides_where_steps_mix(load_model):
     model = load_model(hf_dir("llama")).with_doors(MEMRA_EXACT="0")
     caches = [model.new_cache(64) for _ in range(2)]
-    graphed = DEVICE == "cuda"  # auto: two calls where the decode step is graphed
-    assert model.executor.mixes_steps != graphed and step.mixes(model, False, caches[:1], caches[1:]) != graphed
+    graphed = DEVICE == "cuda"  # auto: where decode is graphed, only a captured mixed step (memra.mixed_graphs)
+    assert model.executor.mixes_steps and step.mixes(model, False, caches[:1], caches[1:])
+    assert model.executor.mixes_eagerly != graphed
     shut = model.with_doors(MEMRA_MIXED_STEP="0")
     caches = [shut.new_cache(64) for _ in range(2)]
     assert not step.mixes(shut, False, caches[:1], caches[1:])
-    assert Settings().mixes_steps("cpu") and not Settings().mixes_steps("cuda")  # graphed decode: two calls
-    assert Settings(cuda_graphs=False).mixes_steps("cuda") and Settings(mixed_step="1").mixes_steps("cuda")
+    assert Settings().mixes_steps("cuda") and not Settings(mixed_step="0").mixes_steps("cpu")
+    assert Settings().mixes_eagerly("cpu") and not Settings().mixes_eagerly("cuda")  # graphed decode: not eagerly
+    assert Settings(cuda_graphs=False).mixes_eagerly("cuda") and Settings(mixed_step="1").mixes_eagerly("cuda")
     with pytest.raises(MemraError, match="MEMRA_MIXED_STEP='sometimes' is not auto, 1 or 0"):
         Settings.from_env({"MEMRA_MIXED_STEP": "sometimes"})
     assert Settings.from_env({"MEMRA_MIXED_STEP": "on"}).mixed_step == "1"

@@ -15,6 +15,7 @@ from memra.cache import BLOCK_SIZE, Cache
 from memra.pools import ModelPools
 from memra.errors import MemraError
 from memra.graphs import BUCKETS, bucket_for, reserve_scratch
+from memra.mixed_graphs import captures_mixed
 from memra.pp.fence import PipelineError
 from memra.engine.types import EngineConfig
 
@@ -49,6 +50,7 @@ class InProcess:
             self.pools.reserve_all()
         reserve_scratch(model, self.kv, self.rec)
         self.slots = cfg.max_batch if self.rec is not None else None
+        self.mixes_graphed = captures_mixed(model)  # a step that starts requests replays a graph (memra.mixed_graphs)
 
     def warm_graphs(self, max_batch: int, max_ctx: int) -> None:
         """Capture the decode graph of every batch bucket a step of up to max_batch rows can use, now,
@@ -143,6 +145,7 @@ class ProcessPipeline:
 
     preemption = False
     device_tokens = False
+    mixes_graphed = False
     rt = None
 
     def __init__(self, pipe, cfg: EngineConfig):

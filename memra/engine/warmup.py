@@ -7,12 +7,15 @@
   the wave's row count (memra.kernels.triton.linear.LINEAR_BUCKETS); a class met first by a request
   stalled that step for the compile (an offline run on the H200: 36 mixed steps of 64.6 ms on the first
   pass, 32.7 ms once compiled).
-- On a GPU, every batch bucket's decode graph (memra.engine.backends.InProcess.warm_graphs).
+- On a GPU, every batch bucket's decode graph (memra.engine.backends.InProcess.warm_graphs), then
+  every (batch bucket, token bucket)'s mixed-step graph (memra.mixed_graphs).
 """
 
 from __future__ import annotations
 
 from memra.cache import BLOCK_SIZE
+from memra.graphs import BUCKETS, bucket_for
+from memra.mixed_graphs import MIXED_TOKENS, token_bucket
 from memra.step import EXACT_PIECE, mixed_step
 
 
@@ -49,6 +52,8 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
             if prompts:
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
+    if model.device.type == "cuda" and model.executor.mixes_steps:
+        _mixed_graphs(model, backend, min(max_batch, free_prompts - 1), cache_ctx, token_budget)
 
 
 def _prompt(j: int, n: int, vocab: int) -> list[int]:
@@ -67,6 +72,31 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
     try:
         model.prime_batch(prompts, caches[:-1])
         mixed_step(model, [1] * len(prompts), caches[:-1], [prompts[0]], caches[-1:])
+    finally:
+        for c in caches:
+            c.free()
+
+
+def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) -> None:
+    """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs):
+    `rows` sequences decode while one more prefills a prompt in the token bucket. Where a step declines
+    the graph (a pipeline's backend, no scratch), this runs the two calls instead, harmlessly."""
+    sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
+    if rows < 1 or cache_ctx < 2 + len(MIXED_TOKENS) * len(sizes):  # the decoding rows advance a position a step
+        return
+    caches = [backend.new_cache(cache_ctx) for _ in range(rows)]
+    try:
+        model.prime_batch([[1]] * rows, caches)
+        for tokens in MIXED_TOKENS:
+            for n in sizes:
+                length = min(tokens, cache_ctx - 1, token_budget - n)
+                if token_bucket(length) != tokens:
+                    continue  # no step of n rows reaches this bucket
+                new = backend.new_cache(cache_ctx)
+                try:
+                    mixed_step(model, [1] * n, caches[:n], [_prompt(n, length, model.cfg.vocab_size)], [new])
+                finally:
+                    new.free()
     finally:
         for c in caches:
             c.free()

@@ -19,6 +19,8 @@ from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
 from memra.upload import upload_values
 
+ATTENTION_TILE = 64  # queries per program of the pieces' attention launch (its BLOCK_M)
+
 
 @dataclass(frozen=True)
 class AttentionPieces:
@@ -28,6 +30,7 @@ class AttentionPieces:
     spans: tuple[tuple[int, int, int, int], ...]
     rows: torch.Tensor  # [sum of pos0 + tokens] the pieces' flat KV-pool rows (each its whole prefix, in order), joined
     table: torch.Tensor  # [P, 4] int32 on the device: the spans, as the kernel reads them
+    tiles: int  # query tiles of every piece (the launch's programs along the pieces); a bound, in a captured step
 
     @classmethod
     def of(cls, firsts: list[int], pos0s: list[int], read_rows: list[torch.Tensor]) -> "AttentionPieces":
@@ -38,7 +41,7 @@ class AttentionPieces:
             at += rows.numel()
         rows = read_rows[0] if len(read_rows) == 1 else torch.cat(read_rows)
         table = upload_values([x for span in spans for x in span], torch.int32, rows.device).view(-1, 4)
-        return cls(tuple(spans), rows, table)
+        return cls(tuple(spans), rows, table, sum(-(-t // ATTENTION_TILE) for _, t, _, _ in spans))
 
 
 @dataclass(frozen=True)

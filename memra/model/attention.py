@@ -42,7 +42,7 @@ class Attention:
         """x [B + N, E]: B decode rows (step), then N rows of prompt pieces (wave, rows counted from B).
         The projections run over all rows; each kind attends as its own forward does."""
         q, k, v, gate = self._project(x)
-        b = x.shape[0] - wave.bounds[-1][1]
+        b = x.shape[0] - wave.n_rows
         o = torch.cat((self._attend_rows(q[:b], k[:b], v[:b], step), self._attend_pieces(q[b:], k[b:], v[b:], wave)))
         return self._output(o, gate)
 
@@ -52,13 +52,13 @@ class Attention:
         n = q.shape[0]
         pieces = list(zip(wave.bounds, wave.ctxs))
         if wave.kv_write_rows is not None:
-            q = self._rope_write(q, k, v, wave.cos, wave.sin, wave.ctxs[0].cache.kv, wave.kv_write_rows)
+            q = self._rope_write(q, k, v, wave.cos, wave.sin, wave.kv, wave.kv_write_rows)
         else:  # pools of their own: piece by piece
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
         if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
             return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
-        kv = wave.ctxs[0].cache.kv
+        kv = wave.kv
         o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale)
         for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
             (a, b), c = pieces[i]

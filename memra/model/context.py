@@ -38,14 +38,17 @@ class Segments:
     table that lets one attention launch serve every piece of two or more tokens; where they share a
     recurrent pool, the table that lets GDN's launches serve every piece)."""
 
-    ctxs: list[StepContext]
+    ctxs: list[StepContext]  # (empty in a captured step, whose pieces are only its tables: memra.mixed_graphs)
     bounds: list[tuple[int, int]]
+    n_rows: int  # N
     cos: torch.Tensor  # [N, R]
     sin: torch.Tensor
+    kv: KvPool  # the first piece's KV pool (every piece's, with kv_write_rows)
     kv_write_rows: torch.Tensor | None  # [N], or None: pools of their own (offline caches), piece by piece
     attn: AttentionPieces | None = None  # the pieces of 2+ tokens (one pool); a 1-token piece attends as a decode row
     single: tuple[int, ...] = ()  # with attn: the 1-token pieces, attended one by one as their solo forwards do
     recurrent: RecurrentPieces | None = None  # GDN states in one pool: every piece in one launch per kernel
+    rec: RecurrentPool | None = None  # with recurrent: that pool
 
     @classmethod
     def of(cls, ctxs: list[StepContext], bounds: list[tuple[int, int]]) -> "Segments":
@@ -55,13 +58,14 @@ class Segments:
         if rec is not None and all(c.cache.rec is rec and not c.recurrent and c.trail is None for c in ctxs):
             recurrent = RecurrentPieces.of([a for a, _ in bounds], [b - a for a, b in bounds], [c.pos0 for c in ctxs],
                                            [c.cache.slot for c in ctxs], ctxs[0].kv_read_rows.device)
-        if len({id(c.cache.kv) for c in ctxs}) > 1:
-            return cls(ctxs, bounds, cos, sin, None, recurrent=recurrent)
+        n, kv, rec = bounds[-1][1], ctxs[0].cache.kv, rec if recurrent is not None else None
+        if any(c.cache.kv is not kv for c in ctxs):
+            return cls(ctxs, bounds, n, cos, sin, kv, None, recurrent=recurrent, rec=rec)
         multi = [i for i, c in enumerate(ctxs) if c.n_tokens > 1]
         attn = AttentionPieces.of([bounds[i][0] for i in multi], [ctxs[i].pos0 for i in multi],
                                   [ctxs[i].kv_read_rows for i in multi]) if multi else None
-        return cls(ctxs, bounds, cos, sin, joined([c.kv_write_rows for c in ctxs]), attn,
-                   tuple(i for i, c in enumerate(ctxs) if c.n_tokens == 1), recurrent)
+        return cls(ctxs, bounds, n, cos, sin, kv, joined([c.kv_write_rows for c in ctxs]), attn,
+                   tuple(i for i, c in enumerate(ctxs) if c.n_tokens == 1), recurrent, rec)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ class GatedDeltaNet:
         """x [B + N, E]: B decode rows (step), then N rows of prompt pieces (wave, rows counted from B).
         Projections, norms and gates over all rows; the recurrent part of each kind as its own forward runs it."""
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
-        r = x.shape[0] - wave.bounds[-1][1]
+        r = x.shape[0] - wave.n_rows
         return self._output(torch.cat((self._mix_rows(mixed[:r], b[:r], a[:r], step),
                                        self._mix_pieces(mixed[r:], b[r:], a[r:], wave))), z)
 
@@ -80,7 +80,7 @@ class GatedDeltaNet:
         """Prompt pieces' conv and chunked delta rule -> o [N, Hv, Dv]."""
         if wave.recurrent is None:
             return self._pieces_one_by_one(mixed, b, a, wave)
-        pool = wave.ctxs[0].cache.rec
+        pool = wave.rec
         mixed = self.ops.causal_conv_pieces(mixed, pool.conv[self.layer], self.conv, wave.recurrent)
         q, k, v, beta, decay = self._heads(mixed, b, a)
         return self.ops.gdn_prefill_pieces(q, k, v, beta, decay, pool.ssm[self.layer], wave.recurrent)

@@ -71,6 +71,9 @@ class HybridModel:
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
         self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
         self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
+        self.mixed_graphs: dict = {}  # memra.mixed_graphs: captured mixed steps, by buckets and pools
+        self.mixed_logits: dict = {}  # ... their logits buffers, one per batch bucket (read out after each replay)
+        self.mixed_graph_pool = None  # ... the one memory pool their captures share (they never run at once)
         self.kv_budget = kv_budget  # how much memory the cache pools may grow to (memra.pools.KvBudget)
         self._pools: dict[tuple, ModelPools] = {}  # by placement: the pools every new_cache draws from
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), self.ops)

@@ -21,6 +21,7 @@ import torch
 from memra import counters
 from memra.cache import Cache, StateTrail
 from memra.decode_plan import decode_bucketed
+from memra.mixed_graphs import graphed_mixed
 from memra.runner.bodies import (
     decode_one,
     decode_stacked,
@@ -62,7 +63,8 @@ class Executor(Protocol):
 
     def run_mixed(self, ids: torch.Tensor, dec_caches, pieces: Sequence[torch.Tensor], pre_caches):
         """One stacked decode step of rows ids [B] and one prompt piece into each of pre_caches, in one forward
-        (only where mixes_steps). -> (logits [B, V] fp32, each piece's last-position logits [V])."""
+        (only where mixes_steps). -> (logits [B, V] fp32, each piece's last-position logits [V]), or None
+        where it declines (no captured step applies, and it does not mix eagerly): nothing has moved then."""
 
     def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         """One decode step of rows ids [B] -> logits [B, V] fp32. `batched`: called as decode_step_batch."""
@@ -81,6 +83,7 @@ class UnsplitExecutor:
     def __init__(self, model):
         self.model = model
         self.mixes_steps = model.settings.mixes_steps(model.device.type)  # MEMRA_MIXED_STEP, decided at load
+        self.mixes_eagerly = model.settings.mixes_eagerly(model.device.type)
 
     def open_cache(self, max_ctx: int) -> Cache:
         return self.model.pools().new_cache(max_ctx)
@@ -115,14 +118,19 @@ class UnsplitExecutor:
 
     def run_mixed(self, ids: torch.Tensor, dec_caches, pieces, pre_caches):
         m, b = self.model, len(dec_caches)
-        bounds = segment_bounds(pieces)
-        h = mixed_layers(m, m.embed_tokens(torch.cat([ids, *pieces])), dec_caches, pre_caches, bounds)
+        out = graphed_mixed(m, ids, dec_caches, pieces, pre_caches)
+        if out is None:
+            if not self.mixes_eagerly:
+                return None
+            bounds = segment_bounds(pieces)
+            h = mixed_layers(m, m.embed_tokens(torch.cat([ids, *pieces])), dec_caches, pre_caches, bounds)
+            rows = upload_values(list(range(b)) + [b + hi - 1 for _, hi in bounds], torch.long, h.device)
+            logits = m.logits(m.norm_out(h.index_select(0, rows)))  # the decode rows, then each piece's last
+            out = logits[:b], list(logits[b:])
         for c in dec_caches:
             c.pos += 1
         advance_wave(pieces, pre_caches)
-        rows = upload_values(list(range(b)) + [b + hi - 1 for _, hi in bounds], torch.long, h.device)
-        logits = m.logits(m.norm_out(h.index_select(0, rows)))  # the decode rows, then each piece's last
-        return logits[:b], list(logits[b:])
+        return out
 
     def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         m = self.model

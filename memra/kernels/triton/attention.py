@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.pieces import ATTENTION_TILE
 from memra.kernels.triton.common import _interpreting
 from memra.kernels.triton.launch import lean
 
@@ -157,7 +158,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 # --- prefill attention over a paged KV prefix ------------------------------------------------------
 
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 64, 4, 2
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = ATTENTION_TILE, 64, 4, 2
 
 
 @lean
@@ -172,7 +173,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
     # masked, which leaves its running max, sum and output untouched (alpha = 1, p = 0).
     # PIECES: the programs cover several sequences' pieces (memra.kernels.pieces.AttentionPieces),
     # each piece's tiles numbered as its solo launch numbers them; a program finds its piece in the
-    # table and then runs that solo program's arithmetic on the piece's rows.
+    # table and then runs that solo program's arithmetic on the piece's rows. A program past the last
+    # piece's tiles (a captured step launches a bound on their count) gets no queries and no keys.
     if PIECES:
         tile = tl.program_id(0)
         piece = tl.zeros((), tl.int32)
@@ -184,9 +186,10 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
             piece = tl.where(hit, i, piece)
             first_tile = tl.where(hit, seen, first_tile)
             seen += n_tiles
+        live = tile < seen
         row0 = tl.load(pieces_ptr + piece * 4)
-        T = tl.load(pieces_ptr + piece * 4 + 1)
-        pos0 = tl.load(pieces_ptr + piece * 4 + 2)
+        T = tl.where(live, tl.load(pieces_ptr + piece * 4 + 1), 0)
+        pos0 = tl.where(live, tl.load(pieces_ptr + piece * 4 + 2), 0)
         rows_ptr += tl.load(pieces_ptr + piece * 4 + 3)
         mb = tile - first_tile
     else:
@@ -250,10 +253,9 @@ def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     rows in no piece are left unset."""
     hq = q.shape[1]
     o = torch.empty_like(q)
-    n_tiles = sum(triton.cdiv(t, PREFILL_BLOCK_M) for _, t, _, _ in pieces.spans)
-    if n_tiles:
-        _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (n_tiles, hq), scale, pieces.table, 0, 0,
-                        len(pieces.spans), True)
+    if pieces.tiles:
+        _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (pieces.tiles, hq), scale, pieces.table, 0, 0,
+                        pieces.table.shape[0], True)
     return o
 
 

@@ -163,9 +163,9 @@ def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pie
     out = torch.empty(n, c, dtype=u.dtype, device=u.device)
     blocks = triton.cdiv(c, CONV_BLOCK)
     if n:
-        _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, len(pieces.spans), c, u.stride(0), out.stride(0),
+        _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, pieces.table.shape[0], c, u.stride(0), out.stride(0),
                                          pool.stride(0), KC=kc, BLOCK=CONV_BLOCK, enable_fp_fusion=False)
-        _conv_state_pieces_kernel[(len(pieces.spans), blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
+        _conv_state_pieces_kernel[(pieces.table.shape[0], blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
                                                                KC=kc, BLOCK=CONV_BLOCK)
     return out
 

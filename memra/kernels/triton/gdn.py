@@ -77,33 +77,34 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
     n = tl.load(cuts_ptr + c + 1) - a
-    rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-    t = a + rc
-    mt = rc < n
-    k_mask = mt[:, None] & (ck < DK)[None, :]
-    v_mask = mt[:, None] & (cv < DV)[None, :]
-    kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
-    qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
-    vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
-    beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
-    gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
-    # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
-    gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
-    amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc), PREC) * gamma, 0.0)
-    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
-    power = _dot(amat, amat, PREC)
-    for i in tl.static_range(5):
-        inv = _dot(inv, eye + power, PREC)
-        if i < 4:
-            power = _dot(power, power, PREC)
-    u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
-    w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
-    p = _dot(qc, tl.trans(kc), PREC) * gamma  # [C, C]
-    tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
-    tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
-    tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
-    tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
+    if n > 0:  # a captured step launches a bound on the chunk count: the rest are empty (no P either)
+        rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
+        t = a + rc
+        mt = rc < n
+        k_mask = mt[:, None] & (ck < DK)[None, :]
+        v_mask = mt[:, None] & (cv < DV)[None, :]
+        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
+        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
+        vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
+        beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
+        gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
+        # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
+        gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
+        amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc), PREC) * gamma, 0.0)
+        eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+        inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
+        power = _dot(amat, amat, PREC)
+        for i in tl.static_range(5):
+            inv = _dot(inv, eye + power, PREC)
+            if i < 4:
+                power = _dot(power, power, PREC)
+        u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
+        w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
+        p = _dot(qc, tl.trans(kc), PREC) * gamma  # [C, C]
+        tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
+        tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
+        tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
+        tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
 
 
 @lean
@@ -121,8 +122,10 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
     ck, rc = tl.arange(0, BLOCK_DK), tl.arange(0, CHUNK)
     mk, mv = ck < DK, cv < DV
     at = tl.load(pieces_ptr + piece * 5 + 2).to(tl.int64) * stride_slot + h * DK * DV + ck[:, None] * DV + cv[None, :]
-    s = tl.load(s_ptr + at, mask=mk[:, None] & mv[None, :], other=0.0)
-    for c in range(tl.load(pieces_ptr + piece * 5 + 3), tl.load(pieces_ptr + piece * 5 + 4)):
+    c0, c1 = tl.load(pieces_ptr + piece * 5 + 3), tl.load(pieces_ptr + piece * 5 + 4)
+    live = c0 < c1  # an empty piece (a captured step's padding entries) leaves its state untouched
+    s = tl.load(s_ptr + at, mask=mk[:, None] & mv[None, :] & live, other=0.0)
+    for c in range(c0, c1):
         a = tl.load(cuts_ptr + c)
         n = tl.load(cuts_ptr + c + 1) - a
         t = a + rc
@@ -140,7 +143,7 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
-    tl.store(s_out_ptr + at, s, mask=mk[:, None] & mv[None, :])
+    tl.store(s_out_ptr + at, s, mask=mk[:, None] & mv[None, :] & live)
 
 
 def gdn_prefill(q, k, v, beta, g, state, pos0: int):

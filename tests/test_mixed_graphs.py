@@ -1,0 +1,119 @@
+"""The captured mixed step (memra.mixed_graphs) is the mixed step, and so the two calls, bit for bit.
+
+On CPU (CI) there are no graphs, but the static step is ordinary code: run eagerly on the fast path
+(torch's kernels) it must agree with the eager mixed step to fp32 rounding (1e-4 relative: the padded
+rows change how the CPU's matmul blocks its sums), which checks its bookkeeping — the packed buffer,
+the padding piece and the empty ones on the scratch block and slot, the chunk cuts, whose rows come
+back. On the GPU (MEMRA_TEST_DEVICE=cuda, the invariant kernels) the replayed graph is held to the two
+separate calls (decode_step_batch, prime_batch) with torch.equal: logits and every cache byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, HYBRID_ARCHS, hf_dir, rel_err
+from memra import counters, step
+from memra.gate.prime_batch_arm import cache_bits
+from memra.graphs import reserve_scratch, scratch_of, table_blocks
+from memra.mixed_graphs import PIECES, StaticMixed, graphed_mixed, token_bucket
+
+RUNNING = [9, 70, 3]  # the decoding sequences' prompt lengths
+NEW = [5, 130, 64, 33]  # the prompts the step prefills: 232 tokens, the 256-token bucket
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the GPU (run with MEMRA_TEST_DEVICE=cuda)")
+
+
+def _ids(n: int, salt: int, vocab: int) -> list[int]:
+    return [(5 * salt + 11 * j + 2) % vocab for j in range(n)]
+
+
+def _ready(model, new=NEW):
+    """RUNNING primed and decoded once, NEW's caches opened (the pools' scratch set aside first, as a
+    server does). -> (running caches, new caches, the prompts, the decode ids on the device)."""
+    vocab = model.cfg.vocab_size
+    probe = model.new_cache(512)
+    reserve_scratch(model, probe.kv, probe.rec)
+    probe.free()
+    running = [model.new_cache(512) for _ in RUNNING]
+    model.prime_batch([_ids(n, i, vocab) for i, n in enumerate(RUNNING)], running)
+    model.decode_step_batch([7, 8, 9], running)
+    new_caches = [model.new_cache(512) for _ in new]
+    prompts = [_ids(n, 10 + i, vocab) for i, n in enumerate(new)]
+    return running, new_caches, prompts, torch.tensor([4, 5, 6], device=model.device)
+
+
+def _pieces(model, prompts, caches):
+    for p, c in zip(prompts, caches):
+        c.reserve(len(p))
+    return [torch.tensor(p, device=model.device) for p in prompts]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on the GPU the captured step is held to the two calls' bits below")
+@pytest.mark.parametrize("arch", ["llama", *HYBRID_ARCHS])
+def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch):
+    model = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP="1", MEMRA_CUDA_GRAPHS="0")
+    running, new, prompts, ids = _ready(model)
+    want_running, want_new, _, _ = _ready(model)
+    want, want_lasts = step.mixed_step(model, ids, want_running, prompts, want_new)
+
+    pieces = _pieces(model, prompts, new)
+    for c in running:
+        c.reserve(1)
+    static = StaticMixed(model, running[0].kv, running[0].rec, 4, token_bucket(sum(NEW)), table_blocks(512))
+    got, lasts = static.run(ids, running, pieces, new, scratch_of(running[0].kv, running[0].rec, model.graph_scratch))
+    for c in running:
+        c.pos += 1
+    for p, c in zip(pieces, new):
+        c.pos += p.numel()
+    assert static.bucket == 4 and static.tokens == 256  # an inert decode row and a 24-token padding piece
+    assert got.shape == want.shape and rel_err(got, want) < 1e-4
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(lasts, want_lasts))
+    for c, w in zip(running + new, want_running + want_new):
+        assert c.pos == w.pos
+        assert all(rel_err(a, b) < 1e-4 if b.abs().max() > 0 else torch.equal(a, b)
+                   for a, b in zip(cache_bits(c), cache_bits(w)))
+
+
+def test_token_buckets_and_what_declines(load_model):
+    assert [token_bucket(n) for n in (1, 64, 65, 232, 512)] == [64, 64, 128, 256, 512] and token_bucket(513) is None
+    model = load_model(hf_dir("llama")).with_doors(MEMRA_EXACT="0")
+    running, new, prompts, ids = _ready(model)
+    if DEVICE != "cuda":  # no graphs off the GPU: the engine mixes eagerly there, or makes the two calls
+        assert graphed_mixed(model, ids, running, _pieces(model, prompts, new), new) is None
+
+
+def _two_calls_and_graphed(model, new):
+    running, caches, prompts, ids = _ready(model, new)
+    want_running, want_caches, _, _ = _ready(model, new)
+    want, want_lasts = model.decode_step_batch(ids, want_running), model.prime_batch(prompts, want_caches)
+    before = counters.snapshot()
+    got, lasts = step.mixed_step(model, ids, running, prompts, caches)
+    delta = counters.delta(before)
+    pairs = [(got, want), *zip(lasts, want_lasts)]
+    pairs += [p for c, w in zip(running + caches, want_running + want_caches) for p in zip(cache_bits(c), cache_bits(w))]
+    equal = all(torch.equal(a, b) for a, b in pairs) and [c.pos for c in running + caches] == [
+        c.pos for c in want_running + want_caches]
+    return delta, equal
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ["llama", *HYBRID_ARCHS])
+def test_the_graphed_mixed_step_has_the_two_calls_bits(load_model, arch):
+    model = load_model(hf_dir(arch), dtype="bfloat16")  # MEMRA_MIXED_STEP=auto: mixed only where graphed
+    assert model.executor.mixes_steps and not model.executor.mixes_eagerly
+    first, equal = _two_calls_and_graphed(model, NEW)
+    assert equal and first["mixed_steps"] == 1 and first["graph_captures"] >= 1
+    again, equal = _two_calls_and_graphed(model, NEW)  # the same buckets: replayed with new inputs
+    assert equal and again["mixed_steps"] == 1 and again["graph_replays"] >= 1
+    assert not again.get("graph_captures")
+    fewer, equal = _two_calls_and_graphed(model, [40, 2])  # the 64-token bucket, a 22-token padding piece
+    assert equal and fewer["mixed_steps"] == 1
+
+
+@cuda_only
+def test_a_step_no_graph_fits_makes_the_two_calls(load_model):
+    model = load_model(hf_dir("llama"), dtype="bfloat16")
+    for new in ([5, 1], [300, 250], [3] * PIECES):  # a one-token piece; past every token bucket; too many pieces
+        delta, equal = _two_calls_and_graphed(model, new)
+        assert equal and not delta.get("mixed_steps"), new
