@@ -68,7 +68,7 @@ class LLM:
 
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
                  max_ctx: int | None = None, warm_up: bool = True,
-                 prefill_wait_steps: int = EngineConfig.prefill_wait_steps, prefill_group: int | None = None,
+                 prefill_wait_steps: int | None = None, prefill_group: int | None = None,
                  **load_options):
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load

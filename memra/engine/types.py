@@ -26,21 +26,25 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests beyond which submit() raises QueueFull (HTTP 429)
     kv_blocks: int | None = None  # shared KV pool size; default: max_batch sequences of max_ctx (in-process only)
     # Requests held while others decode so that several start in one prefill (memra.engine.admission):
-    prefill_wait_steps: int = 8  # most steps one is held (0: none; 8 measured: module docstring there)
+    # most steps one is held (0: none). Default: 0 where the mixed step is a captured graph (a step that
+    # starts a request then costs about a decode step: nothing to save by holding), else 8 (measured:
+    # the module docstring there)
+    prefill_wait_steps: int | None = None
     prefill_group: int | None = None  # how many end the hold at once; default max(2, max_batch // 8)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise MemraError(f"engine {name} must be positive, got {getattr(self, name)}")
-        _ = self.grouping  # PrefillGrouping refuses bad hold settings: one check, one message for every caller
+        _ = self.grouping(False)  # PrefillGrouping refuses bad hold settings: one check, one message for every caller
         if self.token_budget < EXACT_PIECE:
             raise MemraError(f"token_budget must be at least {EXACT_PIECE} (one aligned prefill piece)")
 
-    @property
-    def grouping(self) -> PrefillGrouping:
+    def grouping(self, mixed_graphed: bool) -> PrefillGrouping:
+        """The hold rule, for an engine whose mixed steps are (or are not) captured graphs."""
         group = self.prefill_group if self.prefill_group is not None else max(2, self.max_batch // 8)
-        return PrefillGrouping(self.prefill_wait_steps, group)
+        wait = self.prefill_wait_steps
+        return PrefillGrouping((0 if mixed_graphed else 8) if wait is None else wait, group)
 
     @property
     def blocks(self) -> int:

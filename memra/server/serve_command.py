@@ -22,10 +22,10 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--max-ctx", type=int, default=4096, help="prompt + completion tokens per sequence (default 4096)")
     srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
     srv.add_argument("--token-budget", type=int, default=2048, help="tokens per engine step (default 2048)")
-    srv.add_argument("--prefill-wait-steps", type=int, default=EngineConfig.prefill_wait_steps,
+    srv.add_argument("--prefill-wait-steps", type=int, default=None,
                      help="while others decode, hold a new request up to this many steps so that several start "
-                          f"in one prefill (throughput for time to first token; 0: start each at once; default "
-                          f"{EngineConfig.prefill_wait_steps})")
+                          "in one prefill (throughput for time to first token; 0: start each at once; default 0 "
+                          "where the mixed step is a captured CUDA graph, else 8)")
     srv.add_argument("--prefill-group", type=int, default=None,
                      help="held requests that start together at once (default: max(2, max-batch / 8))")
     srv.add_argument("--api-key", default=None,
