@@ -21,6 +21,7 @@ from memra.mixed_graphs import PIECES, StaticMixed, graphed_mixed, token_bucket
 
 RUNNING = [9, 70, 3]  # the decoding sequences' prompt lengths
 NEW = [5, 130, 64, 33]  # the prompts the step prefills: 232 tokens, the 256-token bucket
+PRIMED = 70  # NEW[2] continues a prompt already primed this far (a piece at an unaligned position)
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need the GPU (run with MEMRA_TEST_DEVICE=cuda)")
 
 
@@ -30,7 +31,8 @@ def _ids(n: int, salt: int, vocab: int) -> list[int]:
 
 def _ready(model, new=NEW):
     """RUNNING primed and decoded once, NEW's caches opened (the pools' scratch set aside first, as a
-    server does). -> (running caches, new caches, the prompts, the decode ids on the device)."""
+    server does; the third primed PRIMED tokens already). -> (running caches, new caches, the prompts,
+    the decode ids on the device)."""
     vocab = model.cfg.vocab_size
     probe = model.new_cache(512)
     reserve_scratch(model, probe.kv, probe.rec)
@@ -39,6 +41,8 @@ def _ready(model, new=NEW):
     model.prime_batch([_ids(n, i, vocab) for i, n in enumerate(RUNNING)], running)
     model.decode_step_batch([7, 8, 9], running)
     new_caches = [model.new_cache(512) for _ in new]
+    if len(new) > 2:
+        model.prime(_ids(PRIMED, 99, vocab), new_caches[2])
     prompts = [_ids(n, 10 + i, vocab) for i, n in enumerate(new)]
     return running, new_caches, prompts, torch.tensor([4, 5, 6], device=model.device)
 
