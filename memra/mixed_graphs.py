@@ -26,8 +26,8 @@ Padding keeps every shape fixed and every padded row inert:
   state alone) and name the scratch slot;
 - attention tiles and GDN chunks are launched for a bound on their count (Tp / 64 + PIECES, Tp / 64 +
   2 PIECES); the programs past the real ones have no rows and skip their work (an empty chunk's
-  products cost as much as a full one's: on the Qwen3.5-9B shape, running them held the served engine
-  at 12.3 ms a step where skipping them gives 9.7).
+  products cost as much as a full one's: on the Qwen3.5-9B shape, memra.LLM on a served workload
+  took 12.3 ms a step running them, 9.7 skipping them).
 Every other op is a batch-invariant kernel or elementwise, so no live row can take bits from the
 padding: the replay gives the eager mixed step's bits, which are the two calls' (promise E7; tests/
 test_mixed_graphs.py holds them equal on the GPU).
