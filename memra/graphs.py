@@ -32,7 +32,8 @@ planned on the device, the launches are fixed); the per-expert loop of the fast 
 
 Not graphed (eager as before): MoE models off the grouped path, rows whose
 caches do not share one KV pool and one recurrent pool, pipeline-split walks, the verify forward.
-MEMRA_CUDA_GRAPHS=0 turns graphs off.
+MEMRA_CUDA_GRAPHS=0 turns graphs off. The engine's mixed step (decode rows and prefill pieces in one
+forward) has captured steps of its own, built from the pieces here: memra.mixed_graphs.
 """
 
 from __future__ import annotations
