@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from memra.cache import BLOCK_SIZE
 from memra.graphs import BUCKETS, bucket_for
-from memra.mixed_graphs import MIXED_TOKENS, token_bucket
+from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
 from memra.step import EXACT_PIECE, mixed_step
 
 
@@ -52,7 +52,7 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
             if prompts:
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
-    if model.device.type == "cuda" and model.executor.mixes_steps:
+    if captures_mixed(model):
         _mixed_graphs(model, backend, min(max_batch, free_prompts - 1), cache_ctx, token_budget)
 
 
@@ -80,7 +80,7 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
 def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) -> None:
     """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs):
     `rows` sequences decode while one more prefills a prompt in the token bucket. Where a step declines
-    the graph (a pipeline's backend, no scratch), this runs the two calls instead, harmlessly."""
+    the graph (no scratch), this runs the two calls instead, harmlessly."""
     sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
     if rows < 1 or cache_ctx < 2 + len(MIXED_TOKENS) * len(sizes):  # the decoding rows advance a position a step
         return
