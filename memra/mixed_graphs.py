@@ -124,16 +124,15 @@ class StaticMixed:
         slot = 0 if slot is None else slot
         host = np.zeros(self.buf.numel(), dtype=np.int64)
         view = lambda name: self._view(host, name)  # noqa: E731
-        rows = host_rows(dec_caches, bp, nb)
         b = len(dec_caches)
-        rows[b:, 1], rows[b:, 2:] = slot, block  # inert decode rows (as memra.graphs.StaticDecode.fill)
-        view("rows")[:] = rows.reshape(-1)
+        view("rows")[:] = host_rows(dec_caches, bp, nb, scratch).reshape(-1)  # then the inert decode rows
         pos, write, out, tables = view("pos"), view("write"), view("out"), view("tables").reshape(p, nb)
         attn, rec = view("small")[: 4 * p].reshape(p, 4), view("small")[4 * p : 9 * p].reshape(p, 5)
         out[:bp] = np.arange(bp)
-        t = sum(x.numel() for x in pieces)
+        sizes = [x.numel() for x in pieces]
+        t = sum(sizes)
         # the live pieces, then the padding piece of the rest of the rows on the scratch block and slot
-        entries = [(c.pos, x.numel(), np.asarray(c.blocks, dtype=np.int64), c.slot or 0) for x, c in zip(pieces, pre_caches)]
+        entries = [(c.pos, n, np.asarray(c.blocks, dtype=np.int64), c.slot or 0) for n, c in zip(sizes, pre_caches)]
         entries.append((0, tp - t, np.full(nb, block, dtype=np.int64), slot))
         cuts, spans, first = [], ([], []), 0
         for i, (pos0, n, blocks, piece_slot) in enumerate(entries):
@@ -149,7 +148,7 @@ class StaticMixed:
                 spans[0].append((first, n, pos0, i * width))
                 spans[1].append((first, n, pos0, piece_slot))
             first += n
-        out[bp : bp + len(pieces)] = bp + np.cumsum([x.numel() for x in pieces]) - 1
+        out[bp : bp + len(pieces)] = bp + np.cumsum(sizes) - 1
         for i in range(len(entries), p):  # empty pieces
             attn[i] = (tp, 0, 0, i * width)
             rec[i] = (tp, 0, slot, len(cuts), len(cuts))

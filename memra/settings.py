@@ -110,7 +110,7 @@ class Settings:
         """The pipeline doors as a mapping, for memra.pp.fence."""
         return dict(self.pp_doors)
 
-    def mixes_steps(self, device_type: str) -> bool:
+    def mixes_steps(self) -> bool:
         """MEMRA_MIXED_STEP: may a step's decode rows and prefill chunks run as one forward
         (memra.step.mixed_step)? auto and 1: yes; 0: never (the two calls)."""
         return self.mixed_step != "0"

@@ -167,8 +167,9 @@ def _check_prompts(model, prompts, caches) -> list[torch.Tensor]:
 def mixes(model, exact: bool, dec_caches, pre_caches) -> bool:
     """Do a decode step and a prefill wave share one forward here? Where the executor mixes (unsplit, and
     MEMRA_MIXED_STEP: on a GPU as a captured graph, memra.mixed_graphs), the wave's pieces may share one
-    (batching_prime), the decode rows run stacked and every cache is in the same two pools. Then every op a row meets is either row-wise (on the exact path a
-    batch-invariant kernel, whose row bits the self-test holds equal across row counts) or its own
+    (batching_prime), the decode rows run stacked and every cache is in the same two pools. Then every
+    op a row meets is either row-wise (on the exact path a batch-invariant kernel, whose row bits the
+    self-test holds equal across row counts) or its own
     kind's mixer launch (a decode row's attention and recurrent step, a piece's prefill attention and
     chunked scan) with the shapes of its own forward: no row can take bits from the other kind."""
     if not (model.executor.mixes_steps and batching_prime(model, exact) and _plan(model, exact) == "stacked"):
@@ -196,10 +197,10 @@ def mixed_step(model, tokens, dec_caches, prompts, pre_caches) -> tuple[torch.Te
     ids = _check_batch(model, tokens, dec_caches)
     pre = _check_prompts(model, prompts, pre_caches)
     pieces = [_pieces(model, t, c.pos, PRIME_CHUNK_MAX_TOKENS, exact) for t, c in zip(pre, pre_caches)]
-    if any(len(p) > 1 for p in pieces) or sum(t.numel() for t in pre) > PRIME_CHUNK_MAX_TOKENS:
-        return model.decode_step_batch(ids, dec_caches), model.prime_batch(pre, pre_caches)  # more than one wave
-    out = model.executor.run_mixed(ids, dec_caches, [p[0] for p in pieces], pre_caches)
-    if out is None:  # no captured mixed step fits, and an eager one would be host-bound here
+    one_wave = all(len(p) == 1 for p in pieces) and sum(t.numel() for t in pre) <= PRIME_CHUNK_MAX_TOKENS
+    # None from the executor: no captured mixed step fits, and an eager one would be host-bound here
+    out = model.executor.run_mixed(ids, dec_caches, [p[0] for p in pieces], pre_caches) if one_wave else None
+    if out is None:
         return model.decode_step_batch(ids, dec_caches), model.prime_batch(pre, pre_caches)
     counters.bump("decode_batch_rows", len(dec_caches))
     counters.bump("mixed_steps")

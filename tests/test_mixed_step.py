@@ -97,7 +97,7 @@ def test_the_door_decides_where_steps_mix(load_model):
     shut = model.with_doors(MEMRA_MIXED_STEP="0")
     caches = [shut.new_cache(64) for _ in range(2)]
     assert not step.mixes(shut, False, caches[:1], caches[1:])
-    assert Settings().mixes_steps("cuda") and not Settings(mixed_step="0").mixes_steps("cpu")
+    assert Settings().mixes_steps() and not Settings(mixed_step="0").mixes_steps()
     assert Settings().mixes_eagerly("cpu") and not Settings().mixes_eagerly("cuda")  # graphed decode: not eagerly
     assert Settings(cuda_graphs=False).mixes_eagerly("cuda") and Settings(mixed_step="1").mixes_eagerly("cuda")
     with pytest.raises(MemraError, match="MEMRA_MIXED_STEP='sometimes' is not auto, 1 or 0"):

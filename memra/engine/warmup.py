@@ -44,7 +44,7 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
     n = min(EXACT_PIECE + 2, cache_ctx - 1)  # a piece boundary crossed, where the context allows
     first = [_prompt(j, max(n - j, 1), model.cfg.vocab_size) for j in range(min(2, free_prompts))]
     _prime(model, backend, first, cache_ctx, decode=True)
-    if free_prompts >= 3 and model.executor.mixes_steps:  # elsewhere the two calls, warmed just above
+    if free_prompts >= 3 and model.executor.mixes_steps and not captures_mixed(model):  # captured: below
         _mixed(model, backend, first, cache_ctx)
     if model.device.type == "cuda":
         for size in wave_sizes(token_budget):

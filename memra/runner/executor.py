@@ -82,7 +82,7 @@ class UnsplitExecutor:
 
     def __init__(self, model):
         self.model = model
-        self.mixes_steps = model.settings.mixes_steps(model.device.type)  # MEMRA_MIXED_STEP, decided at load
+        self.mixes_steps = model.settings.mixes_steps()  # MEMRA_MIXED_STEP, decided at load
         self.mixes_eagerly = model.settings.mixes_eagerly(model.device.type)
 
     def open_cache(self, max_ctx: int) -> Cache:
