@@ -8,8 +8,10 @@
              the self-test's kernel probes and an on-model check (`verify_plan`) pass. B=1 uses it too.
     bucket   rows run stacked in fixed buckets of BUCKET rows, padded with inert rows (scratch caches at
              position 0, never seen by a real sequence), so a row's bits come from calls of one fixed
-             shape. Opt-in; verified on the model like `stacked` (on CPU it holds for dense models, not
-             for every MoE/hybrid in fp32 — the check refuses those).
+             shape. Opt-in; verified on the model like `stacked`. Refused outright for an MoE where the
+             linear is not M-invariant (CPU): each expert runs over the rows that chose it, so its M
+             depends on the neighbours' routing — the bucket fixes the batch, not the experts' shapes
+             (a CI CPU passed the on-model check and then changed a bf16 MoE row's bits).
 
 MEMRA_DECODE_PLAN = auto (default: stacked where the invariant kernels are live and verified, else row)
 | row | stacked | bucket. An explicit plan that fails its check is refused (ExactnessError); `auto` falls
@@ -37,6 +39,9 @@ def _plan_ok(model, plan: str) -> tuple[bool, str]:
         broken = [f for f in platform_report(model.dtype, model.device) if f.startswith("triton")]
         if broken:
             return False, f"the kernel self-test found rows that change with the batch: {', '.join(broken[:3])}"
+    if plan == "bucket" and model.cfg.moe is not None and not model.ops.invariant:
+        return False, ("an MoE's experts each run over the rows that chose them, and without the M-invariant "
+                       "kernels those row counts (set by the neighbours' routing) change a row's bits")
     key = (plan, str(model.device), model.ops.invariant)
     if key not in model.plan_verified:
         model.plan_verified[key] = verify_plan(model, plan)
