@@ -40,6 +40,20 @@ def upload_values(values: Sequence, dtype: torch.dtype, device: torch.device | s
     return upload(torch.tensor(values, dtype=dtype), device)
 
 
+def upload_parts(parts: Sequence[Sequence], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Several lists in one upload, each a view starting on a 16-byte boundary of it. Triton compiles
+    a kernel per pointer alignment: a part at an offset set by the lengths before it would be aligned
+    in some steps and not in others, and the first step of a new kind would stall for a compile."""
+    per = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+    flat, at = [], []
+    for part in parts:
+        flat += [0] * (-len(flat) % per)
+        at.append(len(flat))
+        flat += list(part)
+    whole = upload_values(flat, dtype, device)
+    return [whole[a : a + len(part)] for a, part in zip(at, parts)]
+
+
 @dataclass
 class Download:
     """A device tensor's values on their way to the host: `host` is filled once `ready` has passed."""

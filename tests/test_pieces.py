@@ -27,3 +27,14 @@ def test_recurrent_pieces_cut_chunks_at_absolute_multiples_of_64():
 def test_recurrent_pieces_must_fill_the_rows_in_order():
     with pytest.raises(ValueError, match="contiguous|in order"):
         RecurrentPieces.of([0, 5], [3, 2], [0, 0], [0, 1], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 4, 7])
+def test_recurrent_pieces_tables_are_16_byte_aligned_for_every_piece_count(pieces):
+    """The table and the chunk cuts start on 16 bytes whatever the piece count, so a wave of any width
+    runs the kernel variant the warm-up compiled (Triton specializes on pointer alignment)."""
+    sizes = [30 + 4 * i for i in range(pieces)]  # one chunk each
+    firsts = [sum(sizes[:i]) for i in range(pieces)]
+    p = RecurrentPieces.of(firsts, sizes, [0] * pieces, list(range(pieces)), torch.device("cpu"))
+    assert p.table.data_ptr() % 16 == 0 and p.cuts.data_ptr() % 16 == 0
+    assert p.cuts.tolist() == firsts + [sum(sizes)] and p.table[:, 1].tolist() == sizes

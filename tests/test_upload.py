@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cuda_marks import DEVICES, cuda_only
-from memra.upload import start_download, upload, upload_values
+from memra.upload import start_download, upload, upload_parts, upload_values
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -18,6 +18,19 @@ def test_upload_gives_the_same_values(device):
     assert torch.equal(upload(host, device).cpu(), host)
     flags = upload_values([True, False, True], torch.uint8, device)
     assert flags.tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_upload_parts_start_every_part_on_16_bytes(device, dtype):
+    """Each part keeps its values and starts 16-byte aligned whatever the lengths before it (Triton
+    compiles per pointer alignment: a part's alignment must not change with a step's piece count)."""
+    for lengths in ((5, 3), (1, 1, 1), (4, 0, 7), (10, 2, 9)):
+        parts = [[100 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+        got = upload_parts(parts, dtype, device)
+        for part, view in zip(parts, got):
+            assert view.dtype == dtype and view.tolist() == part
+            assert view.data_ptr() % 16 == 0
 
 
 @cuda_only

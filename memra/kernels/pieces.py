@@ -17,7 +17,7 @@ import torch
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
-from memra.upload import upload_values
+from memra.upload import upload_parts, upload_values
 
 ATTENTION_TILE = 64  # queries per program of the pieces' attention launch (its BLOCK_M)
 
@@ -65,6 +65,5 @@ class RecurrentPieces:
             cuts += [first + a for a, _ in chunks]
             end = first + t
         cuts.append(end)
-        flat = upload_values([x for row in table for x in row] + cuts, torch.int32, device)
-        n = 5 * len(table)
-        return cls(tuple(zip(firsts, sizes, pos0s, slots)), flat[:n].view(-1, 5), flat[n:])
+        table_t, cuts_t = upload_parts([[x for row in table for x in row], cuts], torch.int32, device)
+        return cls(tuple(zip(firsts, sizes, pos0s, slots)), table_t.view(-1, 5), cuts_t)

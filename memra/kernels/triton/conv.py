@@ -96,7 +96,7 @@ def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: 
 
 
 @lean
-@triton.jit
+@triton.jit(do_not_specialize=["n_pieces"])
 def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C, stride_u, stride_out, stride_slot,
                         KC: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row of the wave, channel block): the row's piece found in the table (rows: first row,

@@ -50,7 +50,7 @@ import triton.language as tl
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
 from memra.kernels.triton.launch import lean
-from memra.upload import upload_values
+from memra.upload import upload_parts
 
 # Frozen launch configs (tools/gpu_gdn_prefill.py times the alternatives): value columns of the state per
 # scan program, and warps per program of each launch.
@@ -155,9 +155,9 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     if not t:
         return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.float().clone()
     cuts = aligned_cuts(t, pos0, GDN_CHUNK)
-    meta = upload_values([0, t, 0, 0, len(cuts)] + [a for a, _ in cuts] + [t], torch.int32, q.device)
+    piece, bounds = upload_parts([[0, t, 0, 0, len(cuts)], [a for a, _ in cuts] + [t]], torch.int32, q.device)
     s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=q.device)
-    return _prefill(q, k, v, beta, g, meta[5:], meta[:5].view(1, 5), state.contiguous(), s_out, 0), s_out
+    return _prefill(q, k, v, beta, g, bounds, piece.view(1, 5), state.contiguous(), s_out, 0), s_out
 
 
 def gdn_prefill_pieces(q, k, v, beta, g, pool, pieces):
