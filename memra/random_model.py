@@ -99,6 +99,7 @@ def random_weights(cfg: ModelConfig, device: str | torch.device = "cuda", dtype:
     if quant is not None and quant not in QUANT_FORMATS:
         raise MemraError(f"unknown weight format {quant!r}; known: {', '.join(QUANT_FORMATS)} (or None for {dtype})")
     from memra.kernels.quant import quantize
+    from memra.kernels.split import split_layout
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     weights = {}
@@ -117,7 +118,7 @@ def random_weights(cfg: ModelConfig, device: str | torch.device = "cuda", dtype:
                 t.mul_(0.5)
         weights[k] = t.to(torch.float32 if leaf in FP32_WEIGHTS else dtype)
         if quant is not None and leaf in QUANTIZED_LEAVES and t.dim() == 2:
-            weights[k] = quantize(weights[k], _qtype(quant), dtype)
+            weights[k] = split_layout(quantize(weights[k], _qtype(quant), dtype))  # as the loader holds it
     return weights
 
 
@@ -125,9 +126,9 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
                  n_layers: int | None = None, seed: int = 0, quant: str | None = None, settings=None):
     """A HybridModel of a named real shape with seeded random weights, built on `device`.
 
-    quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format
-    (memra.kernels.quant.QuantWeight), as a quantized checkpoint would be served; embeddings, norms,
-    the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
+    quant="q8_0" | "q4_k" keeps every 2-D projection (QUANTIZED_LEAVES) packed in that GGUF format, in
+    its split layout (memra.kernels.split), as the loader serves a quantized checkpoint; embeddings,
+    norms, the conv, routers and the 3-D MoE expert stacks stay in `dtype`."""
     from memra.model.hybrid import HybridModel
 
     if name not in SHAPES:

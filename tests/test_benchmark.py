@@ -292,14 +292,14 @@ def test_probes_run_on_cpu():
 def test_packed_weights_count_their_packed_bytes(monkeypatch):
     """weights=q8_0: the roofline reads the packed bytes (34 per 32 values), not a dense copy."""
     import memra.random_model as rm
-    from memra.kernels.quant import QuantWeight
+    from memra.kernels.split import Q8Split
 
     monkeypatch.setitem(rm.SHAPES, "tiny-packed", lambda n: rm._llama(n or 1, 256, 4, 2, 512, 512))
     dense = rm.random_model("tiny-packed", "cpu", torch.float32)
     packed = rm.random_model("tiny-packed", "cpu", torch.float32, quant="q8_0")
     projections = [t for t in (packed.blocks[0].mixer.wqkv, packed.blocks[0].mixer.wo, packed.blocks[0].ffn.w_gate_up,
                                packed.blocks[0].ffn.w_down, packed.lm_head)]
-    assert all(isinstance(t, QuantWeight) for t in projections)
+    assert all(isinstance(t, Q8Split) for t in projections)  # split as the loader holds it
     saved = sum(t.shape[0] * t.shape[1] * 4 - t.nbytes for t in projections)  # fp32 dense minus packed
     assert weight_bytes(dense, 1) - weight_bytes(packed, 1) == saved
     # FLOPs are the logical matmul's, packed or not (a packed weight has no .dim(): the bug the H200 run hit)

@@ -1,4 +1,5 @@
-"""GGUF-packed weights (memra.kernels.quant) and the fused dequantizing matmuls (memra.kernels.triton.quant).
+"""GGUF-packed weights (memra.kernels.quant), their split layouts (memra.kernels.split) and the fused
+dequantizing matmuls over those (memra.kernels.triton.quant).
 
 - the torch quantizers against gguf's: Q8_0 byte for byte; Q4_K (gguf has no quantizer) by its round-trip
   error, and by decoding our bytes with gguf and with memra to the same bits;
@@ -25,7 +26,7 @@ from memra.kernels import quant, reference
 from memra.kernels.table import KernelTable
 from memra.settings import Settings
 from memra.kernels.quant import QType, QuantWeight
-from memra.kernels.split import split_for_cpu
+from memra.kernels.split import SPLIT_TYPES, split_layout
 from memra.loading.dequant import SCALE_FIELDS, dequantize
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
@@ -127,8 +128,8 @@ def test_row_moves_lookups_and_tiles_keep_the_values(qtype, monkeypatch):
     with pytest.raises(MemraError, match="one format"):
         QuantWeight.cat_rows([qw, quant.quantize(torch.randn(4, 512), qtype, torch.float32)])
     # the CPU's split layout (memra.kernels.split): the same values, rows and tiled products
-    split = split_for_cpu(qw)
-    assert split.shape == qw.shape and qw.nbytes < split.nbytes <= 1.06 * qw.nbytes  # about the file's size
+    split = split_layout(qw)
+    assert split.shape == qw.shape and qw.nbytes <= split.nbytes <= 1.06 * qw.nbytes  # about the file's size
     assert torch.equal(split.dequantize(), full) and torch.equal(split[ids], full[ids])
     assert torch.equal(split[7], full[7:8])
     assert torch.equal(quant.tiled_linear(x, split, scratch=quant.Scratch()), quant.reference_linear(x, qw))
@@ -153,7 +154,7 @@ def test_the_cpu_split_decodes_any_bytes_as_the_reference_decoder(qtype):
         data[..., at : at + 2] = torch.randn(n, k // block, 1, generator=gen).mul(0.01).half().view(torch.uint8)
     qw = QuantWeight(qtype, data.reshape(n, -1).contiguous(), (n, k), torch.float32)
     want = dequantize(qw.data, qtype, (n, k))
-    split = split_for_cpu(qw)
+    split = split_layout(qw)
     assert torch.equal(split.dequantize(), want) and torch.equal(split.decode(2, 5), want[2:5])
     assert torch.equal(split[torch.tensor([4, 0])], want[[4, 0]])
     assert split.nbytes <= 1.6 * qw.nbytes
@@ -177,7 +178,7 @@ def test_row_blocks_of_several_formats_stay_packed_as_one_weight(monkeypatch):
     assert isinstance(mixed, MixedRows) and mixed.shape == (232, 256)
     full = torch.cat([q4.dequantize(), q8.dequantize(), q4.dequantize()])
     assert torch.equal(mixed.dequantize(), full)
-    split = split_for_cpu(mixed)
+    split = split_layout(mixed)
     assert isinstance(split, SplitRows) and torch.equal(split.dequantize(), full)
     assert torch.equal(split.decode(90, 140), full[90:140])  # crosses two block edges
     x = torch.randn(2, 256, generator=gen)
@@ -237,7 +238,37 @@ def test_kernel_weight_values_equal_the_dequantizer(qtype, dtype):
     n, k = SHAPES[qtype][0]
     qw = quant.quantize(weight(n, k, seed=2), qtype, dtype).to(DEVICE)
     eye = torch.eye(k, dtype=dtype, device=DEVICE)  # y[i, n] = sum_k [k == i] w[n, k] = w[n, i], exactly
-    same_bits(quant_triton.linear(eye, qw).t().contiguous(), qw.dequantize(dtype))
+    same_bits(quant_triton.linear(eye, split_layout(qw)).t().contiguous(), qw.dequantize(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_any_bytes_of_every_split_layout_as_the_dequantizer(dtype):
+    """Random bytes in every field of Q8_0, Q4_K, Q5_K and Q6_K (all 6-bit scales and mins, every bit
+    plane, signed scales), and their row blocks joined as one weight (split.SplitRows): the kernel's
+    weight values (an identity x reads them out) are memra.loading.dequant's, bit for bit."""
+    from memra.kernels.quant import MixedRows
+    from memra.kernels.triton import quant as quant_triton
+
+    gen = torch.Generator().manual_seed(12)
+    n, k = 40, 512
+    parts = []
+    for qtype in (QType.Q8_0, QType.Q4_K, QType.Q5_K, QType.Q6_K):
+        block, block_bytes = quant.PACKABLE[qtype]
+        data = torch.randint(0, 256, (n, k // block, block_bytes), generator=gen, dtype=torch.uint8)
+        for at in SCALE_FIELDS[qtype]:  # finite fp16 scales (random bytes would make some NaN / Inf)
+            data[..., at : at + 2] = torch.randn(n, k // block, 1, generator=gen).mul(0.01).half().view(torch.uint8)
+        qw = QuantWeight(qtype, data.reshape(n, -1).contiguous(), (n, k), dtype)
+        parts.append(qw)
+        eye = torch.eye(k, dtype=dtype, device=DEVICE)
+        got = quant_triton.linear(eye, split_layout(qw.to(DEVICE))).t().contiguous()
+        assert torch.equal(got, qw.dequantize(dtype).to(DEVICE))  # values: the read-out sums 0 + w, so -0 reads +0
+    mixed = split_layout(MixedRows(tuple(parts)).placed(torch.device(DEVICE), dtype))
+    x = rnd(3, k, seed=13).to(DEVICE, dtype)
+    b = rnd(4 * n, seed=14).to(DEVICE, dtype)
+    whole = torch.cat([quant_triton.linear(x, split_layout(p.to(DEVICE)), b[i * n : (i + 1) * n])
+                       for i, p in enumerate(parts)], dim=-1)
+    same_bits(quant_triton.linear(x, mixed, b), whole)  # each block's launch writes its own columns
 
 
 @needs_triton
@@ -246,33 +277,35 @@ def test_kernel_weight_values_equal_the_dequantizer(qtype, dtype):
 def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
     from memra.kernels.triton import quant as quant_triton
 
-    fused = {QType.Q8_0: quant_triton.q8_0_linear, QType.Q4_K: quant_triton.q4_k_linear}[qtype]
+    fused = quant_triton.linear
     for i, (n, k) in enumerate(SHAPES[qtype]):
         qw = quant.quantize(weight(n, k, seed=3 + i), qtype, dtype).to(DEVICE)
+        sw = split_layout(qw)
         bias = rnd(n, seed=5).to(DEVICE, dtype) if i == 0 else None
         x = rnd(64, k, seed=4).to(DEVICE, dtype)
-        full = fused(x, qw, bias)
+        full = fused(x, sw, bias)
         for m in (1, 2, 7, 33, 64):
-            part = fused(x[:m], qw, bias)
+            part = fused(x[:m], sw, bias)
             close(part, quant.reference_linear(x[:m], qw, bias), dtype)
             same_bits(part, full[:m])  # the same rows inside a smaller call
-        same_bits(fused(x[5:6], qw, bias)[0], full[5])  # row 5 moved to the front
+        same_bits(fused(x[5:6], sw, bias)[0], full[5])  # row 5 moved to the front
 
 
 @needs_triton
-def test_fused_linear_takes_leading_dims_and_refuses_other_formats():
+def test_fused_linear_takes_leading_dims_and_refuses_unsplit_bytes():
     from memra.kernels.triton import quant as quant_triton
 
     qw = quant.quantize_q8_0(weight(40, 96)).to(DEVICE)
+    sw = split_layout(qw)
     x = rnd(2, 3, 96, seed=6).to(DEVICE)
-    y = quant_triton.q8_0_linear(x, qw)
+    y = quant_triton.linear(x, sw)
     assert y.shape == (2, 3, 40)
-    same_bits(y.reshape(6, 40), quant_triton.q8_0_linear(x.reshape(6, 96), qw))
-    assert quant_triton.q8_0_linear(x[:0, 0], qw).shape == (0, 40)
-    with pytest.raises(MemraError, match="got a Q8_0 weight"):
-        quant_triton.q4_k_linear(x, qw)
+    same_bits(y.reshape(6, 40), quant_triton.linear(x.reshape(6, 96), sw))
+    assert quant_triton.linear(x[:0, 0], sw).shape == (0, 40)
+    with pytest.raises(MemraError, match="takes a split layout"):
+        quant_triton.linear(x, qw)  # the file's bytes: the loader splits them first
     with pytest.raises(MemraError, match="expects 96"):
-        quant_triton.q8_0_linear(x[..., :64], qw)
+        quant_triton.linear(x[..., :64], sw)
 
 
 # --- dispatch ----------------------------------------------------------------------------------------
@@ -282,7 +315,7 @@ def test_ops_linear_runs_the_twin_on_cpu():
     ops = KernelTable.build("cpu", Settings())
     qw = quant.quantize_q4_k(weight(24, 256))
     x, b = rnd(5, 256, seed=7), rnd(24, seed=8)
-    same_bits(ops.linear(x, qw, b), quant.reference_linear(x, qw, b))
+    same_bits(ops.linear(x, split_layout(qw), b), quant.reference_linear(x, qw, b))
     w = qw.dequantize()
     same_bits(ops.linear(x, w, b), reference.linear(x, w, b))  # dense weights: unchanged
 
@@ -296,11 +329,11 @@ def test_ops_linear_runs_the_fused_kernel_where_invariant_kernels_live(monkeypat
     # the table of a CUDA model in exact mode, held to CPU tensors (the interpreter runs the kernels)
     ops = KernelTable(invariant=True, triton=True, exact=True, gdn_kernel=False, sample_kernel=False)
     monkeypatch.setattr(KernelTable, "_impl", lambda self, x: table.triton_ops())
-    qw = quant.quantize_q8_0(weight(40, 96))
+    sw = split_layout(quant.quantize_q8_0(weight(40, 96)))
     x = rnd(3, 96, seed=9)
-    calls = []
-    monkeypatch.setattr(quant_triton, "linear", lambda *a: calls.append(a) or quant_triton.q8_0_linear(*a))
-    same_bits(ops.linear(x, qw), quant_triton.q8_0_linear(x, qw))
+    calls, fused = [], quant_triton.linear
+    monkeypatch.setattr(quant_triton, "linear", lambda *a: calls.append(a) or fused(*a))
+    same_bits(ops.linear(x, sw), fused(x, sw))
     assert len(calls) == 1
 
 
@@ -313,7 +346,7 @@ def test_random_model_serves_packed_weights(monkeypatch, fmt, tol):
     monkeypatch.setitem(rm.SHAPES, "tiny-test", lambda n: rm._llama(n or 2, 256, 4, 2, 512, 512))
     dense = rm.random_model("tiny-test", "cpu", torch.float32)
     packed = rm.random_model("tiny-test", "cpu", torch.float32, quant=fmt)
-    assert isinstance(packed.blocks[0].mixer.wqkv, QuantWeight) and isinstance(packed.lm_head, QuantWeight)
+    assert isinstance(packed.blocks[0].mixer.wqkv, SPLIT_TYPES) and isinstance(packed.lm_head, SPLIT_TYPES)
     a, b = dense.new_cache(32), packed.new_cache(32)
     la, lb = dense.prime([1, 2, 3, 4, 5], a), packed.prime([1, 2, 3, 4, 5], b)
     assert (la - lb).abs().max() / la.abs().max() < tol

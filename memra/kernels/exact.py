@@ -103,12 +103,13 @@ def _quant_probes(rnd, failures: list[str]) -> None:
     """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call. (One
     frozen tile serves every M there; per-M tiles were tried on the H200 and this probe caught them
     changing bits across buckets.)"""
+    from memra.kernels.split import split_layout
     from memra.kernels.triton import quant as quant_triton  # Triton is present: _triton_probes found it
 
     wide, k = 300, 512
     x = rnd(wide, k)
     for pack in (quant.quantize_q8_0, quant.quantize_q4_k):
-        qw = pack(rnd(320, k).float() * 0.05, x.dtype)
+        qw = split_layout(pack(rnd(320, k).float() * 0.05, x.dtype))
         full = quant_triton.linear(x, qw)
         for m in (1, 9, 40, 100):
             _check(f"triton {qw.qtype.name} linear[{m}x{k}] vs rows of [{wide}x{k}]", quant_triton.linear(x[:m].clone(), qw),

@@ -1,21 +1,20 @@
 """GGUF-quantized weights that stay packed in memory, and the pure-torch meaning of multiplying by them.
 
 Decode is bound by reading weights: a bf16 weight costs 2 bytes a value, Q8_0 1.06 and Q4_K 0.56. So a
-`QuantWeight` keeps each output row's GGUF bytes exactly as the file stores them, and the fast kernels
-(memra.kernels.triton.quant) dequantize a tile in registers inside the matmul instead of materialising
-the float weight. Two formats, the ones worth a fused kernel:
+`QuantWeight` keeps each output row's GGUF bytes exactly as the file stores them, and the loader repacks
+them into split layouts (memra.kernels.split: quants apart from scales), which the CPU decodes a tile at
+a time (`tiled_linear`) and the GPU kernels (memra.kernels.triton.quant) dequantize in registers inside
+the matmul, instead of materialising the float weight. The formats:
 
   Q8_0  blocks of 32 values in 34 bytes:  d (fp16) | 32 x int8 q             value = d * q
   Q4_K  super-blocks of 256 in 144 bytes: d (fp16) | dmin (fp16) | 12 bytes of 6-bit (scale, min) for
         the eight 32-value sub-blocks | 128 bytes of 4-bit q   value = (d * scale) * q - (dmin * min)
-
-Q5_K and Q6_K (llama.cpp's Q4_K_M and Q5_K_M files keep their head and some projections in them) may
-be held packed too, for the CPU's split layouts (memra.kernels.split); they have no fused GPU kernel.
+  Q5_K, Q6_K (llama.cpp's Q4_K_M and Q5_K_M files keep their head and some projections in them).
 
 Meaning: `reference_linear(x, qw)` is `reference.linear(x, qw.dequantize(x.dtype))` -- dequantize with
 memra.loading.dequant (bit-identical to gguf.quants.dequantize), round once to the activation dtype,
-then the dense linear. The fused kernels produce the same weight values to the bit and differ only in
-the order their dot product sums (tests/test_quant_linear.py holds them to it).
+then the dense linear. The split layouts and the GPU kernels produce the same weight values to the bit;
+the kernels differ only in the order their dot product sums (tests/test_quant_linear.py holds them to it).
 
 The quantizers are here for random benchmark models and tests: `quantize_q8_0` is byte-identical to
 gguf.quants.quantize (llama.cpp's reference); gguf has no Q4_K quantizer, so `quantize_q4_k` follows
@@ -38,7 +37,7 @@ from memra.loading import dequant
 QType = gguf.GGMLQuantizationType
 
 # qtype -> (values per block, bytes per block), from gguf's own table
-FORMATS: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (QType.Q8_0, QType.Q4_K)}  # fused on GPU
+FORMATS: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (QType.Q8_0, QType.Q4_K)}  # memra quantizes to
 PACKABLE: dict[QType, tuple[int, int]] = {t: gguf.GGML_QUANT_SIZES[t] for t in (*FORMATS, QType.Q5_K, QType.Q6_K)}
 
 
@@ -135,9 +134,8 @@ class QuantWeight:
 @dataclass(frozen=True, eq=False)
 class MixedRows:
     """Packed row blocks of one width in several formats, one linear weight: a fused qkv whose v the
-    file stores in Q6_K beside Q4_K q and k (llama.cpp's Q4_K_M does). The CPU keeps each block in its
-    split layout (memra.kernels.split.SplitRows); the fused GPU kernels read one format, so there it
-    is decoded at load."""
+    file stores in Q6_K beside Q4_K q and k (llama.cpp's Q4_K_M does). The loader keeps each block in
+    its split layout (memra.kernels.split.SplitRows)."""
 
     parts: tuple[QuantWeight, ...]
 

@@ -1,8 +1,9 @@
-"""GGUF weights repacked for the CPU at load: the quants apart from their scales, so a tile of a
-linear's weight decodes in a few whole-tensor ops into a reused buffer (memra.kernels.quant.tiled_linear)
-and the model's memory tracks the file's size instead of four bytes a value.
+"""GGUF weights repacked at load: the quants apart from their scales. On CPU a tile of a linear's weight
+then decodes in a few whole-tensor ops into a reused buffer (memra.kernels.quant.tiled_linear), and the
+model's memory tracks the file's size instead of four bytes a value; on a GPU the fused kernels
+(memra.kernels.triton.quant) read a tile's quants with wide loads instead of gathering them byte by byte.
 
-    Q8Split   Q8_0: int8 q [N, K] | fp32 d [N, K/32]                      value = d * q
+    Q8Split   Q8_0: int8 q [N, K] | fp16 d [N, K/32]                      value = d * q
     Q4KSplit  Q4_K: 4-bit q as the file packs it [N, K/2] | fp32 d, dmin [N, K/256]
               | 6-bit scale, min as bytes [N, K/32]                       value = (d * scale) * q - (dmin * min)
     Q5KSplit  Q5_K: 5-bit q, a byte each [N, K] | the rest as Q4_K        value = (d * scale) * q - (dmin * min)
@@ -67,10 +68,10 @@ def _take(t: torch.Tensor, rows) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value
 class Q8Split(_Split):
-    """A Q8_0 weight [N, K]: 1.125 bytes a value against the file's 1.0625."""
+    """A Q8_0 weight [N, K]: the file's 1.0625 bytes a value."""
 
     q: torch.Tensor  # int8 [N, K]
-    d: torch.Tensor  # fp32 [N, K // 32] (fp16 -> fp32 is exact)
+    d: torch.Tensor  # fp16 [N, K // 32], the file's (widened to fp32 where used: exact)
     dtype: torch.dtype  # the activation dtype (QuantWeight's)
 
     qtype = QType.Q8_0
@@ -79,7 +80,7 @@ class Q8Split(_Split):
     def from_quant(cls, qw: QuantWeight) -> "Q8Split":
         n, k = qw.shape
         blocks = qw.data.view(n, k // 32, 34)
-        d = dequant._f16_field(blocks.reshape(-1, 34), 0).view(n, k // 32)
+        d = blocks[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
         return cls(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), d, qw.dtype)
 
     @property
@@ -89,7 +90,7 @@ class Q8Split(_Split):
     def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
         out = _widen(self.q, a, b, out)
-        out.view(b - a, -1, 32).mul_(self.d[a:b, :, None])
+        out.view(b - a, -1, 32).mul_(self.d[a:b, :, None].float())  # widened first: a mixed-dtype product is slow
         return out
 
 
@@ -215,8 +216,9 @@ class Q6KSplit(_Split):
 
 @dataclass(frozen=True, eq=False)
 class SplitRows:
-    """Row blocks in several split layouts, one linear weight (quant.MixedRows on the CPU): a tile that
-    crosses blocks decodes each block's rows into its part of the buffer."""
+    """Row blocks in several split layouts, one linear weight (a quant.MixedRows, split): a CPU tile that
+    crosses blocks decodes each block's rows into its part of the buffer; the GPU kernel runs a launch
+    per block, each writing its own columns."""
 
     parts: tuple  # of the layouts above, one width
 
@@ -252,15 +254,19 @@ class SplitRows:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.decode(0, self.shape[0]).to(dtype or self.dtype)
 
+    def to(self, device: torch.device | str) -> "SplitRows":
+        return SplitRows(tuple(p.to(device) for p in self.parts))
+
 
 SPLITS = {QType.Q8_0: Q8Split, QType.Q4_K: Q4KSplit, QType.Q5_K: Q5KSplit, QType.Q6_K: Q6KSplit}
 SPLIT_TYPES = (*SPLITS.values(), SplitRows)
 
 
-def split_for_cpu(qw: QuantWeight | MixedRows):
-    """The CPU layout of a packed weight (Q8_0, Q4_K, Q5_K or Q6_K; or row blocks of several)."""
+def split_layout(qw: QuantWeight | MixedRows):
+    """The split layout of a packed weight (Q8_0, Q4_K, Q5_K or Q6_K; or row blocks of several), on qw's
+    device: what a packed model holds, on CPU and GPU alike."""
     if isinstance(qw, MixedRows):
-        return SplitRows(tuple(split_for_cpu(p) for p in qw.parts))
+        return SplitRows(tuple(split_layout(p) for p in qw.parts))
     if qw.qtype not in SPLITS:
-        raise MemraError(f"no CPU layout for {qw.qtype.name} weights; they are dequantized at load")
+        raise MemraError(f"no split layout for {qw.qtype.name} weights; they are dequantized at load")
     return SPLITS[qw.qtype].from_quant(qw)

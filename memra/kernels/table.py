@@ -15,8 +15,9 @@ may run as one stacked forward (memra.decode_plan).
 `moe_experts` runs as grouped matmuls (memra.kernels.triton.moe) wherever the invariant kernels run:
 the same bits as the per-expert loop over the invariant linear, without the loop's host round trip.
 
-`linear` also takes a GGUF-packed weight (memra.kernels.quant.QuantWeight): the same choice, between
-the fused dequantizing kernels (memra.kernels.triton.quant) and their pure-torch twin (quant.reference_linear).
+`linear` also takes a GGUF weight packed in a split layout (memra.kernels.split): the same choice,
+between the fused dequantizing kernel (memra.kernels.triton.quant) and the tiled twin (quant.tiled_linear,
+which decodes a tile of rows at a time into a reused buffer: the meaning of quant.reference_linear).
 
 Each fast kernel (memra.kernels.triton, one module per family) has its pure-torch twin in
 memra.kernels.reference, and a test between them. Dependencies point one way: the table imports the
@@ -157,10 +158,10 @@ class KernelTable:
                                                                                rows)
 
     def linear(self, x, w, b=None):
-        if isinstance(w, quant.QuantWeight):  # packed GGUF bytes: the fused kernel, or its twin
-            return (quant if self._impl(x) is reference else _quant_triton()).linear(x, w, b)
-        if isinstance(w, split.SPLIT_TYPES):  # repacked for the CPU: decoded a tile at a time
-            return quant.tiled_linear(x, w, b, self.scratch)
+        if isinstance(w, split.SPLIT_TYPES):  # packed: the fused kernel, or decoded a tile at a time
+            if self._impl(x) is reference:
+                return quant.tiled_linear(x, w, b, self.scratch)
+            return _quant_triton().linear(x, w, b)
         return self._impl(x).linear(x, w, b)
 
     def linear_add(self, x, w, residual):
@@ -265,6 +266,6 @@ class KernelTable:
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down):
-        if self.invariant and x.is_cuda and not isinstance(w_gate_up, quant.QuantWeight):
+        if self.invariant and x.is_cuda and isinstance(w_gate_up, torch.Tensor):
             return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down)
         return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)

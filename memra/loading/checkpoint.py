@@ -138,22 +138,20 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     `opened` is open_checkpoint(path)'s result when the caller already has it. The fp32 weights (and GGUF
     block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
     it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks).
-    `packed`: keep a GGUF's quantized projections packed (memra.loading.gguf), decoded a tile at a time
-    inside each linear, with the same bits: True for every format the device reads packed (CPU: Q8_0,
-    Q4_K, Q5_K, Q6_K, split into quants and scales by memra.kernels.split; GPU: Q8_0 and Q4_K, the fused
-    kernels), False for none, None for what pays off here: all of them on CPU (about the file's size
-    instead of fp32's four bytes a value), nothing on a GPU (whose dense kernels beat the packed ones
-    today)."""
-    from memra.kernels.quant import FORMATS, MixedRows, QuantWeight
-    from memra.kernels.split import SPLITS, split_for_cpu
+    `packed`: keep a GGUF's quantized projections packed (memra.loading.gguf) -- Q8_0, Q4_K, Q5_K and
+    Q6_K, split into quants and scales by memra.kernels.split -- decoded a tile at a time inside each
+    linear, with the same bits: True for all of them, False for none, None for what pays off here: all
+    of them on CPU (about the file's size instead of fp32's four bytes a value), nothing on a GPU (whose
+    dense kernels beat the packed ones there, as last measured)."""
+    from memra.kernels.quant import MixedRows, QuantWeight
+    from memra.kernels.split import SPLITS, split_layout
     from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
 
     cfg, names, make_tokenizer, _ = opened or open_checkpoint(path)
     src = names.src
     if isinstance(names, GgufNames):
-        packable = SPLITS if device.type == "cpu" else FORMATS  # a CPU layout each, or a fused GPU kernel
-        names.packed = frozenset(packable) if packed or (packed is None and device.type == "cpu") else frozenset()
+        names.packed = frozenset(SPLITS) if packed or (packed is None and device.type == "cpu") else frozenset()
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -161,13 +159,10 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
             want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
             # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
             # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
-            if isinstance(t, (QuantWeight, MixedRows)) and device.type == "cpu":
-                # the quants split from their scales (a tile then decodes in a few whole-tensor ops); the
-                # layouts are fresh tensors, so the file's bytes are read in place, not copied first
-                out[prefix + k] = split_for_cpu(t.placed(device, want, copy=False))
-            elif isinstance(t, (QuantWeight, MixedRows)):  # packed bytes: moved, never converted; decoded when used
-                t = t.placed(device, want)  # the fused kernels read one format: mixed row blocks are decoded here
-                out[prefix + k] = t.dequantize(want).contiguous() if isinstance(t, MixedRows) else t
+            if isinstance(t, (QuantWeight, MixedRows)):
+                # the quants split from their scales, on the device (memra.kernels.split). The layouts are
+                # fresh tensors, so on CPU the file's bytes are read in place, not copied first.
+                out[prefix + k] = split_layout(t.placed(device, want, copy=False))
             else:
                 out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
         return out

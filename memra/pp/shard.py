@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from memra.kernels.split import SPLIT_TYPES
 from memra.pp.runtime import PpRuntime
 
 
 def _move(obj, device: torch.device, seen: set[int]) -> None:
-    """Move every tensor reachable through obj's attributes (and lists of them) to `device`."""
+    """Move every tensor (and packed weight) reachable through obj's attributes (and lists of them) to `device`."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
     for name, value in list(vars(obj).items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, *SPLIT_TYPES)):  # a packed weight is frozen: replaced, not entered
             if value.device != device:
                 setattr(obj, name, value.to(device))
         elif isinstance(value, (list, tuple)):
