@@ -21,7 +21,7 @@ which decodes a tile of rows at a time into a reused buffer: the meaning of quan
 
 Each fast kernel (memra.kernels.triton, one module per family) has its pure-torch twin in
 memra.kernels.reference, and a test between them. Dependencies point one way: the table imports the
-families and the twins; the families import only the twins (reference, quant, cuts) and each other's
+families and the twins; the families import only the twins (reference, quant, split, cuts) and each other's
 shared helpers; memra.kernels.exact (the self-test) imports the table.
 """
 
