@@ -94,6 +94,18 @@ def test_rms_norm_matches_twin_and_is_row_invariant(dtype, zero_centered):
     same_bits(tk.rms_norm(x[2:3], w, 1e-6, zero_centered), full[2:3])
 
 
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rms_norm_reads_a_strided_view_in_place(zero_centered):
+    """q and k normed where they lie inside a fused projection's output ([T, H, D] views with token and
+    head strides): the bits of the norm over their contiguous copies."""
+    qkv = rnd(5, 2 * 4 * 16 + 2 * 16, dtype=torch.bfloat16, seed=6)  # [T, 4 heads of (q | gate) + k + v]
+    q = qkv[:, : 4 * 32].view(5, 4, 32)[..., :16]  # strides (160, 32, 1)
+    k = qkv[:, 4 * 32 : 4 * 32 + 16].view(5, 1, 16)  # strides (160, 16, 1)
+    w = rnd(16, seed=7) + 1
+    for view in (q, k, qkv[:, :16]):
+        same_bits(tk.rms_norm(view, w, 1e-6, zero_centered), tk.rms_norm(view.contiguous(), w, 1e-6, zero_centered))
+
+
 def test_gated_norm_matches_twin():
     for dtype in DTYPES:
         o, z, w = rnd(5, 2, 24, seed=7), rnd(5, 2, 24, dtype=dtype, seed=8), rnd(24, seed=9)

@@ -91,14 +91,14 @@ class Attention:
         return o.reshape(b, self.n_heads * d)
 
     def _project(self, x: torch.Tensor):
-        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (q and k normed, not yet rotated), gate [T, Hq*D] | None."""
+        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (q and k normed, not yet rotated), gate [T, Hq, D] | None
+        (a view into the projection's output: read where it lies, never copied)."""
         t, d = x.shape[0], self.head_dim
         qkv = self.ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
         q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(t, self.n_heads, 2 * d).split([d, d], dim=-1)  # gate interleaved per head
-            gate = gate.reshape(t, self.n_heads * d)
         q = q.reshape(t, self.n_heads, d)
         k = k.reshape(t, self.n_kv, d)
         v = v.reshape(t, self.n_kv, d)
@@ -122,6 +122,8 @@ class Attention:
         return o.reshape(t, self.n_heads * d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [T, Hq*D], gated by sigmoid(gate [T, Hq, D]) where the model has an output gate -> [T, E]."""
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            t = o.shape[0]
+            o = (o.view(t, self.n_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
         return self.ops.linear(o, self.wo)

@@ -17,13 +17,16 @@ RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
 
 @lean
 @triton.jit
-def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constexpr, RESIDUAL: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    # One program per row, the whole row in one tile: the sum is one tree of fixed shape.
+def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, H, stride_xt, stride_xh, MODE: tl.constexpr,
+                     RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row, the whole row in one tile: the sum is one tree of fixed shape. x's row
+    # `row` is head row % H of token row // H (a [T, H, D] view, e.g. q and k inside a fused
+    # projection's output, is read where it lies); r, s and y are contiguous rows.
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    at = (row // H).to(tl.int64) * stride_xt + (row % H) * stride_xh
+    x = tl.load(x_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:  # x + r rounded to the dtype as torch's add rounds it, stored, then normalised
         x = x + tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         s_ty = s_ptr.dtype.element_ty
@@ -42,14 +45,19 @@ def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, MODE: tl.constex
 def _row_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, out_dtype: torch.dtype,
               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = x.shape[-1]
-    x2 = x.reshape(-1, d).contiguous()
-    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x.dim() in (2, 3) and x.stride(-1) == 1:  # rows read in place: no copy of a strided view first
+        x2, h = x, (x.shape[1] if x.dim() == 3 else 1)
+        strides = (x.stride(0), x.stride(1) if x.dim() == 3 else 0)
+    else:
+        x2, h = x.reshape(-1, d).contiguous(), 1
+        strides = (d, 0)
+    rows = x.numel() // d
+    y = torch.empty(rows, d, dtype=out_dtype, device=x.device)
     r2 = residual.reshape(-1, d).contiguous() if residual is not None else None
-    s = torch.empty_like(x2) if residual is not None else None
-    if x2.shape[0]:
-        _row_norm_kernel[(x2.shape[0],)](x2, w, y, r2 if r2 is not None else x2,
-                                         s if s is not None else x2, d, eps, MODE=mode, RESIDUAL=residual is not None,
-                                         BLOCK=triton.next_power_of_2(d))
+    s = torch.empty(rows, d, dtype=x.dtype, device=x.device) if residual is not None else None
+    if rows:
+        _row_norm_kernel[(rows,)](x2, w, y, r2 if r2 is not None else y, s if s is not None else y, d, eps, h,
+                                  *strides, MODE=mode, RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(d))
     return y.reshape(x.shape), (s.reshape(x.shape) if s is not None else None)
 
 
