@@ -1,6 +1,6 @@
 """The GPU path's kernel table composed into whole models, on CPU: every op the invariant table sends to
 a Triton kernel (linear, norms, rope and the K/V write, paged and prefill attention, GDN's conv, heads,
-scan and chunked prefill, the packed GGUF linear) runs in Triton's interpreter, inside the model's own
+scan and chunked prefill, the grouped MoE matmuls, the packed GGUF linear) runs in Triton's interpreter, inside the model's own
 prime, batched prime and decode. What the kernel tests check one kernel at a time, this checks as the
 model wires them: the logits agree with the torch path to fp32 rounding (the kernels sum in another
 order, so bits are not the contract here). CPU only: on a GPU every model test runs this table for real."""
@@ -23,13 +23,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [12, 13]]
 
 def _interpreted_table(monkeypatch):
     """Models built from now on get the table of a CUDA model in exact mode, held to CPU tensors."""
-    from memra.kernels.table import KernelTable, triton_ops
+    from memra.kernels.table import KernelTable
 
     class Interpreted(KernelTable):
-        def _impl(self, x):
-            return triton_ops()
-
-        def _triton_on(self, x):
+        def _gpu(self, x):
             return True
 
     table = Interpreted(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=False)
@@ -54,7 +51,7 @@ def _compare(plain, interpreted) -> None:
         _agree(interpreted.prime(p, c), got)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
 def test_a_model_on_the_gpu_kernels_agrees_with_the_torch_path(arch, monkeypatch):
     from memra.loading.checkpoint import load
 

@@ -92,7 +92,7 @@ def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
     ids = torch.tensor([[1, 4], [4, 9]], device=DEVICE)
     weights = torch.tensor([[0.7, 0.3], [0.25, 0.75]], device=DEVICE, dtype=torch.bfloat16)
     plan = mk.plan_pairs(ids, (1, 16, 16, 4, 1))
-    assert plan.tile_expert.tolist() == [1, 4, 4, 9] and plan.token_of.tolist() == [0, 0, 1, 1]
+    assert plan.per_pair and plan.tile_expert.tolist() == [1, 4, 4, 9] and plan.pairs == 4  # no tables: no launches
     same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down),  # 4 pairs x 4 <= 16 experts: per pair
               reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
 

@@ -132,8 +132,13 @@ class KernelTable:
     moe_route = staticmethod(reference.moe_route)
     rope_cos_sin = staticmethod(reference.rope_cos_sin)
 
+    def _gpu(self, x: torch.Tensor) -> bool:
+        """Is x where the GPU kernels run? (CUDA; tests/test_interpreted_model.py answers yes for CPU
+        tensors, to run the GPU path's kernels in Triton's interpreter.)"""
+        return x.is_cuda
+
     def _impl(self, x: torch.Tensor):
-        return triton_ops() if self.invariant and x.is_cuda else reference
+        return triton_ops() if self.invariant and self._gpu(x) else reference
 
     def grouped_moe(self) -> bool:
         """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
@@ -142,7 +147,7 @@ class KernelTable:
     def _triton_on(self, x) -> bool:
         """Triton runs here (CUDA, allowed), in the exact and the fast path alike: for the kernels whose
         values are each a function of one token's inputs, so their bits never depend on the batch."""
-        return self.triton and x.is_cuda
+        return self.triton and self._gpu(x)
 
     def _fused_rope(self, x) -> bool:
         # One fused launch instead of five (triton.rope) on 16-bit activations.
@@ -224,7 +229,7 @@ class KernelTable:
     def _chunked_gdn(self, q):
         # The Triton form where the invariant kernels run (MEMRA_GDN_KERNEL=0 is the door back): same chunks
         # at the same absolute cuts as the reference's loop, so a token's bits still do not depend on its piece.
-        return _gdn_triton() if self.gdn_kernel and q.is_cuda else reference
+        return _gdn_triton() if self.gdn_kernel and self._gpu(q) else reference
 
     def gdn_prefill(self, q, k, v, beta, g, state, pos0):
         return self._chunked_gdn(q).gdn_prefill(q, k, v, beta, g, state, pos0)
@@ -240,7 +245,7 @@ class KernelTable:
     def paged_attention_rows(self, q, k_pool, v_pool, rows, starts, lens, scale, max_len=None):
         # Attention has no cuBLAS form to compare against, so the fast path (MEMRA_EXACT=0) uses the paged
         # kernel too where Triton runs; its reference twin walks rows on the host and cannot be graphed.
-        fast_cuda = q.is_cuda and not self.exact and self.triton
+        fast_cuda = self._gpu(q) and not self.exact and self.triton
         impl = triton_ops() if fast_cuda else self._impl(q)
         if impl is reference:  # the definition: row by row, no splits
             return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
@@ -261,11 +266,11 @@ class KernelTable:
         for the batch on CUDA (memra.kernels.triton.sampling; MEMRA_SAMPLE_KERNEL=0 turns it off), else
         device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
         248k vocabulary, in 5.8 ms against 45 ms row by row."""
-        if self.sample_kernel and logits.is_cuda:
+        if self.sample_kernel and self._gpu(logits):
             return _sample_triton().sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down):
-        if self.invariant and x.is_cuda and isinstance(w_gate_up, torch.Tensor):
+        if self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor):
             return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down)
         return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)

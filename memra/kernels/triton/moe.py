@@ -9,7 +9,7 @@ a MoE step impossible to capture in a CUDA graph. Here instead:
               pairs; a tile table of static length (an upper bound) says, per tile, its expert and the
               span of sorted pairs it covers (empty spans for the unused tail). While the pairs are few
               beside the experts (a decode step of a few rows) a tile per pair instead: no sort and no
-              table to build, four small launches where the sort and the table take about thirty
+              table to build: a pair's tile, token and expert are read off its program id and ids
     gate_up   y1[p] = x[token(p)] @ w_gate_up[expert(p)]^T          one grid over (tile, N block)
     silu_mul  h = silu(gate) * up                                       elementwise (torch)
     down      y2[p] = h[p] @ w_down[expert(p)]^T                       one grid over (tile, N block)
@@ -42,16 +42,24 @@ from memra.kernels.triton.linear import linear_config
 def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_start_ptr, tile_stop_ptr,
                            N, K, stride_xm, stride_we, stride_wn, stride_ym,
                            GATHER: tl.constexpr, IEEE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PER_PAIR: tl.constexpr = False, TOP_K: tl.constexpr = 1):
     # Program (tile, N block): BLOCK_M sorted pairs of one expert times BLOCK_N of its output rows.
+    # PER_PAIR: tile p is pair p alone (token p // TOP_K, expert ids[p] at tile_expert_ptr): no table.
     tile = tl.program_id(0)
-    start = tl.load(tile_start_ptr + tile)
-    stop = tl.load(tile_stop_ptr + tile)
+    if PER_PAIR:
+        start = tile
+        stop = tile + 1
+    else:
+        start = tl.load(tile_start_ptr + tile)
+        stop = tl.load(tile_stop_ptr + tile)
     if start < stop:  # the tile table's unused tail has empty spans
         expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
         rp = start + tl.arange(0, BLOCK_M)  # positions in the expert-sorted pair list
         in_tile = rp < stop
-        if GATHER:  # the pair's token row of x (gate_up reads x in token order)
+        if GATHER and PER_PAIR:
+            rx = rp // TOP_K
+        elif GATHER:  # the pair's token row of x (gate_up reads x in token order)
             rx = tl.load(rows_ptr + rp, mask=in_tile, other=0)
         else:  # x is already in pair order (down reads h)
             rx = rp
@@ -73,7 +81,7 @@ def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
     # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
     # `out += y * w` -- the reference's order and roundings. The sum is held in fp32 registers but only
@@ -85,7 +93,10 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUN
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        p = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)  # where pair (t, j) sits in sorted order
+        if PER_PAIR:  # pairs in pair order
+            p = (t * TOP_K + j).to(tl.int64)
+        else:
+            p = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)  # where pair (t, j) sits in sorted order
         y = tl.load(y_ptr + p * E + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         if ROUND_BF16:
@@ -97,14 +108,21 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUN
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """Where every (token, slot) pair goes, computed on the device. P = T * top_k pairs."""
+    """Where every (token, slot) pair goes, computed on the device. P = T * top_k pairs. A per-pair plan
+    (`per_pair`) has no tables: pair p is tile p, in pair order, its expert ids[p] (tile_expert)."""
 
-    token_of: torch.Tensor  # [P] int64: the token row of the p-th pair in expert-sorted order
-    sorted_pos: torch.Tensor  # [T * top_k] int64: where pair (t, j) sits in expert-sorted order
+    pairs: int  # P
+    top_k: int
     tile_expert: torch.Tensor  # [n_tiles] int64
-    tile_start: torch.Tensor  # [n_tiles] int64: first sorted pair of the tile
-    tile_stop: torch.Tensor  # [n_tiles] int64: one past its last (== start for unused tiles)
+    token_of: torch.Tensor | None  # [P] int64: the token row of the p-th pair in expert-sorted order
+    sorted_pos: torch.Tensor | None  # [T * top_k] int64: where pair (t, j) sits in expert-sorted order
+    tile_start: torch.Tensor | None  # [n_tiles] int64: first sorted pair of the tile
+    tile_stop: torch.Tensor | None  # [n_tiles] int64: one past its last (== start for unused tiles)
     config: tuple[int, int, int, int, int]  # the kernels' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+
+    @property
+    def per_pair(self) -> bool:
+        return self.token_of is None
 
 
 def plan_groups(ids: torch.Tensor, n_experts: int, config: tuple[int, int, int, int, int]) -> GroupPlan:
@@ -130,33 +148,35 @@ def plan_groups(ids: torch.Tensor, n_experts: int, config: tuple[int, int, int, 
     stop = torch.minimum(start + block_m, ends[expert])
     used = tile < tile_ends[-1]
     zero = torch.zeros_like(start)
-    return GroupPlan(order // top_k, sorted_pos, expert, torch.where(used, start, zero), torch.where(used, stop, zero),
-                     config)
+    return GroupPlan(p, top_k, expert, order // top_k, sorted_pos, torch.where(used, start, zero),
+                     torch.where(used, stop, zero), config)
 
 
 def plan_pairs(ids: torch.Tensor, config: tuple[int, int, int, int, int]) -> GroupPlan:
     """ids [T, k] -> a plan with one tile per (token, slot) pair, in pair order (sorted position = pair
-    index). Same bits as plan_groups' plan, since a pair's product does not depend on the tile it
-    shares; it reads an expert that several tokens chose once per token, which costs nothing at T = 1
-    (a token's experts are distinct) and little while pairs are few beside the experts."""
+    index), and no launch to make it: the kernels read a pair's token and expert off its index. Same
+    bits as plan_groups' plan, since a pair's product does not depend on the tile it shares; it reads an
+    expert that several tokens chose once per token, which costs nothing at T = 1 (a token's experts
+    are distinct) and little while pairs are few beside the experts."""
     t_rows, top_k = ids.shape
-    pair = torch.arange(t_rows * top_k, device=ids.device)
-    return GroupPlan(pair // top_k, pair, ids.reshape(-1), pair, pair + 1, config)
+    return GroupPlan(t_rows * top_k, top_k, ids.reshape(-1), None, None, None, None, config)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bool) -> torch.Tensor:
     """Pair p's row (x[token_of[p]] if gather, else x[p]) times its expert's w[e] [N, K]^T -> [P, N]."""
     w = w if w.stride(-1) == 1 else w.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    p, n, k = plan.token_of.numel(), w.shape[1], w.shape[2]
+    p, n, k = plan.pairs, w.shape[1], w.shape[2]
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p:
         bm, bn, bk, warps, stages = plan.config
-        _grouped_linear_kernel[(plan.tile_start.numel(), triton.cdiv(n, bn))](
-            x, plan.token_of, w, y, plan.tile_expert, plan.tile_start, plan.tile_stop,
+        table = (plan.tile_expert,) * 3 if plan.per_pair else (plan.token_of, plan.tile_start, plan.tile_stop)  # unread
+        _grouped_linear_kernel[(plan.tile_expert.numel(), triton.cdiv(n, bn))](
+            x, table[0], w, y, plan.tile_expert, table[1], table[2],
             n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
             GATHER=gather, IEEE=x.dtype == torch.float32 or _interpreting(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=plan.per_pair, TOP_K=plan.top_k,
+            num_warps=warps, num_stages=stages)
     return y
 
 
@@ -185,7 +205,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     out = torch.empty_like(x)
     if t_rows:
         block = min(1024, triton.next_power_of_2(e))
-        _combine_kernel[(t_rows, triton.cdiv(e, block))](y, plan.sorted_pos, weights, out, e, TOP_K=top_k,
+        pos = plan.tile_expert if plan.per_pair else plan.sorted_pos  # unread per pair
+        _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, e, TOP_K=top_k,
                                                           ROUND_BF16=x.dtype == torch.bfloat16, BLOCK=block,
-                                                          enable_fp_fusion=False)
+                                                          PER_PAIR=plan.per_pair, enable_fp_fusion=False)
     return out
