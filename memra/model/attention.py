@@ -125,5 +125,5 @@ class Attention:
         """o [T, Hq*D], gated by sigmoid(gate [T, Hq, D]) where the model has an output gate -> [T, E]."""
         if gate is not None:
             t = o.shape[0]
-            o = (o.view(t, self.n_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
+            o = (o.view(t, self.n_heads, self.head_dim) * torch.sigmoid(gate)).reshape(t, -1)
         return self.ops.linear(o, self.wo)
