@@ -104,3 +104,18 @@ def test_slot_order_does_not_matter():
     weights, ids = route(x, router, 3)
     flipped = mk.moe_experts(x, weights.flip(1), ids.flip(1), w_gate_up, w_down)
     same_bits(flipped, mk.moe_experts(x, weights, ids, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_combine_takes_the_blocks_two_adds_with_their_bits(dtype):
+    """residual + (experts + shared) in the combine: the bits of the loop's sum and torch's two adds,
+    with a tile per expert and a tile per pair."""
+    w_gate_up, w_down, router = layer(dtype, seed=50)
+    x = rnd(9, 64, dtype=dtype, seed=51)
+    shared, residual = rnd(9, 64, dtype=dtype, seed=52), rnd(9, 64, dtype=dtype, seed=53, scale=8.0)
+    weights, ids = route(x, router, 2)
+    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear)
+    for per_pair in (False, True):
+        got = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
+        same_bits(got, residual + (loop + shared))
+        same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared), loop + shared)

@@ -270,7 +270,11 @@ class KernelTable:
             return _sample_triton().sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down):
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None):
+        """residual + (the routed experts' weighted sum + shared), each add where given: in the grouped
+        kernels' combine where they run (the adds' bits), else torch's adds."""
         if self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor):
-            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down)
-        return reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)
+            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual)
+        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)
+        out = out if shared is None else out + shared
+        return out if residual is None else residual + out

@@ -31,11 +31,12 @@ class Moe:
         self.shared_gate = w.get("shared_gate")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, E] -> residual + (routed experts + shared expert); the two adds in the experts' combine
+        where it runs as a kernel (ops.moe_experts), with the bits of the adds apart."""
         weights, ids = self.ops.moe_route(self.ops.linear(x, self.router), self.top_k, self.normalize, x.dtype)
-        out = self.ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down)
+        s = None
         if self.shared is not None:
             s = self.shared.forward(x)
             if self.shared_gate is not None:
                 s = torch.sigmoid(self.ops.linear(x, self.shared_gate)) * s
-            out = out + s
-        return out if residual is None else residual + out
+        return self.ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down, shared=s, residual=residual)

@@ -80,13 +80,22 @@ def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False):
+def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc + x, both values of the dtype, as torch adds two tensors of it: in fp32, rounded once."""
+    total = acc + tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    return round_to_bf16(total) if ROUND_BF16 else total.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
     # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
     # `out += y * w` -- the reference's order and roundings. The sum is held in fp32 registers but only
     # ever holds values of the dtype. Launched with fp fusion off: in fp32 a multiply-add contracted
-    # into one FMA rounds once where torch rounds twice (seen on the H200).
+    # into one FMA rounds once where torch rounds twice (seen on the H200). SHARED, RESIDUAL: then
+    # `out + shared` and `residual + out`, the MoE block's two adds, each rounded as torch's.
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < E
@@ -103,6 +112,10 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, E, TOP_K: tl.constexpr, ROUN
             acc = round_to_bf16(acc + round_to_bf16(y * w))
         else:
             acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if SHARED:
+        acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt, ROUND_BF16)
+    if RESIDUAL:
+        acc = _add_rounded(acc, r_ptr, t * E + cols, mask, dt, ROUND_BF16)
     tl.store(out_ptr + t * E + cols, acc.to(dt), mask=mask)
 
 
@@ -187,10 +200,12 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, per_pair: bool | None = None) -> torch.Tensor:
+                w_down: torch.Tensor, per_pair: bool | None = None, shared: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
     x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
-    (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4."""
+    (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4. shared,
+    residual [T, E]: residual + (that + shared) in the combine, with the bits of torch's two adds."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
     ids, perm = ids.sort(dim=1)  # each row's slots in ascending expert id: the reference's summation order
@@ -206,7 +221,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if t_rows:
         block = min(1024, triton.next_power_of_2(e))
         pos = plan.tile_expert if plan.per_pair else plan.sorted_pos  # unread per pair
-        _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, e, TOP_K=top_k,
+        s, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, residual))
+        _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, s if s is not None else out,
+                                                          r if r is not None else out, e, TOP_K=top_k,
                                                           ROUND_BF16=x.dtype == torch.bfloat16, BLOCK=block,
-                                                          PER_PAIR=plan.per_pair, enable_fp_fusion=False)
+                                                          PER_PAIR=plan.per_pair, SHARED=s is not None,
+                                                          RESIDUAL=r is not None, enable_fp_fusion=False)
     return out
