@@ -56,8 +56,7 @@ from memra.graphs import (
     table_blocks,
     table_step,
 )
-from memra.kernels.cuts import aligned_cuts
-from memra.kernels.pieces import ATTENTION_TILE, AttentionPieces, RecurrentPieces
+from memra.kernels.pieces import ATTENTION_TILE, AttentionPieces, RecurrentPieces, recurrent_rows
 from memra.kernels.reference import GDN_CHUNK
 from memra.model.context import Segments
 from memra.upload import upload
@@ -134,20 +133,20 @@ class StaticMixed:
         # the live pieces, then the padding piece of the rest of the rows on the scratch block and slot
         entries = [(c.pos, n, np.asarray(c.blocks, dtype=np.int64), c.slot or 0) for n, c in zip(sizes, pre_caches)]
         entries.append((0, tp - t, np.full(nb, block, dtype=np.int64), slot))
-        cuts, spans, first = [], ([], []), 0
-        for i, (pos0, n, blocks, piece_slot) in enumerate(entries):
+        pos0s, ns, _, slots = (list(column) for column in zip(*entries))
+        firsts = np.cumsum([0] + ns[:-1]).tolist()
+        rows, cuts = recurrent_rows(firsts, ns, pos0s, slots)
+        rec[: len(entries)] = rows
+        spans = ([], [])
+        for i, ((pos0, n, blocks, piece_slot), first) in enumerate(zip(entries, firsts)):
             where = np.arange(pos0, pos0 + n)
             pos[first : first + n] = where
             write[first : first + n] = blocks[where // BLOCK_SIZE] * BLOCK_SIZE + where % BLOCK_SIZE
             tables[i, : len(blocks)] = blocks
             attn[i] = (first, n, pos0, i * width)
-            chunks = aligned_cuts(n, pos0, GDN_CHUNK)
-            rec[i] = (first, n, piece_slot, len(cuts), len(cuts) + len(chunks))
-            cuts += [first + a for a, _ in chunks]
             if n:
                 spans[0].append((first, n, pos0, i * width))
                 spans[1].append((first, n, pos0, piece_slot))
-            first += n
         out[bp : bp + len(pieces)] = bp + np.cumsum(sizes) - 1
         for i in range(len(entries), p):  # empty pieces
             attn[i] = (tp, 0, 0, i * width)

@@ -56,14 +56,22 @@ class RecurrentPieces:
     @classmethod
     def of(cls, firsts: list[int], sizes: list[int], pos0s: list[int], slots: list[int],
            device: torch.device) -> "RecurrentPieces":
-        table, cuts, end = [], [], firsts[0]
-        for first, t, pos0, slot in zip(firsts, sizes, pos0s, slots):
-            if first != end:  # a chunk ends where the next begins: the pieces must be contiguous
-                raise ValueError("RecurrentPieces: the pieces must fill the wave's rows in order")
-            chunks = aligned_cuts(t, pos0, GDN_CHUNK)
-            table.append((first, t, slot, len(cuts), len(cuts) + len(chunks)))
-            cuts += [first + a for a, _ in chunks]
-            end = first + t
-        cuts.append(end)
+        table, cuts = recurrent_rows(firsts, sizes, pos0s, slots)
+        cuts.append(firsts[-1] + sizes[-1])
         table_t, cuts_t = upload_parts([[x for row in table for x in row], cuts], torch.int32, device)
         return cls(tuple(zip(firsts, sizes, pos0s, slots)), table_t.view(-1, 5), cuts_t)
+
+
+def recurrent_rows(firsts: list[int], sizes: list[int], pos0s: list[int],
+                   slots: list[int]) -> tuple[list[tuple[int, int, int, int, int]], list[int]]:
+    """RecurrentPieces' table rows (first row, tokens, slot, first chunk, end chunk) of pieces in the
+    contiguous rows of one wave, and every chunk's first row (without the wave's end)."""
+    table, cuts, end = [], [], firsts[0]
+    for first, t, pos0, slot in zip(firsts, sizes, pos0s, slots):
+        if first != end:  # a chunk ends where the next begins: the pieces must be contiguous
+            raise ValueError("RecurrentPieces: the pieces must fill the wave's rows in order")
+        chunks = aligned_cuts(t, pos0, GDN_CHUNK)
+        table.append((first, t, slot, len(cuts), len(cuts) + len(chunks)))
+        cuts += [first + a for a, _ in chunks]
+        end = first + t
+    return table, cuts
