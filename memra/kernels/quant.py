@@ -245,9 +245,6 @@ def splits_keep_bits(device: torch.device, dtype: torch.dtype) -> bool:
     return _SPLITS[key]
 
 
-linear = tiled_linear  # the name the op table calls off the GPU kernels (memra.kernels.table.KernelTable.linear)
-
-
 # --- quantizers (torch, any device) -----------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The batch-invariant GPU twins (Triton) of memra.kernels.reference, one module per family:
 
     linear     dense matmul, one frozen tile per bucket of M          (reference.linear)
-    quant      matmuls over GGUF-packed Q8_0 / Q4_K weights            (quant.reference_linear)
+    quant      matmuls over split GGUF weights (Q8_0, Q4_K, Q5_K, Q6_K) (quant.reference_linear)
     norm       RMS, residual + RMS and gated RMS row norms             (reference.*_norm)
     rope       rotary embedding, one fused elementwise launch          (reference.apply_rope)
     activation SwiGLU's silu(gate) * up in one launch, torch's bits    (reference.silu_mul)
