@@ -69,6 +69,23 @@ def test_linear_with_residual_is_the_linear_then_the_add(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_projection_with_the_activation_is_the_two_launches(dtype):
+    """SwiGLU's projection with silu(gate) * up in its epilogue: the bits of linear then silu_mul (each
+    column's products summed as the plain kernel sums them, rounded, then the activation's steps), a
+    row's bits alone its bits in the call, at every size of call."""
+    from memra.kernels.triton.linear import linear_silu_mul
+
+    f, k = 72, 200  # F not a tile multiple: a ragged column tile in each half
+    w, x = rnd(2 * f, k, dtype=dtype, seed=7, scale=0.3), rnd(70, k, dtype=dtype, seed=8)
+    full = linear_silu_mul(x, w)
+    same_bits(full, tk.silu_mul(tk.linear(x, w)))
+    for m in (1, 3, 64):
+        same_bits(linear_silu_mul(x[:m], w), full[:m])
+    same_bits(linear_silu_mul(x[5:6].clone(), w), full[5:6])
+    same_bits(linear_silu_mul(x.view(7, 10, k), w), full.view(7, 10, f))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_torchs_two_ops(dtype):
     """SwiGLU's activation in one launch: on a GPU torch's bits (its expf, division and two roundings),
     in the interpreter (numpy's exp) within the twin tolerance; a row's bits alone are its bits in the

@@ -85,6 +85,8 @@ def _triton_probes(rnd, failures: list[str]) -> None:
     tk = triton_ops()
     if tk is None:
         return
+    from memra.kernels.triton import linear as linear_triton  # Triton is present
+
     wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
         w, x, nw = rnd(n_out, k), rnd(wide, k), rnd(k).float().abs() + 0.5
@@ -94,6 +96,10 @@ def _triton_probes(rnd, failures: list[str]) -> None:
         _check(f"triton linear[{k}] row 5 alone", tk.linear(x[5:6].clone(), w), full[5:6], failures)
         _check(f"triton rms_norm[{k}] row 3 alone", tk.rms_norm(x[3:4].clone(), nw, 1e-6, True), full_norm[3:4], failures)
         _check(f"triton silu_mul[{k}] row 7 alone", tk.silu_mul(x[7:8].clone()), tk.silu_mul(x)[7:8], failures)
+        swiglu = linear_triton.linear_silu_mul(x, torch.cat((w, w.flip(0))))  # gate rows, then up rows
+        for m in (1, 20, TILE, 300):  # its tiles: half a bucket's columns each, for gate and for up
+            _check(f"triton linear_silu_mul[{m}x{k}] vs rows of [{wide}x{k}]",
+                   linear_triton.linear_silu_mul(x[:m].clone(), torch.cat((w, w.flip(0)))), swiglu[:m], failures)
     _quant_probes(rnd, failures)
     _moe_probes(rnd, tk, failures)
     _prefill_probes(rnd, tk, failures)

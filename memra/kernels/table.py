@@ -65,6 +65,13 @@ def triton_ops() -> types.SimpleNamespace | None:
 # The families the table calls as modules (attributes looked up per call), importable wherever
 # triton_ops() is not None: each needs only Triton.
 @functools.cache
+def _linear_triton():
+    from memra.kernels.triton import linear as linear_triton
+
+    return linear_triton
+
+
+@functools.cache
 def _quant_triton():
     from memra.kernels.triton import quant as quant_triton
 
@@ -180,6 +187,14 @@ class KernelTable:
         """SwiGLU's activation: one Triton launch with torch's bits where the invariant kernels run
         (triton.activation), torch's two elementwise kernels elsewhere."""
         return self._impl(gate_up).silu_mul(gate_up)
+
+    def linear_silu_mul(self, x, w_gate_up):
+        """silu_mul(linear(x, w_gate_up)), with the bits of the two ops apart: the activation in the
+        invariant projection's epilogue where it runs on a plain weight (one launch, no [T, 2F]
+        product in memory), else the two ops."""
+        if isinstance(w_gate_up, torch.Tensor) and self._impl(x) is not reference:
+            return _linear_triton().linear_silu_mul(x, w_gate_up)
+        return self.silu_mul(self.linear(x, w_gate_up))
 
     def rms_norm(self, x, w, eps, zero_centered):
         return self._impl(x).rms_norm(x, w, eps, zero_centered)

@@ -16,7 +16,7 @@ class Mlp:
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, E] -> [T, E]; with `residual`, residual + that (in the down projection's launch where it can)."""
-        act = self.ops.silu_mul(self.ops.linear(x, self.w_gate_up))
+        act = self.ops.linear_silu_mul(x, self.w_gate_up)  # [T, F]
         return self.ops.linear(act, self.w_down) if residual is None else self.ops.linear_add(act, self.w_down, residual)
 
 

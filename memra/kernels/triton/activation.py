@@ -23,6 +23,15 @@ from memra.kernels.triton.launch import lean
 SILU_BLOCK = 1024  # feature columns per program (8 per thread at 4 warps: 16-byte loads of bf16)
 
 
+@triton.jit
+def silu_mul_values(g, u, ty: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """silu(g) * u in dtype `ty`, from g and u held in fp32 (values of `ty`), with torch's steps. Shared
+    with the gate/up projection's epilogue (triton.linear), so the two give one set of bits."""
+    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    s = round_to_dtype(tl.math.div_rn(g, 1.0 + e), ty)
+    return round_to_dtype(s * u, ty).to(ty)
+
+
 @lean
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -34,9 +43,7 @@ def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, L
     ty = y_ptr.dtype.element_ty
     g = tl.load(row + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + F + c, mask=mask, other=0.0).to(tl.float32)
-    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
-    s = round_to_dtype(tl.math.div_rn(g, 1.0 + e), ty)
-    tl.store(y_ptr + t * stride_y + c, round_to_dtype(s * u, ty).to(ty), mask=mask)
+    tl.store(y_ptr + t * stride_y + c, silu_mul_values(g, u, ty, LIBDEVICE), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.triton.activation import silu_mul_values
 from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.launch import lean
 
@@ -46,33 +47,52 @@ LINEAR_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warp
 LINEAR_INTERPRET_CONFIG = (64, 32, 64, 4, 4)
 
 
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b: fp32 models with no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)."""
+    if IEEE:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 @lean
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SWIGLU: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
+    # SWIGLU: w holds gate rows [0, N) and up rows [N, 2N); the program accumulates both for its
+    # columns, each column's products summed as the plain kernel sums them, and stores silu(gate) * up
+    # from the two rounded products (triton.activation's steps): linear then silu_mul, in one launch.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SWIGLU only (otherwise never computed)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        mask_w = (rn[None, :] < N) & (kk[:, None] < K)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=mask_w, other=0.0)
+        acc = _mma(a, b, acc, IEEE)
+        if SWIGLU:
+            b = tl.load(w_ptr + (N + rn)[None, :] * stride_wn + kk[:, None], mask=mask_w, other=0.0)
+            up = _mma(a, b, up, IEEE)
     ty = y_ptr.dtype.element_ty
     inside = (rm[:, None] < M) & (rn[None, :] < N)
-    y = acc.to(ty)
-    if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
-        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
-        total = r.to(tl.float32) + y.to(tl.float32)
-        y = (round_to_bf16(total) if ty == tl.bfloat16 else total).to(ty)
+    if SWIGLU:  # each product rounded to the dtype as the projection would store it, then the activation
+        y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(ty)
+        if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
+            total = r.to(tl.float32) + y.to(tl.float32)
+            y = (round_to_bf16(total) if ty == tl.bfloat16 else total).to(ty)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=inside)
 
 
@@ -86,9 +106,13 @@ def linear_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]
     if _interpreting():
         return LINEAR_INTERPRET_CONFIG
     bm, bn, bk, warps, stages = next(cfg for top, cfg in LINEAR_BUCKETS if top is None or m <= top)
-    while stages > 2 and (bm + bn) * bk * elem_bytes * stages > SHARED_MEMORY_BUDGET:
+    return bm, bn, bk, warps, _fit_stages(bm, bn, bk, elem_bytes, stages)
+
+
+def _fit_stages(bm: int, weight_cols: int, bk: int, elem_bytes: int, stages: int) -> int:
+    while stages > 2 and (bm + weight_cols) * bk * elem_bytes * stages > SHARED_MEMORY_BUDGET:
         stages -= 1
-    return bm, bn, bk, warps, stages
+    return stages
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -113,3 +137,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
             HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.reshape(*lead, n)
+
+
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w[:F]^T) * (x @ w[F:]^T) -> [..., F] in x's dtype, w [2F, K] (gate rows, then up rows):
+    SwiGLU's projection and activation in one launch, with the bits of `linear` then
+    triton.activation.silu_mul, and no [T, 2F] product in memory. A program reads a gate tile and an up
+    tile each K step, so its columns are half the bucket's: the same weight bytes and accumulator
+    registers a step as the plain tile (a column's bits do not depend on the tile's width, which the
+    self-test re-checks). Under the interpreter the halves are the plain tile's width: its numpy dot
+    sums in an order set by the tile shape."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    m, f = x2.shape[0], w.shape[0] // 2
+    y = torch.empty(m, f, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, bk, warps, stages = linear_config(m, x.element_size())
+        if not _interpreting():
+            bn = max(16, bn // 2)
+            stages = _fit_stages(bm, 2 * bn, bk, x.element_size(), stages)
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(f, bn))](
+            x2, w, w, y, y, m, f, k, x2.stride(0), w.stride(0), y.stride(0), y.stride(0),
+            HAS_BIAS=False, HAS_RESIDUAL=False, IEEE=x.dtype == torch.float32 or _interpreting(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=True, LIBDEVICE=not _interpreting(),
+            num_warps=warps, num_stages=stages)
+    return y.reshape(*lead, f)
