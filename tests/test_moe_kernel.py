@@ -119,3 +119,29 @@ def test_the_combine_takes_the_blocks_two_adds_with_their_bits(dtype):
         got = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
         same_bits(got, residual + (loop + shared))
         same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared), loop + shared)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_route_kernel_chooses_the_references_experts_in_ascending_order(normalize):
+    """moe_route in two launches: each row's experts are the reference's top k (among equal ones the
+    lower ids, where torch.topk's choice is unspecified),
+    written in ascending id with their weights (to the dtype's last place: the renormalising sum adds
+    in another order); a row's choice alone is its choice in the call; the grouped FFN over them is
+    the FFN over the reference's routing."""
+    logits = rnd(37, 40, dtype=torch.float32, seed=40, scale=3.0)
+    logits[3, :] = 0.5  # every expert tied: the lowest ids
+    weights, ids = mk.moe_route(logits, 6, normalize, torch.bfloat16)
+    ref_w, ref_ids = reference.moe_route(logits, 6, normalize, torch.bfloat16)
+    order = ref_ids.sort(dim=1)
+    others = [r for r in range(37) if r != 3]  # row 3: torch.topk picks among ties as it likes
+    assert torch.equal(ids[others], order.values[others])
+    assert ids[3].tolist() == list(range(6))
+    want = ref_w.gather(1, order.indices).float()[others]
+    assert ((weights[others].float() - want).abs() <= want.abs() * 2 ** -7).all()
+    alone_w, alone_ids = mk.moe_route(logits[5:6].clone(), 6, normalize, torch.bfloat16)
+    same_bits(alone_w, weights[5:6])
+    assert torch.equal(alone_ids, ids[5:6])
+    w_gate_up, w_down, _ = layer(torch.bfloat16, n_experts=40, seed=41)
+    x = rnd(37, 64, dtype=torch.bfloat16, seed=42)
+    same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True),
+              mk.moe_experts(x, weights, ids, w_gate_up, w_down))
