@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from memra.kernels import reference  # noqa: E402
 from memra.kernels.triton import linear as tk  # noqa: E402
+from memra.kernels.triton.activation import silu_mul  # noqa: E402
 from memra.kernels.triton import moe as mk  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
@@ -67,7 +68,7 @@ def test_grouped_equals_the_expert_loop_bit_for_bit(dtype, top_k):
     x = rnd(11, 64, dtype=dtype, seed=7)
     weights, ids = route(x, router, top_k)
     got = mk.moe_experts(x, weights, ids, w_gate_up, w_down)
-    same_bits(got, reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
+    same_bits(got, reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul))
     want = reference.moe_experts(x.float(), weights.float(), ids, w_gate_up.float(), w_down.float())
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert err <= TOL[dtype], f"relative error {err:.3g} against the pure-torch loop"
@@ -94,7 +95,7 @@ def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
     plan = mk.plan_pairs(ids, (1, 16, 16, 4, 1))
     assert plan.per_pair and plan.tile_expert.tolist() == [1, 4, 4, 9] and plan.pairs == 4  # no tables: no launches
     same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down),  # 4 pairs x 4 <= 16 experts: per pair
-              reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
+              reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul))
 
 
 def test_slot_order_does_not_matter():

@@ -283,6 +283,7 @@ class KernelTable:
         if self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor):
             return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
                                              ascending=True)
-        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)
+        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
+                                     silu_mul_fn=self.silu_mul)
         out = out if shared is None else out + shared
         return out if residual is None else residual + out

@@ -11,7 +11,7 @@ a MoE step impossible to capture in a CUDA graph. Here instead:
               beside the experts (a decode step of a few rows) a tile per pair instead: no sort and no
               table to build: a pair's tile, token and expert are read off its program id and ids
     gate_up   y1[p] = x[token(p)] @ w_gate_up[expert(p)]^T          one grid over (tile, N block)
-    silu_mul  h = silu(gate) * up                                       elementwise (torch)
+    silu_mul  h = silu(gate) * up                                       triton.activation (torch's bits)
     down      y2[p] = h[p] @ w_down[expert(p)]^T                       one grid over (tile, N block)
     combine   out[t] = sum_j  weight[t, j] * y2[pair(t, j)]           each row's pairs in ascending
                                                                         expert id, rounded as it goes
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels import reference
+from memra.kernels.triton.activation import silu_mul
 from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.linear import linear_config
 
@@ -255,7 +255,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if per_pair is None:
         per_pair = 4 * t_rows * top_k <= n_experts
     plan = plan_pairs(ids, config) if per_pair else plan_groups(ids, n_experts, config)
-    h = reference.silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F]
+    h = silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F], one launch with torch's bits
     y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
     out = torch.empty_like(x)
     if t_rows:
