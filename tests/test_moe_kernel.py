@@ -115,7 +115,7 @@ def test_the_combine_takes_the_blocks_two_adds_with_their_bits(dtype):
     x = rnd(9, 64, dtype=dtype, seed=51)
     shared, residual = rnd(9, 64, dtype=dtype, seed=52), rnd(9, 64, dtype=dtype, seed=53, scale=8.0)
     weights, ids = route(x, router, 2)
-    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear)
+    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul)
     for per_pair in (False, True):
         got = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
         same_bits(got, residual + (loop + shared))
