@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from memra.kernels import reference  # noqa: E402
 from memra.kernels.triton import linear as tk  # noqa: E402
+from memra.kernels.triton.activation import silu_mul  # noqa: E402
 from memra.kernels.triton import moe as mk  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
@@ -67,7 +68,7 @@ def test_grouped_equals_the_expert_loop_bit_for_bit(dtype, top_k):
     x = rnd(11, 64, dtype=dtype, seed=7)
     weights, ids = route(x, router, top_k)
     got = mk.moe_experts(x, weights, ids, w_gate_up, w_down)
-    same_bits(got, reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
+    same_bits(got, reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul))
     want = reference.moe_experts(x.float(), weights.float(), ids, w_gate_up.float(), w_down.float())
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert err <= TOL[dtype], f"relative error {err:.3g} against the pure-torch loop"
@@ -94,7 +95,7 @@ def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
     plan = mk.plan_pairs(ids, (1, 16, 16, 4, 1))
     assert plan.per_pair and plan.tile_expert.tolist() == [1, 4, 4, 9] and plan.pairs == 4  # no tables: no launches
     same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down),  # 4 pairs x 4 <= 16 experts: per pair
-              reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear))
+              reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul))
 
 
 def test_slot_order_does_not_matter():
@@ -114,8 +115,34 @@ def test_the_combine_takes_the_blocks_two_adds_with_their_bits(dtype):
     x = rnd(9, 64, dtype=dtype, seed=51)
     shared, residual = rnd(9, 64, dtype=dtype, seed=52), rnd(9, 64, dtype=dtype, seed=53, scale=8.0)
     weights, ids = route(x, router, 2)
-    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear)
+    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=silu_mul)
     for per_pair in (False, True):
         got = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
         same_bits(got, residual + (loop + shared))
         same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared), loop + shared)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_route_kernel_chooses_the_references_experts_in_ascending_order(normalize):
+    """moe_route in two launches: each row's experts are the reference's top k (among equal ones the
+    lower ids, where torch.topk's choice is unspecified),
+    written in ascending id with their weights (to the dtype's last place: the renormalising sum adds
+    in another order); a row's choice alone is its choice in the call; the grouped FFN over them is
+    the FFN over the reference's routing."""
+    logits = rnd(37, 40, dtype=torch.float32, seed=40, scale=3.0)
+    logits[3, :] = 0.5  # every expert tied: the lowest ids
+    weights, ids = mk.moe_route(logits, 6, normalize, torch.bfloat16)
+    ref_w, ref_ids = reference.moe_route(logits, 6, normalize, torch.bfloat16)
+    order = ref_ids.sort(dim=1)
+    others = [r for r in range(37) if r != 3]  # row 3: torch.topk picks among ties as it likes
+    assert torch.equal(ids[others], order.values[others])
+    assert ids[3].tolist() == list(range(6))
+    want = ref_w.gather(1, order.indices).float()[others]
+    assert ((weights[others].float() - want).abs() <= want.abs() * 2 ** -7).all()
+    alone_w, alone_ids = mk.moe_route(logits[5:6].clone(), 6, normalize, torch.bfloat16)
+    same_bits(alone_w, weights[5:6])
+    assert torch.equal(alone_ids, ids[5:6])
+    w_gate_up, w_down, _ = layer(torch.bfloat16, n_experts=40, seed=41)
+    x = rnd(37, 64, dtype=torch.bfloat16, seed=42)
+    same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True),
+              mk.moe_experts(x, weights, ids, w_gate_up, w_down))

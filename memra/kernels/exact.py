@@ -155,7 +155,7 @@ def _moe_probes(rnd, tk, failures: list[str]) -> None:
     w_gate_up, w_down, x = rnd(n_experts, 2 * f, e) * 0.1, rnd(n_experts, e, f) * 0.1, rnd(t, e)
     weights, ids = reference.moe_route(rnd(t, n_experts).float(), top_k, True, x.dtype)
     full = moe_triton.moe_experts(x, weights, ids, w_gate_up, w_down)
-    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear)
+    loop = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=tk.linear, silu_mul_fn=tk.silu_mul)
     _check(f"triton moe[{t}x{e}] vs the per-expert loop", full, loop, failures)
     for rows in (slice(5, 6), slice(0, 7), slice(30, 90)):
         _check(f"triton moe[{t}x{e}] rows {rows.start}:{rows.stop} alone",

@@ -368,16 +368,17 @@ def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: t
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                linear_fn=None) -> torch.Tensor:
+                linear_fn=None, silu_mul_fn=None) -> torch.Tensor:
     """Weighted sum of the chosen SwiGLU experts. x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F].
 
     Experts run in ascending id, each over the rows that chose it, so a row's sum is accumulated in
     the same order whatever its batchmates chose; with an M-invariant `linear_fn` (the op table's)
-    a row's expert outputs do not depend on how many rows share the expert either."""
-    linear_fn = linear_fn or linear
+    a row's expert outputs do not depend on how many rows share the expert either. `silu_mul_fn`: the
+    op table's activation (the grouped kernels' twin uses the one they use)."""
+    linear_fn, silu_mul_fn = linear_fn or linear, silu_mul_fn or silu_mul
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         rows, slot = (ids == expert).nonzero(as_tuple=True)
-        h = linear_fn(silu_mul(linear_fn(x[rows], w_gate_up[expert])), w_down[expert])
+        h = linear_fn(silu_mul_fn(linear_fn(x[rows], w_gate_up[expert])), w_down[expert])
         out.index_add_(0, rows, h * weights[rows, slot, None])
     return out

@@ -136,7 +136,6 @@ class KernelTable:
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
     gdn_chunk = staticmethod(reference.gdn_chunk)
-    moe_route = staticmethod(reference.moe_route)
     rope_cos_sin = staticmethod(reference.rope_cos_sin)
 
     def _gpu(self, x: torch.Tensor) -> bool:
@@ -285,11 +284,21 @@ class KernelTable:
             return _sample_triton().sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
+    def moe_route(self, router_logits, top_k, normalize, dtype):
+        """(weights, ids) of each token's experts: where the grouped MoE runs, two launches that also
+        order each row's ids as moe_experts sums them (triton.moe.moe_route), else the reference."""
+        if self.invariant and self._gpu(router_logits):
+            return _moe_triton().moe_route(router_logits, top_k, normalize, dtype)
+        return reference.moe_route(router_logits, top_k, normalize, dtype)
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None):
         """residual + (the routed experts' weighted sum + shared), each add where given: in the grouped
-        kernels' combine where they run (the adds' bits), else torch's adds."""
+        kernels' combine where they run (the adds' bits; ids from moe_route above, ascending), else
+        torch's adds."""
         if self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor):
-            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual)
-        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear)
+            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
+                                             ascending=True)
+        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
+                                     silu_mul_fn=self.silu_mul)
         out = out if shared is None else out + shared
         return out if residual is None else residual + out

@@ -11,7 +11,7 @@ a MoE step impossible to capture in a CUDA graph. Here instead:
               beside the experts (a decode step of a few rows) a tile per pair instead: no sort and no
               table to build: a pair's tile, token and expert are read off its program id and ids
     gate_up   y1[p] = x[token(p)] @ w_gate_up[expert(p)]^T          one grid over (tile, N block)
-    silu_mul  h = silu(gate) * up                                       elementwise (torch)
+    silu_mul  h = silu(gate) * up                                       triton.activation (torch's bits)
     down      y2[p] = h[p] @ w_down[expert(p)]^T                       one grid over (tile, N block)
     combine   out[t] = sum_j  weight[t, j] * y2[pair(t, j)]           each row's pairs in ascending
                                                                         expert id, rounded as it goes
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels import reference
+from memra.kernels.triton.activation import silu_mul
 from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.linear import linear_config
 
@@ -119,6 +119,44 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.c
     tl.store(out_ptr + t * E + cols, acc.to(dt), mask=mask)
 
 
+@triton.jit
+def _route_kernel(p_ptr, w_ptr, ids_ptr, X, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK: tl.constexpr):
+    # Program t: token t's TOP_K experts by probability (the lower id first among equal ones), written
+    # in ascending id -- the order the combine sums them in -- with their weights, renormalised over
+    # the chosen where NORMALIZE, in the model dtype. One row per program: batch-invariant.
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK)
+    p = tl.load(p_ptr + t * X + e, mask=e < X, other=float("-inf"))
+    left = p
+    chosen = e < 0
+    for _ in tl.static_range(TOP_K):
+        pick = tl.min(tl.where(left == tl.max(left, axis=0), e, BLOCK), axis=0)
+        chosen = chosen | (e == pick)
+        left = tl.where(e == pick, float("-inf"), left)
+    w = tl.where(chosen, p, 0.0)
+    if NORMALIZE:
+        w = w / tl.sum(w, axis=0)
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(w_ptr + t * TOP_K + slot, w.to(w_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + t * TOP_K + slot, e.to(tl.int64), mask=chosen)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype):
+    """reference.moe_route's choice in two launches where it takes seven: torch's softmax (its bits),
+    then the top k, their renormalisation and the ascending-id order moe_experts sums in, in one. The
+    chosen experts are the reference's, but among exactly equal probabilities this takes the lower ids
+    (torch.topk's choice there is unspecified); a weight may differ from the reference's in the last
+    place, since the renormalising sum adds in another order. -> (weights [T, k], ids [T, k] ascending)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, X]
+    t_rows, n = probs.shape
+    weights = torch.empty(t_rows, top_k, dtype=dtype, device=probs.device)
+    ids = torch.empty(t_rows, top_k, dtype=torch.int64, device=probs.device)
+    if t_rows:
+        _route_kernel[(t_rows,)](probs, weights, ids, n, TOP_K=top_k, NORMALIZE=normalize,
+                                 BLOCK=triton.next_power_of_2(n))
+    return weights, ids
+
+
 @dataclass(frozen=True)
 class GroupPlan:
     """Where every (token, slot) pair goes, computed on the device. P = T * top_k pairs. A per-pair plan
@@ -201,21 +239,23 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, per_pair: bool | None = None, shared: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, ascending: bool = False) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
     x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
     (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4. shared,
-    residual [T, E]: residual + (that + shared) in the combine, with the bits of torch's two adds."""
+    residual [T, E]: residual + (that + shared) in the combine, with the bits of torch's two adds.
+    ascending: each row's ids are in ascending order already (moe_route's), so no sort."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
-    ids, perm = ids.sort(dim=1)  # each row's slots in ascending expert id: the reference's summation order
-    weights = weights.gather(1, perm).contiguous()
+    if not ascending:
+        ids, perm = ids.sort(dim=1)  # each row's slots in ascending expert id: the reference's summation order
+        weights = weights.gather(1, perm).contiguous()
     n_experts = w_gate_up.shape[0]
     config = tile_config(t_rows * top_k, n_experts, x.element_size())
     if per_pair is None:
         per_pair = 4 * t_rows * top_k <= n_experts
     plan = plan_pairs(ids, config) if per_pair else plan_groups(ids, n_experts, config)
-    h = reference.silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F]
+    h = silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F], one launch with torch's bits
     y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
     out = torch.empty_like(x)
     if t_rows:
