@@ -12,8 +12,13 @@ in one static int64 buffer that the captured step reads:
 and everything else is derived on the device inside the graph: rotary tables from the positions, the
 flat KV rows of every row's prefix from its block table ([Bp, NB * BLOCK_SIZE], read up to position +
 1 by the attention kernel, which takes the lengths from memory), the row each new K/V is written to.
-NB, the table width, is a power of two covering the rows' max_ctx, so a graph serves any context up
-to it. The pools' tensors are captured by address: a KV pool or recurrent pool that is enlarged bumps
+NB, the table width, is a power of two covering the positions the step reads: one attention split's
+worth (ATTN_SPLIT positions) while every row fits in it, else the rows' max_ctx (step_blocks). A
+narrower table is not only fewer bytes: the attention launches a split per ATTN_SPLIT positions of
+the width and a combine after them, whatever the rows' lengths (offline, 64 Llama-shaped rows took
+6.04 ms a step with 1,024-position tables, 5.89 with 130-position ones). Which width a row meets
+cannot change its bits: a row within the first split gets the unsplit kernel's bits in a split launch
+(memra.kernels.triton.attention._combine_splits_kernel). The pools' tensors are captured by address: a KV pool or recurrent pool that is enlarged bumps
 its version, and graphs of the old version are dropped and captured again.
 
 Buckets: a batch of B rows replays the graph of the smallest bucket >= B (BUCKETS). The Bp - B padding
@@ -45,11 +50,13 @@ import torch
 
 from memra import counters
 from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
+from memra.kernels.cuts import ATTN_SPLIT
 from memra.model.context import RowGroup, StackedStep
 from memra.upload import upload
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE_BLOCKS = 16  # NB never below this (256 positions), so short contexts share one graph
+SPLIT_BLOCKS = ATTN_SPLIT // BLOCK_SIZE  # NB of a step whose rows all fit in one attention split
 
 
 def bucket_for(batch: int) -> int | None:
@@ -60,6 +67,19 @@ def table_blocks(max_ctx: int) -> int:
     """NB: the block-table width for rows of up to max_ctx positions (a power of two)."""
     need = max(MIN_TABLE_BLOCKS, -(-max_ctx // BLOCK_SIZE))
     return 1 << (need - 1).bit_length()
+
+
+def step_blocks(caches: list[Cache], ends: list[int]) -> int:
+    """NB for a step whose rows read positions below ends[i] (each row's last position + 1): one split's
+    worth where every row fits in one attention split, else the width of the rows' max_ctx. So a
+    server meets two widths (two graphs a bucket), not one per power of two its contexts pass."""
+    full = table_blocks(max(c.max_ctx for c in caches))
+    return SPLIT_BLOCKS if max(ends) <= ATTN_SPLIT and SPLIT_BLOCKS < full else full
+
+
+def long_tables(max_ctx: int) -> bool:
+    """Do rows of up to max_ctx positions meet a second table width (step_blocks)?"""
+    return table_blocks(max_ctx) > SPLIT_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -101,7 +121,7 @@ class StaticDecode:
         first be captured by a full batch, which pads nothing."""
         # Only the table columns some row uses come from the host, so a wide table (a long max_ctx) costs
         # no copy per step; the rest are zeroed on the device (never a stale block of an earlier fill).
-        b, used = len(caches), max(len(c.blocks) for c in caches)
+        b, used = len(caches), min(max(len(c.blocks) for c in caches), self.nb)
         host = host_rows(caches, self.bucket, used, scratch)
         self.args[:, 1 : 3 + used].copy_(upload(torch.from_numpy(host), self.args.device))  # queued, no wait
         self.args[:, 3 + used :].zero_()
@@ -155,16 +175,18 @@ def table_step(model, kv: KvPool, rec: RecurrentPool | None, rows: torch.Tensor,
 
 def host_rows(caches: list[Cache], height: int, width: int,
               scratch: tuple[int, int | None] | None = None) -> np.ndarray:
-    """[height, 2 + width] int64: each cache's position, recurrent slot (0 without one) and block table,
-    zero beyond (block 0: a valid index for paths that gather a row's whole table and mask by length).
-    Rows past the caches are inert: position 0 of the pools' scratch block and slot (`scratch`).
+    """[height, 2 + width] int64: each cache's position, recurrent slot (0 without one) and block table
+    (its first `width` blocks: those of the positions the step reads), zero beyond (block 0: a valid
+    index for paths that gather a row's whole table and mask by length). Rows past the caches are
+    inert: position 0 of the pools' scratch block and slot (`scratch`).
     Built in numpy, whose element stores are cheap next to torch's: 64 rows of 20 blocks take 0.05-0.1
     ms against 1.7 ms on a 2-core CPU, host time spent before the step can launch."""
     host = np.zeros((height, 2 + width), dtype=np.int64)
     for i, c in enumerate(caches):
         host[i, 0] = c.pos
         host[i, 1] = c.slot if c.slot is not None else 0
-        host[i, 2 : 2 + len(c.blocks)] = c.blocks
+        blocks = c.blocks[:width]
+        host[i, 2 : 2 + len(blocks)] = blocks
     if len(caches) < height:
         if scratch is None:
             raise RuntimeError(f"{height - len(caches)} padding rows need the pools' scratch block, and none was given")
@@ -176,9 +198,8 @@ def host_rows(caches: list[Cache], height: int, width: int,
 
 def eager_table_step(model, caches: list[Cache]) -> StackedStep:
     """The captured step's inputs for these rows, built eagerly (the mixed step's decode rows,
-    memra.runner.bodies.mixed_layers): the same table width as their graph, so the attention kernel gets
-    the same bound and each row the graph's bits."""
-    nb = table_blocks(max(c.max_ctx for c in caches))
+    memra.runner.bodies.mixed_layers), at the table width their graph would have."""
+    nb = step_blocks(caches, [c.pos + 1 for c in caches])
     dev = model.device
     rows = upload(torch.from_numpy(host_rows(caches, len(caches), nb)), dev)
     return table_step(model, caches[0].kv, caches[0].rec, rows, torch.arange(BLOCK_SIZE, device=dev),
@@ -242,7 +263,7 @@ def graphed_decode(model, ids: torch.Tensor, caches: list[Cache]) -> torch.Tenso
         scratch = scratch_of(kv, rec, model.graph_scratch)
     if bucket is None or (bucket > b and scratch is None):
         bucket = b  # no room for inert rows (or wider than every bucket): a graph of exactly this width
-    nb = table_blocks(max(c.max_ctx for c in caches))
+    nb = step_blocks(caches, [c.pos + 1 for c in caches])
     static = static_for(model.decode_graphs, graph_key(bucket, nb, kv, rec),
                         lambda: StaticDecode(model, kv, rec, bucket, nb))
     logits = static.run(ids, caches, scratch)

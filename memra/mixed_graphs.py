@@ -35,8 +35,8 @@ test_mixed_graphs.py holds them equal on the GPU).
 Where it applies (graphed_mixed returns None elsewhere, and the engine makes the two calls): a GPU with
 graphs on (MEMRA_CUDA_GRAPHS) running the invariant kernels; every cache in the same two pools, with
 room for a scratch; fewer than PIECES pieces, none of a single token (whose solo forward attends as a
-decode row does: a launch of its own); at most max(MIXED_TOKENS) prompt tokens, within one table's
-width. Longer waves are prefill-bound, where the launches' host time hides behind the kernels anyway.
+decode row does: a launch of its own); at most max(MIXED_TOKENS) prompt tokens, within the step's table
+width (memra.graphs.step_blocks). Longer waves are prefill-bound, where the launches' host time hides behind the kernels anyway.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from memra.graphs import (
     run_static,
     scratch_of,
     static_for,
-    table_blocks,
+    step_blocks,
     table_step,
 )
 from memra.kernels.pieces import ATTENTION_TILE, AttentionPieces, RecurrentPieces, recurrent_rows
@@ -142,7 +142,7 @@ class StaticMixed:
             where = np.arange(pos0, pos0 + n)
             pos[first : first + n] = where
             write[first : first + n] = blocks[where // BLOCK_SIZE] * BLOCK_SIZE + where % BLOCK_SIZE
-            tables[i, : len(blocks)] = blocks
+            tables[i, : min(len(blocks), nb)] = blocks[:nb]  # the blocks of the positions it reads
             attn[i] = (first, n, pos0, i * width)
             if n:
                 spans[0].append((first, n, pos0, i * width))
@@ -186,7 +186,7 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
     if min(x.numel() for x in pieces) < 2:
         return None
     tokens = token_bucket(sum(x.numel() for x in pieces))
-    nb = table_blocks(max(c.max_ctx for c in caches))
+    nb = step_blocks(caches, [c.pos + 1 for c in dec_caches] + [c.pos + x.numel() for x, c in zip(pieces, pre_caches)])
     bucket = bucket_for(len(dec_caches))
     if tokens is None or tokens > nb * BLOCK_SIZE or bucket is None:
         return None  # a wave past every bucket, or a padding piece longer than a table reaches

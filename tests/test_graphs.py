@@ -14,7 +14,7 @@ import torch
 from conftest import DEVICE, hf_dir
 from memra import counters, graphs
 from memra.cache import Cache, RecurrentPool, kv_pool
-from memra.graphs import BUCKETS, StaticDecode, bucket_for, table_blocks
+from memra.graphs import BUCKETS, SPLIT_BLOCKS, StaticDecode, bucket_for, long_tables, step_blocks, table_blocks
 from memra.runner.bodies import decode_stacked as _decode_stacked
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26], [43, 38, 32]]
@@ -114,6 +114,54 @@ def test_graphed_batch_with_padding_rows_equals_eager(load_model, arch):
         out[flag] = (torch.stack(rows), _state(model, caches))
     assert _bits(out["0"][0], out["1"][0])
     assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))  # the padding row touched only scratch
+
+
+def test_rows_within_one_split_take_a_narrower_table_with_the_same_bits(load_model):
+    """memra.graphs.step_blocks: while every row fits in one attention split the step's table is that
+    split's width, whatever the rows' max_ctx (their block lists are longer: only the first blocks
+    go in). Run eagerly, the narrow static step and the wide one give the same bits and states."""
+    assert long_tables(1024) and not long_tables(512) and SPLIT_BLOCKS == 32
+    model = load_model(hf_dir("llama")).with_doors(MEMRA_CUDA_GRAPHS="0")
+    wide, toks = _shared_caches(model, 3, max_ctx=1024)
+    narrow, _ = _shared_caches(model, 3, max_ctx=1024)
+    assert step_blocks(wide, [c.pos + 1 for c in wide]) == SPLIT_BLOCKS < len(wide[0].blocks)
+    assert step_blocks(wide, [600, 1, 1]) == table_blocks(1024)  # a row past one split: the whole width
+    statics = [StaticDecode(model, cs[0].kv, cs[0].rec, 3, nb) for cs, nb in ((wide, table_blocks(1024)),
+                                                                             (narrow, SPLIT_BLOCKS))]
+    for _ in range(3):
+        ids = torch.tensor(toks, device=model.device)
+        got = []
+        for static, caches in zip(statics, (wide, narrow)):
+            static.fill(ids, caches, None)
+            got.append(static.body()[:3].clone())
+            for c in caches:
+                c.pos += 1
+        assert _bits(*got)
+        toks = got[0].argmax(-1).tolist()
+    assert all(_bits(a, b) for a, b in zip(_state(model, wide), _state(model, narrow)))
+
+
+@cuda_only
+def test_graphs_of_both_table_widths_equal_eager(load_model):
+    """A batch decodes in the narrow table's graph, then one row is primed past one attention split and
+    the batch goes on in the full width's (a split launch and its combine): bit for bit the eager step."""
+    base = load_model(hf_dir("llama"))
+    out = {}
+    for flag in ("0", "1"):
+        model = base.with_doors(MEMRA_CUDA_GRAPHS=flag)
+        caches, toks = _shared_caches(model, 3, max_ctx=1024, spare=1)
+        rows = []
+        for i in range(6):
+            if i == 3:
+                model.prime([5 + j % 50 for j in range(520)], caches[0])
+            logits = model.decode_step_batch(toks, caches)
+            rows.append(logits)
+            toks = logits.argmax(-1).tolist()
+        out[flag] = (torch.stack(rows), _state(model, caches))
+        if flag == "1":
+            assert {k.table_blocks for k in model.decode_graphs} == {SPLIT_BLOCKS, table_blocks(1024)}
+    assert _bits(out["0"][0], out["1"][0])
+    assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))
 
 
 def _near(a: torch.Tensor, b: torch.Tensor) -> bool:

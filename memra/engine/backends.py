@@ -14,7 +14,8 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache
 from memra.pools import ModelPools
 from memra.errors import MemraError
-from memra.graphs import BUCKETS, bucket_for, reserve_scratch
+from memra.graphs import BUCKETS, bucket_for, long_tables, reserve_scratch
+from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import captures_mixed
 from memra.pp.fence import PipelineError
 from memra.engine.types import EngineConfig
@@ -54,9 +55,10 @@ class InProcess:
 
     def warm_graphs(self, max_batch: int, max_ctx: int) -> None:
         """Capture the decode graph of every batch bucket a step of up to max_batch rows can use, now,
-        rather than on the first step that meets each bucket (a capture costs tens of steps). Scratch
-        sequences of one token at the engine's table width (max_ctx); each batch size is the largest
-        that lands in its bucket, up to max_batch. GPU only (graphs are a CUDA feature)."""
+        rather than on the first step that meets each bucket (a capture costs tens of steps), at both
+        table widths a step can have (memra.graphs.step_blocks: rows within one attention split, then
+        a row past it). Scratch sequences of one token; each batch size is the largest that lands in
+        its bucket, up to max_batch. GPU only (graphs are a CUDA feature)."""
         if self.model.device.type != "cuda":
             return
         rows = min(max_batch, len(self.kv.free), self.slots or max_batch)
@@ -67,6 +69,10 @@ class InProcess:
             self.model.prime_batch([[1]] * rows, caches)
             for n in sizes:
                 self.model.decode_step_batch([1] * n, caches[:n])
+            if long_tables(max_ctx) and max_ctx >= ATTN_SPLIT + 2 * len(sizes) + 2:
+                self.model.prime([1] * ATTN_SPLIT, caches[0])  # a row past one split: the graphs of the full width
+                for n in sizes:
+                    self.model.decode_step_batch([1] * n, caches[:n])
         finally:
             for c in caches:
                 c.free()

@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 from memra.cache import BLOCK_SIZE
-from memra.graphs import BUCKETS, bucket_for
+from memra.graphs import BUCKETS, bucket_for, long_tables
+from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
 from memra.step import EXACT_PIECE, mixed_step
 
@@ -78,25 +79,32 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
 
 
 def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) -> None:
-    """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs):
-    `rows` sequences decode while one more prefills a prompt in the token bucket. Where a step declines
-    the graph (no scratch), this runs the two calls instead, harmlessly."""
+    """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs),
+    at both table widths (memra.graphs.step_blocks): `rows` sequences decode while one more prefills a
+    prompt in the token bucket. Where a step declines the graph (no scratch), this runs the two calls
+    instead, harmlessly."""
     sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
-    if rows < 1 or cache_ctx < 2 + len(MIXED_TOKENS) * len(sizes):  # the decoding rows advance a position a step
+    per_pass = len(MIXED_TOKENS) * len(sizes)  # steps, each advancing the decoding rows a position
+    if rows < 1 or cache_ctx < 2 + per_pass:
         return
+    # the second pass: a decoding row past one attention split, the steps of the full table width
+    passes = 2 if long_tables(cache_ctx) and cache_ctx >= ATTN_SPLIT + 2 * per_pass + 2 else 1
     caches = [backend.new_cache(cache_ctx) for _ in range(rows)]
     try:
         model.prime_batch([[1]] * rows, caches)
-        for tokens in MIXED_TOKENS:
-            for n in sizes:
-                length = min(tokens, cache_ctx - 1, token_budget - n)
-                if token_bucket(length) != tokens:
-                    continue  # no step of n rows reaches this bucket
-                new = backend.new_cache(cache_ctx)
-                try:
-                    mixed_step(model, [1] * n, caches[:n], [_prompt(n, length, model.cfg.vocab_size)], [new])
-                finally:
-                    new.free()
+        for p in range(passes):
+            if p:
+                model.prime([1] * ATTN_SPLIT, caches[0])
+            for tokens in MIXED_TOKENS:
+                for n in sizes:
+                    length = min(tokens, cache_ctx - 1, token_budget - n)
+                    if token_bucket(length) != tokens:
+                        continue  # no step of n rows reaches this bucket
+                    new = backend.new_cache(cache_ctx)
+                    try:
+                        mixed_step(model, [1] * n, caches[:n], [_prompt(n, length, model.cfg.vocab_size)], [new])
+                    finally:
+                        new.free()
     finally:
         for c in caches:
             c.free()

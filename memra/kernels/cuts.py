@@ -5,6 +5,9 @@ and GDN's chunked prefill, reference.gdn_prefill and its Triton twin, both cut h
 from __future__ import annotations
 
 TILE = 64  # prefill forward size on the exact path; equals the GDN chunk so cuts line up
+# Decode attention splits a long prefix at multiples of this many positions (more programs for a few
+# long rows; memra.kernels.triton.attention). Fixed: where a row's prefix is cut cannot depend on the call.
+ATTN_SPLIT = 512
 
 
 def aligned_cuts(n: int, pos0: int, size: int = TILE) -> list[tuple[int, int]]:

@@ -11,11 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.cuts import ATTN_SPLIT
 from memra.kernels.pieces import ATTENTION_TILE
 from memra.kernels.triton.common import _interpreting
 from memra.kernels.triton.launch import lean
-
-ATTN_SPLIT = 512  # positions per split of a long prefix: more programs for a few long rows
 
 
 def _decode_block_s(block_d: int) -> int:
