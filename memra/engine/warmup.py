@@ -2,6 +2,7 @@
 
 - The engine's own prefill (prime_batch, several prompts' pieces in one forward where batching is live),
   a decode step and a mixed step (memra.step.mixed_step): kernel compilation and the decode plan's check.
+- The batch sampler's kernels, with and without a filtering row.
 - On a GPU, one prefill wave in each size class a step can run (2 tokens, then x4, up to the step's
   token budget). Triton compiles a kernel per tile configuration, and the projections take theirs by
   the wave's row count (memra.kernels.triton.linear.LINEAR_BUCKETS); a class met first by a request
@@ -17,6 +18,7 @@ from memra.cache import BLOCK_SIZE
 from memra.graphs import BUCKETS, bucket_for, long_tables
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
+from memra.sampling import DevSamp
 from memra.step import EXACT_PIECE, mixed_step
 
 
@@ -115,7 +117,18 @@ def _prime(model, backend, prompts: list[list[int]], cache_ctx: int, decode: boo
     try:
         lasts = model.prime_batch(prompts, caches)
         if decode:
-            model.decode_step_batch([int(last.argmax()) for last in lasts], caches)
+            logits = model.decode_step_batch([int(last.argmax()) for last in lasts], caches)
+            _sample(model, logits)
     finally:
         for c in caches:
             c.free()
+
+
+def _sample(model, logits) -> None:
+    """The batch sampler's two kernels: with and without a row whose top-k / top-p / min-p masks the
+    vocabulary (a first sampled request compiled each where this did not)."""
+    plain, masked = DevSamp(temperature=0.8, seed=1, ctr=0), DevSamp(temperature=0.8, seed=1, ctr=0, top_k=5)
+    rows = logits[:1].expand(2, -1).contiguous()
+    model.ops.sample_batch(rows, [plain, masked])
+    model.ops.sample_batch(rows, [plain, plain])
+
