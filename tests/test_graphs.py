@@ -159,7 +159,8 @@ def test_graphs_of_both_table_widths_equal_eager(load_model):
             toks = logits.argmax(-1).tolist()
         out[flag] = (torch.stack(rows), _state(model, caches))
         if flag == "1":
-            assert {k.table_blocks for k in model.decode_graphs} == {SPLIT_BLOCKS, table_blocks(1024)}
+            # both widths captured (the load's plan check may have captured a third, its own caches')
+            assert {SPLIT_BLOCKS, table_blocks(1024)} <= {k.table_blocks for k in model.decode_graphs}
     assert _bits(out["0"][0], out["1"][0])
     assert all(_bits(a, b) for a, b in zip(out["0"][1], out["1"][1]))
 
