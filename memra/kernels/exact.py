@@ -106,9 +106,9 @@ def _triton_probes(rnd, failures: list[str]) -> None:
 
 
 def _quant_probes(rnd, failures: list[str]) -> None:
-    """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call. (One
-    frozen tile serves every M there; per-M tiles were tried on the H200 and this probe caught them
-    changing bits across buckets.)"""
+    """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call, across
+    triton.quant.QUANT_BUCKETS (tiles of 16 rows were tried on the H200 and this probe caught them
+    changing bits against 64-row ones)."""
     from memra.kernels.split import split_layout
     from memra.kernels.triton import quant as quant_triton  # Triton is present: _triton_probes found it
 

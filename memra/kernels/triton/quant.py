@@ -41,69 +41,78 @@ from memra.kernels.quant import _check_linear
 from memra.kernels.split import SPLIT_TYPES, Q4KSplit, Q5KSplit, Q6KSplit, Q8Split, SplitRows
 from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.launch import lean
+from memra.kernels.triton.linear import _mma
 
-# The frozen configuration (as triton.linear.LINEAR_*): changing one changes bits across memra versions,
-# never across batch sizes. BLOCK_K = 64 is two Q8_0 blocks, or one 32-byte run of a Q4_K super-block's
-# nibbles (sub-blocks 2r and 2r + 1 as low / high nibbles), so a K step never straddles a Q4_K run.
-QUANT_BLOCK_M = 64
-QUANT_BLOCK_N = 32
-QUANT_BLOCK_K = 64
-QUANT_WARPS = 4
-QUANT_STAGES = 4
+# The frozen configurations (as triton.linear.LINEAR_BUCKETS): changing one changes bits across memra
+# versions, never across batch sizes. Every tile has BLOCK_M a multiple of 64 (the H200's wgmma): tiles
+# of 16 rows (mma.sync) changed bits against them, while tiles differing in BLOCK_M (64 / 128), BLOCK_N
+# or BLOCK_K gave the same bits at every M on the 8B projection shapes (measured on the H200, Q8_0 and
+# Q4_K; the self-test re-checks rows across the buckets on the running GPU). BLOCK_K is a multiple of
+# 64, one 32-byte run of a Q4_K super-block's nibbles (groups 2r and 2r + 1 as low / high nibbles).
+QUANT_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages))
+    (64, (64, 64, 64, 4, 3)),  # decode: M=1 on the H200, Q8_0 qkv / down / gate_up 56 / 176 / 116 us
+    (None, (128, 128, 64, 8, 3)),  # prefill
+)
+QUANT_INTERPRET_CONFIG = (64, 32, 64, 4, 4)  # numpy's dot sums in an order set by the tile: one tile
 
 Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3  # the kernel's FORMAT
 
 
 @triton.jit
-def _split_tile(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, kk, mask, K, FORMAT: tl.constexpr):
-    """The fp32 values of weight tile [BLOCK_K, BLOCK_N]: element (i, j) is W[rn[j], kk[i]]. rn int64."""
+def _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, kk, kg, mask, live, K, FORMAT: tl.constexpr,
+                  HIGH: tl.constexpr):
+    """The fp32 values of weight tile [G, BLOCK_N] over K positions kk (one scale group, starting at kg):
+    element (i, j) is W[rn[j], kk[i]]. A group shares its scales, so they are one [BLOCK_N] load each,
+    broadcast along K, rather than a load per value. rn int64; mask [G, BLOCK_N] and live [BLOCK_N]: the
+    values and the columns' scales inside the weight; HIGH: Q4_K's high nibbles."""
     rows = rn[None, :]
     if FORMAT == 0:  # Q8_0
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rows * (K // 32) + (kk // 32)[:, None], mask=mask, other=0.0).to(tl.float32)
-        return q * d
-    elif FORMAT == 3:  # Q6_K
+        d = tl.load(d_ptr + rn * (K // 32) + kg // 32, mask=live, other=0.0).to(tl.float32)
+        return q * d[None, :]
+    elif FORMAT == 3:  # Q6_K: groups of 16
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rows * (K // 256) + (kk // 256)[:, None], mask=mask, other=0.0)
-        sc = tl.load(sc_ptr + rows * (K // 16) + (kk // 16)[:, None], mask=mask, other=0).to(tl.float32)
-        return q * (d * sc)
+        d = tl.load(d_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
+        sc = tl.load(sc_ptr + rn * (K // 16) + kg // 16, mask=live, other=0).to(tl.float32)
+        return q * (d * sc)[None, :]
     else:  # Q4_K, Q5_K: per 256 d and dmin, per 32 a 6-bit scale and min
-        if FORMAT == 1:  # run kk // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
-            byte = tl.load(q_ptr + rows * (K // 2) + (kk // 64 * 32 + kk % 32)[:, None], mask=mask, other=0)
-            q = ((byte.to(tl.int32) >> (4 * (kk % 64 // 32))[:, None]) & 0x0F).to(tl.float32)
+        if FORMAT == 1:  # run kg // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
+            byte = tl.load(q_ptr + rows * (K // 2) + (kg // 64 * 32 + kk % 32)[:, None], mask=mask, other=0)
+            q = ((byte.to(tl.int32) >> (4 * HIGH)) & 0x0F).to(tl.float32)
         else:
             q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        at = rows * (K // 256) + (kk // 256)[:, None]
-        sub = rows * (K // 32) + (kk // 32)[:, None]
-        d = tl.load(d_ptr + at, mask=mask, other=0.0)
-        dmin = tl.load(dmin_ptr + at, mask=mask, other=0.0)
-        sc = tl.load(sc_ptr + sub, mask=mask, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + sub, mask=mask, other=0).to(tl.float32)
-        return q * (d * sc) - dmin * mn  # the split's fp32 order; only the subtraction rounds
+        d = tl.load(d_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
+        dmin = tl.load(dmin_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
+        sc = tl.load(sc_ptr + rn * (K // 32) + kg // 32, mask=live, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + rn * (K // 32) + kg // 32, mask=live, other=0).to(tl.float32)
+        return q * (d * sc)[None, :] - (dmin * mn)[None, :]  # the split's fp32 order; only the subtraction rounds
 
 
 @lean
 @triton.jit(do_not_specialize=["M"])
 def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                         FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                         ROUND_IN_INTEGERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
+    G: tl.constexpr = 16 if FORMAT == 3 else 32  # the K positions of one scale
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rg = tl.arange(0, G)
     rn64 = rn.to(tl.int64)  # byte offsets of whole rows pass 2 GiB in a large embedding or head
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = _split_tile(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, kk, (rn[None, :] < N) & (kk[:, None] < K), K,
-                        FORMAT)  # [BK, BN] fp32, == w.dequantize(fp32)^T here
-        if ROUND_BF16:
-            w = round_to_bf16(w)  # == w.dequantize(bf16), held in fp32
-        if IEEE:  # fp32 models: no silent TF32 (and the interpreter, whose bf16 dot is broken, via fp32)
-            acc = tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(a.dtype), acc)
+        for g in tl.static_range(BLOCK_K // G):  # a group at a time: its scales are one load per column
+            kk = k0 + g * G + rg
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, kk, k0 + g * G,
+                              (rn[None, :] < N) & (kk[:, None] < K), (rn < N) & (k0 + g * G < K), K, FORMAT,
+                              g % 2)  # [G, BN] fp32
+            if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
+                w = round_to_bf16(w)
+            # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
+            acc = _mma(a, w.to(a.dtype), acc, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -121,6 +130,13 @@ def _planes(w) -> tuple[int, tuple[torch.Tensor, ...]]:
     if isinstance(w, Q6KSplit):
         return Q6_K, (w.q, w.d, w.d, w.scale, w.scale)
     raise MemraError(f"no packed GPU kernel reads a {type(w).__name__}")
+
+
+def quant_config(m: int) -> tuple[int, int, int, int, int]:
+    """The tile configuration of an M-row packed call: its bucket's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    if _interpreting():
+        return QUANT_INTERPRET_CONFIG
+    return next(cfg for top, cfg in QUANT_BUCKETS if top is None or m <= top)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,12 +157,11 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         if m:
             fmt, planes = _planes(part)
             b = bias[lo:hi] if bias is not None else y
-            grid = (triton.cdiv(m, QUANT_BLOCK_M), triton.cdiv(hi - lo, QUANT_BLOCK_N))
-            _split_linear_kernel[grid](x2, *planes, b, y[:, lo:hi], m, hi - lo, k, x2.stride(0), y.stride(0),
-                                       FORMAT=fmt, HAS_BIAS=bias is not None,
-                                       IEEE=x.dtype == torch.float32 or _interpreting(),
-                                       ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_M=QUANT_BLOCK_M,
-                                       BLOCK_N=QUANT_BLOCK_N, BLOCK_K=QUANT_BLOCK_K, num_warps=QUANT_WARPS,
-                                       num_stages=QUANT_STAGES)
+            bm, bn, bk, warps, stages = quant_config(m)
+            _split_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(hi - lo, bn))](
+                x2, *planes, b, y[:, lo:hi], m, hi - lo, k, x2.stride(0), y.stride(0), FORMAT=fmt,
+                HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
+                ROUND_IN_INTEGERS=x.dtype == torch.bfloat16 and _interpreting(), BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, num_warps=warps, num_stages=stages)
         lo = hi
     return y.reshape(*lead, n)
