@@ -282,9 +282,9 @@ def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
         qw = quant.quantize(weight(n, k, seed=3 + i), qtype, dtype).to(DEVICE)
         sw = split_layout(qw)
         bias = rnd(n, seed=5).to(DEVICE, dtype) if i == 0 else None
-        x = rnd(64, k, seed=4).to(DEVICE, dtype)
+        x = rnd(100, k, seed=4).to(DEVICE, dtype)  # past 64 rows: both of QUANT_BUCKETS' tiles on a GPU
         full = fused(x, sw, bias)
-        for m in (1, 2, 7, 33, 64):
+        for m in (1, 2, 7, 33, 64, 65):
             part = fused(x[:m], sw, bias)
             close(part, quant.reference_linear(x[:m], qw, bias), dtype)
             same_bits(part, full[:m])  # the same rows inside a smaller call
