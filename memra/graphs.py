@@ -18,8 +18,9 @@ narrower table is not only fewer bytes: the attention launches a split per ATTN_
 the width and a combine after them, whatever the rows' lengths (offline, 64 Llama-shaped rows took
 6.04 ms a step with 1,024-position tables, 5.89 with 130-position ones). Which width a row meets
 cannot change its bits: a row within the first split gets the unsplit kernel's bits in a split launch
-(memra.kernels.triton.attention._combine_splits_kernel). The pools' tensors are captured by address: a KV pool or recurrent pool that is enlarged bumps
-its version, and graphs of the old version are dropped and captured again.
+(memra.kernels.triton.attention._combine_splits_kernel). The pools' tensors are captured by address: a
+KV pool or recurrent pool that is enlarged bumps its version, and graphs of the old version are
+dropped and captured again.
 
 Buckets: a batch of B rows replays the graph of the smallest bucket >= B (BUCKETS). The Bp - B padding
 rows are inert: they point at a scratch KV block and a scratch recurrent slot taken from the pools for
@@ -80,6 +81,12 @@ def step_blocks(caches: list[Cache], ends: list[int]) -> int:
 def long_tables(max_ctx: int) -> bool:
     """Do rows of up to max_ctx positions meet a second table width (step_blocks)?"""
     return table_blocks(max_ctx) > SPLIT_BLOCKS
+
+
+def full_width_pass(max_ctx: int, steps: int) -> bool:
+    """Can a warm-up meet the full table width too: is there a second width, and room in max_ctx for a
+    row primed past one attention split and then `steps` more steps of its own (with margin)?"""
+    return long_tables(max_ctx) and max_ctx >= ATTN_SPLIT + 2 * steps + 2
 
 
 @dataclass(frozen=True)

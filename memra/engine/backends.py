@@ -14,7 +14,7 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache
 from memra.pools import ModelPools
 from memra.errors import MemraError
-from memra.graphs import BUCKETS, bucket_for, long_tables, reserve_scratch
+from memra.graphs import BUCKETS, bucket_for, full_width_pass, reserve_scratch
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import captures_mixed
 from memra.pp.fence import PipelineError
@@ -69,7 +69,7 @@ class InProcess:
             self.model.prime_batch([[1]] * rows, caches)
             for n in sizes:
                 self.model.decode_step_batch([1] * n, caches[:n])
-            if long_tables(max_ctx) and max_ctx >= ATTN_SPLIT + 2 * len(sizes) + 2:
+            if full_width_pass(max_ctx, len(sizes)):
                 self.model.prime([1] * ATTN_SPLIT, caches[0])  # a row past one split: the graphs of the full width
                 for n in sizes:
                     self.model.decode_step_batch([1] * n, caches[:n])

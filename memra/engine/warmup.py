@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from memra.cache import BLOCK_SIZE
-from memra.graphs import BUCKETS, bucket_for, long_tables
+from memra.graphs import BUCKETS, bucket_for, full_width_pass
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
 from memra.sampling import DevSamp
@@ -90,7 +90,7 @@ def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) 
     if rows < 1 or cache_ctx < 2 + per_pass:
         return
     # the second pass: a decoding row past one attention split, the steps of the full table width
-    passes = 2 if long_tables(cache_ctx) and cache_ctx >= ATTN_SPLIT + 2 * per_pass + 2 else 1
+    passes = 2 if full_width_pass(cache_ctx, per_pass) else 1
     caches = [backend.new_cache(cache_ctx) for _ in range(rows)]
     try:
         model.prime_batch([[1]] * rows, caches)
