@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.activation import silu_mul
-from memra.kernels.triton.common import _interpreting, round_to_bf16
+from memra.kernels.triton.common import _interpreting, round_to_bf16, round_to_dtype
 from memra.kernels.triton.linear import linear_config
 
 
@@ -80,10 +80,9 @@ def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_
 
 
 @triton.jit
-def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr):
     """acc + x, both values of the dtype, as torch adds two tensors of it: in fp32, rounded once."""
-    total = acc + tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    return round_to_bf16(total) if ROUND_BF16 else total.to(dt).to(tl.float32)
+    return round_to_dtype(acc + tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32), dt)
 
 
 @triton.jit
@@ -113,9 +112,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.c
         else:
             acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     if SHARED:
-        acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt, ROUND_BF16)
+        acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt)
     if RESIDUAL:
-        acc = _add_rounded(acc, r_ptr, t * E + cols, mask, dt, ROUND_BF16)
+        acc = _add_rounded(acc, r_ptr, t * E + cols, mask, dt)
     tl.store(out_ptr + t * E + cols, acc.to(dt), mask=mask)
 
 
