@@ -23,6 +23,18 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def gpu_kernel_table():
+    """The kernel table of a CUDA model in exact mode, held to CPU tensors: every op it sends to a
+    Triton kernel runs in Triton's interpreter (tests/test_interpreted_model.py, tools/count_launches.py)."""
+    from memra.kernels.table import KernelTable
+
+    class OnCpu(KernelTable):
+        def _gpu(self, x):
+            return True
+
+    return OnCpu(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=False)
+
+
 def _triton_interpreter_numpy2_fix() -> None:
     """Triton 3.6's interpreter turns a loop bound into an int with int(ndarray of shape (1,)), which
     NumPy >= 2.4 refuses; convert through the single element instead (test-time shim, CPU only)."""

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_dir
+from conftest import gpu_kernel_table, hf_dir
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -25,11 +25,7 @@ def _interpreted_table(monkeypatch):
     """Models built from now on get the table of a CUDA model in exact mode, held to CPU tensors."""
     from memra.kernels.table import KernelTable
 
-    class Interpreted(KernelTable):
-        def _gpu(self, x):
-            return True
-
-    table = Interpreted(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=False)
+    table = gpu_kernel_table()
     monkeypatch.setattr(KernelTable, "build", classmethod(lambda cls, device, settings: table))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton: it reads this once
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from conftest import _triton_interpreter_numpy2_fix  # noqa: E402  (the tests' shim for Triton's interpreter)
+from conftest import _triton_interpreter_numpy2_fix, gpu_kernel_table  # noqa: E402  (the tests' helpers)
 
 _triton_interpreter_numpy2_fix()
 
@@ -45,13 +45,6 @@ NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "t", "transpose", "expan
              "sym_size", "sym_stride", "detach_"}
 
 
-class GpuTable(KernelTable):
-    """The table of a CUDA model in exact mode, for CPU tensors."""
-
-    def _gpu(self, x):
-        return True
-
-
 def toy(cfg):
     """cfg's structure at toy widths: the same layers, mixers, head counts and experts."""
     a = dataclasses.replace(cfg.attn, head_dim=16)
@@ -68,7 +61,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     args = p.parse_args()
     cfg = toy(rm.SHAPES[args.model](None))
-    table = GpuTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=False)
+    table = gpu_kernel_table()  # a CUDA model's exact table, for CPU tensors
     KernelTable.build = classmethod(lambda cls, device, settings: table)
     decode_plan.verify_plan = lambda model, plan, seed=0: True  # the CPU's torch ops are not the GPU's
     graphs.graphable = lambda model, caches: True  # off the GPU the static step's body runs eagerly
