@@ -292,6 +292,26 @@ def test_fused_linear_matches_twin_and_rows_do_not_depend_on_m(qtype, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_split_k_chunks_keep_row_bits_across_the_decode_and_prefill_paths(qtype, dtype):
+    """K past one chunk (triton.quant.QUANT_CHUNK_K, and a short last one): calls of up to SPLIT_ROWS
+    rows sum each chunk in its own programs and add the sums in a second launch, larger calls add them
+    in one program; a row's bits are the same either way."""
+    from memra.kernels.triton import quant as quant_triton
+
+    n, k = 40, 2 * quant_triton.QUANT_CHUNK_K + 256  # (fp32 rows show a change of the sums' order; bf16 rarely)
+    qw = quant.quantize(weight(n, k, seed=8), qtype, dtype).to(DEVICE)
+    sw, bias = split_layout(qw), rnd(n, seed=9).to(DEVICE, dtype)
+    rows = quant_triton.SPLIT_ROWS + 36
+    x = rnd(rows, k, seed=10).to(DEVICE, dtype)
+    full = quant_triton.linear(x, sw, bias)  # one program per tile: past the decode rows
+    close(full, quant.reference_linear(x, qw, bias), dtype)
+    for m in (1, 7, quant_triton.SPLIT_ROWS, quant_triton.SPLIT_ROWS + 1):
+        same_bits(quant_triton.linear(x[:m].clone(), sw, bias), full[:m])
+
+
+@needs_triton
 def test_fused_linear_takes_leading_dims_and_refuses_unsplit_bytes():
     from memra.kernels.triton import quant as quant_triton
 

@@ -107,12 +107,12 @@ def _triton_probes(rnd, failures: list[str]) -> None:
 
 def _quant_probes(rnd, failures: list[str]) -> None:
     """The packed-weight kernels: a row's bits in calls of 1..100 rows and inside a 300-row call, across
-    triton.quant.QUANT_BUCKETS (tiles of 16 rows were tried on the H200 and this probe caught them
-    changing bits against 64-row ones)."""
+    triton.quant.QUANT_BUCKETS and its two ways of adding K's chunks (tiles of 16 rows were tried on the
+    H200 and this probe caught them changing bits against 64-row ones)."""
     from memra.kernels.split import split_layout
     from memra.kernels.triton import quant as quant_triton  # Triton is present: _triton_probes found it
 
-    wide, k = 300, 512
+    wide, k = 300, 2 * quant_triton.QUANT_CHUNK_K + 256  # past one chunk: the split and the one-program sums
     x = rnd(wide, k)
     for pack in (quant.quantize_q8_0, quant.quantize_q4_k):
         qw = split_layout(pack(rnd(320, k).float() * 0.05, x.dtype))

@@ -55,6 +55,16 @@ QUANT_BUCKETS = (  # (largest M of the bucket, (BLOCK_M, BLOCK_N, BLOCK_K, warps
 )
 QUANT_INTERPRET_CONFIG = (64, 32, 64, 4, 4)  # numpy's dot sums in an order set by the tile: one tile
 
+# Split-K at fixed positions: K is summed in chunks of QUANT_CHUNK_K (a multiple of every BLOCK_K), each
+# from zero, and the chunks' sums are added in order. Calls of up to SPLIT_ROWS rows (decode) give each
+# chunk its own programs and add their sums in a second launch; larger calls sum the chunks one after
+# another in one program. The additions are the same either way, so a row's bits do not depend on M,
+# while a decode projection gets K / QUANT_CHUNK_K times the programs: at B=1 a 4096-column weight
+# streamed by 64 programs of one tile wide left half of the H200's 132 SMs idle.
+QUANT_CHUNK_K = 1024
+SPLIT_ROWS = 64  # the decode bucket's rows
+CHUNK_SUM_BLOCK = 1024
+
 Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3  # the kernel's FORMAT
 
 
@@ -90,33 +100,61 @@ def _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, kk, kg, mask, live
 
 @lean
 @triton.jit(do_not_specialize=["M"])
-def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                         FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                         ROUND_IN_INTEGERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm,
+                         stride_ym, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                         ROUND_IN_INTEGERS: tl.constexpr, PARTIAL: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
+    # K is summed in chunks of CHUNK positions (QUANT_CHUNK_K), each from zero, then the chunks' sums in order.
+    # PARTIAL: program (., ., c) sums chunk c alone into part [chunks, M, N] (_chunk_sum_kernel adds
+    # them); else one program sums every chunk of its tile and stores the result.
     G: tl.constexpr = 16 if FORMAT == 3 else 32  # the K positions of one scale
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.arange(0, G)
     rn64 = rn.to(tl.int64)  # byte offsets of whole rows pass 2 GiB in a large embedding or head
+    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    first = tl.program_id(2) * CHUNK if PARTIAL else 0
+    last = tl.minimum(first + CHUNK, K) if PARTIAL else K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        for g in tl.static_range(BLOCK_K // G):  # a group at a time: its scales are one load per column
-            kk = k0 + g * G + rg
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                        other=0.0)
-            w = _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, kk, k0 + g * G,
-                              (rn[None, :] < N) & (kk[:, None] < K), (rn < N) & (k0 + g * G < K), K, FORMAT,
-                              g % 2)  # [G, BN] fp32
-            if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
-                w = round_to_bf16(w)
-            # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
-            acc = _mma(a, w.to(a.dtype), acc, IEEE)
+    for c0 in range(first, last, CHUNK):
+        chunk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(c0, tl.minimum(c0 + CHUNK, K), BLOCK_K):
+            for g in tl.static_range(BLOCK_K // G):  # a group at a time: its scales are one load per column
+                kk = k0 + g * G + rg
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                            other=0.0)
+                w = _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, kk, k0 + g * G,
+                                  (rn[None, :] < N) & (kk[:, None] < K), (rn < N) & (k0 + g * G < K), K, FORMAT,
+                                  g % 2)  # [G, BN] fp32
+                if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
+                    w = round_to_bf16(w)
+                # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
+                chunk = _mma(a, w.to(a.dtype), chunk, IEEE)
+        acc += chunk
+    if PARTIAL:
+        at = (tl.program_id(2) * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + at, acc, mask=inside)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@lean
+@triton.jit
+def _chunk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # The split kernel's epilogue over part [CHUNKS, M, N]: the chunks' sums added in order from zero,
+    # as one program adds them, then the bias and the cast.
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = at < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        acc += tl.load(part_ptr + c * M * N + at, mask=live, other=0.0)
+    col = at % N
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc += tl.load(b_ptr + col, mask=live, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (at // N) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=live)
 
 
 def _planes(w) -> tuple[int, tuple[torch.Tensor, ...]]:
@@ -158,10 +196,17 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             fmt, planes = _planes(part)
             b = bias[lo:hi] if bias is not None else y
             bm, bn, bk, warps, stages = quant_config(m)
-            _split_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(hi - lo, bn))](
-                x2, *planes, b, y[:, lo:hi], m, hi - lo, k, x2.stride(0), y.stride(0), FORMAT=fmt,
+            n_part, chunks = hi - lo, triton.cdiv(k, QUANT_CHUNK_K)
+            split = chunks > 1 and m <= SPLIT_ROWS
+            part = torch.empty(chunks, m, n_part, dtype=torch.float32, device=x.device) if split else y
+            _split_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n_part, bn), chunks if split else 1)](
+                x2, *planes, b, y[:, lo:hi], part, m, n_part, k, x2.stride(0), y.stride(0), FORMAT=fmt,
                 HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
-                ROUND_IN_INTEGERS=x.dtype == torch.bfloat16 and _interpreting(), BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                ROUND_IN_INTEGERS=x.dtype == torch.bfloat16 and _interpreting(), PARTIAL=split,
+                CHUNK=QUANT_CHUNK_K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+            if split:
+                _chunk_sum_kernel[(triton.cdiv(m * n_part, CHUNK_SUM_BLOCK),)](
+                    part, b, y[:, lo:hi], m, n_part, chunks, y.stride(0), HAS_BIAS=bias is not None,
+                    BLOCK=CHUNK_SUM_BLOCK)
         lo = hi
     return y.reshape(*lead, n)
