@@ -69,33 +69,49 @@ Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3  # the kernel's FORMAT
 
 
 @triton.jit
-def _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, kk, kg, mask, live, K, FORMAT: tl.constexpr,
-                  HIGH: tl.constexpr):
-    """The fp32 values of weight tile [G, BLOCK_N] over K positions kk (one scale group, starting at kg):
-    element (i, j) is W[rn[j], kk[i]]. A group shares its scales, so they are one [BLOCK_N] load each,
-    broadcast along K, rather than a load per value. rn int64; mask [G, BLOCK_N] and live [BLOCK_N]: the
-    values and the columns' scales inside the weight; HIGH: Q4_K's high nibbles."""
+def _spread(scale, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """scale [BLOCK_K // G, BLOCK_N] -> [BLOCK_K, BLOCK_N], each row repeated over its group of G positions."""
+    bn: tl.constexpr = scale.shape[1]
+    return tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // G, G, bn)), (BLOCK_K, bn))
+
+
+@triton.jit
+def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K, FORMAT: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The fp32 values of weight tile [BLOCK_K, BLOCK_N] over K positions kk = k0 + arange(BLOCK_K):
+    element (i, j) is W[rn[j], kk[i]]. The quants are one wide load; the scales of a group of G positions
+    are one load per column, broadcast over the group (a [BLOCK_K // G, BLOCK_N] tile), not a load per
+    value. rn int64; mask [BLOCK_K, BLOCK_N]: the values inside the weight. BLOCK_K divides 256, so a tile
+    lies in one K-quant super-block."""
     rows = rn[None, :]
+    cols = rn < N
     if FORMAT == 0:  # Q8_0
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rn * (K // 32) + kg // 32, mask=live, other=0.0).to(tl.float32)
-        return q * d[None, :]
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        d = tl.load(d_ptr + rows * (K // 32) + g[:, None], mask=cols[None, :] & (g < K // 32)[:, None], other=0.0)
+        return q * _spread(d.to(tl.float32), 32, BLOCK_K)
     elif FORMAT == 3:  # Q6_K: groups of 16
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
-        sc = tl.load(sc_ptr + rn * (K // 16) + kg // 16, mask=live, other=0).to(tl.float32)
-        return q * (d * sc)[None, :]
+        d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=cols & (k0 < K), other=0.0)
+        g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        sc = tl.load(sc_ptr + rows * (K // 16) + g[:, None], mask=cols[None, :] & (g < K // 16)[:, None], other=0)
+        return q * _spread(d[None, :] * sc.to(tl.float32), 16, BLOCK_K)
     else:  # Q4_K, Q5_K: per 256 d and dmin, per 32 a 6-bit scale and min
-        if FORMAT == 1:  # run kg // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
-            byte = tl.load(q_ptr + rows * (K // 2) + (kg // 64 * 32 + kk % 32)[:, None], mask=mask, other=0)
-            q = ((byte.to(tl.int32) >> (4 * HIGH)) & 0x0F).to(tl.float32)
+        if FORMAT == 1:  # run kk // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
+            byte = tl.load(q_ptr + rows * (K // 2) + (kk // 64 * 32 + kk % 32)[:, None], mask=mask, other=0)
+            q = ((byte.to(tl.int32) >> (4 * (kk % 64 // 32))[:, None]) & 0x0F).to(tl.float32)
         else:
             q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
-        dmin = tl.load(dmin_ptr + rn * (K // 256) + kg // 256, mask=live, other=0.0)
-        sc = tl.load(sc_ptr + rn * (K // 32) + kg // 32, mask=live, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + rn * (K // 32) + kg // 32, mask=live, other=0).to(tl.float32)
-        return q * (d * sc)[None, :] - (dmin * mn)[None, :]  # the split's fp32 order; only the subtraction rounds
+        live = cols & (k0 < K)
+        d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
+        dmin = tl.load(dmin_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        at = rows * (K // 32) + g[:, None]
+        gmask = cols[None, :] & (g < K // 32)[:, None]
+        sc = tl.load(sc_ptr + at, mask=gmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + at, mask=gmask, other=0).to(tl.float32)
+        # the split's fp32 order, q * (d * scale) - dmin * min: only the subtraction rounds
+        return q * _spread(d[None, :] * sc, 32, BLOCK_K) - _spread(dmin[None, :] * mn, 32, BLOCK_K)
 
 
 @lean
@@ -108,10 +124,9 @@ def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     # K is summed in chunks of CHUNK positions (QUANT_CHUNK_K), each from zero, then the chunks' sums in order.
     # PARTIAL: program (., ., c) sums chunk c alone into part [chunks, M, N] (_chunk_sum_kernel adds
     # them); else one program sums every chunk of its tile and stores the result.
-    G: tl.constexpr = 16 if FORMAT == 3 else 32  # the K positions of one scale
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rg = tl.arange(0, G)
+    rk = tl.arange(0, BLOCK_K)
     rn64 = rn.to(tl.int64)  # byte offsets of whole rows pass 2 GiB in a large embedding or head
     inside = (rm[:, None] < M) & (rn[None, :] < N)
     first = tl.program_id(2) * CHUNK if PARTIAL else 0
@@ -120,17 +135,15 @@ def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
     for c0 in range(first, last, CHUNK):
         chunk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(c0, tl.minimum(c0 + CHUNK, K), BLOCK_K):
-            for g in tl.static_range(BLOCK_K // G):  # a group at a time: its scales are one load per column
-                kk = k0 + g * G + rg
-                a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                            other=0.0)
-                w = _group_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, kk, k0 + g * G,
-                                  (rn[None, :] < N) & (kk[:, None] < K), (rn < N) & (k0 + g * G < K), K, FORMAT,
-                                  g % 2)  # [G, BN] fp32
-                if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
-                    w = round_to_bf16(w)
-                # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
-                chunk = _mma(a, w.to(a.dtype), chunk, IEEE)
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, k0, kk,
+                             (rn[None, :] < N) & (kk[:, None] < K), N, K, FORMAT, BLOCK_K)  # [BK, BN] fp32
+            if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
+                w = round_to_bf16(w)
+            # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
+            chunk = _mma(a, w.to(a.dtype), chunk, IEEE)
         acc += chunk
     if PARTIAL:
         at = (tl.program_id(2) * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
