@@ -8,8 +8,8 @@ order with fp32 accumulation. So a row's bits cannot depend on the batch.
 What is new is the weight tile. The file's layout interleaves a block's fp16 scale with its quants (34
 bytes for 32 Q8_0 values), so a kernel reading it gathers byte by byte and assembles every scale from
 two bytes. The split layouts keep the quants as plain byte planes [N, K] (Q4_K: the file's nibbles
-[N, K/2]) beside small scale planes, so the kernel takes a scale group at a time: a [G, BLOCK_N] load
-of contiguous bytes along K and one load per column of the group's scales. Each tile decodes with the split's own fp32 operations in its
+[N, K/2]) beside small scale planes, so a [BLOCK_K, BLOCK_N] tile is one wide load of contiguous bytes
+along K, and each scale group's scales one load per column, spread over the group. Each tile decodes with the split's own fp32 operations in its
 order (memra.kernels.split, bit-identical to memra.loading.dequant), so it equals
 `w.dequantize(torch.float32)` to the bit, then rounded to the activation dtype exactly as the twin
 (memra.kernels.quant.reference_linear) rounds its dense weight:
