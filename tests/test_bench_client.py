@@ -9,6 +9,7 @@ a checker that cannot fail checks nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -23,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from memra.errors import MemraError
 from memra.bench.serve_checks import check_against_offline, check_metrics, engine_time, list_models, scrape_metrics
-from memra.bench.serve_client import _plan, make_prompts, run_serve_bench
+from memra.bench.serve_client import _plan, auto_client_processes, make_prompts, run_serve_bench
 from memra.bench.serve_report import ServeBenchConfig
 from memra.cli import main
 
@@ -213,6 +214,22 @@ def test_clean_server_every_request_accounted_for():
     # request_success is exported under two label sets (finish_reason="length" / "stop"): one sum
     assert after["memra:request_success_total"] - before.get("memra:request_success_total", 0) >= report.completed
     assert after["memra:request_success_total"] <= CFG.requests
+
+
+def test_client_processes_share_the_load_and_every_request_comes_back_in_plan_order():
+    """Three spawned client processes against one server: the same requests, in the plan's order, with
+    the answers one process gets, and the server's counters moved by what the three saw together."""
+    cfg = dataclasses.replace(CFG, client_processes=3)
+    with FakeServer() as server:
+        report, before, after = bench(server, cfg)
+    assert report.lost == 0 and report.duplicated == 0 and report.errors == 0, report.table()
+    assert [r.index for r in report.results] == list(range(CFG.requests))
+    assert check_against_offline(report, echo) == [] and check_metrics(before, after, report) == []
+    assert report.completed + report.cancelled == CFG.requests and report.wall_s > 0
+    assert "(3 client processes)" in report.table()
+    assert auto_client_processes(64) >= 1 and auto_client_processes(1) == 1
+    with pytest.raises(MemraError, match="client_processes"):
+        dataclasses.replace(CFG, client_processes=CFG.concurrency + 1)
 
 
 PROTOCOL_FAULTS = ("dup_finish", "text_after_finish", "wrong_text", "http_500", "drop", "malformed")

@@ -18,7 +18,7 @@ from memra import settings as memra_settings
 from memra.bench.config import BenchConfig, default_device
 from memra.bench.serve_checks import (check_against_offline, check_metrics, engine_time, list_models, memra_offline,
                                       scrape_metrics)
-from memra.bench.serve_client import run_serve_bench
+from memra.bench.serve_client import auto_client_processes, run_serve_bench
 from memra.bench.serve_launch import launch_server
 from memra.bench.serve_report import ServeBenchConfig
 from memra.errors import MemraError
@@ -40,6 +40,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="processes sending the load, sharing the concurrency (default: one per 16 concurrent "
+                        "requests, on at most half of this machine's cores)")
     p.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction,
                    help="share of requests closed mid-stream (default %(default)s)")
     p.add_argument("--stream-fraction", type=float, default=d.stream_fraction)
@@ -70,7 +73,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
                            min_prompt_words=args.min_prompt_words, max_prompt_words=args.max_prompt_words,
                            min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                           stream_fraction=args.stream_fraction, seed=args.seed, timeout_s=args.timeout)
+                           stream_fraction=args.stream_fraction, seed=args.seed, timeout_s=args.timeout,
+                           client_processes=args.client_processes or auto_client_processes(args.concurrency))
     server = None
     if args.launch:
         server = launch_server(args.launch, max_batch=args.max_batch, max_ctx=args.max_ctx, device=args.device,

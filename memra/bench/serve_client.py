@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 import random
 import sys
+import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from memra import settings as memra_settings
 from memra.bench.serve_report import RequestResult, ServeBenchConfig, ServeBenchReport
@@ -202,32 +205,122 @@ def _progress_bar(total: int):
 
 async def run_serve_bench(url: str, model: str, cfg: ServeBenchConfig, api_key: str | None = None,
                           progress: bool = False, words: Sequence[str] = DEFAULT_WORDS) -> ServeBenchReport:
-    """Send cfg.requests requests, at most cfg.concurrency at a time; every failure is recorded in its
-    RequestResult, none is raised."""
+    """Send cfg.requests requests, at most cfg.concurrency at a time, from cfg.client_processes processes;
+    every failure is recorded in its RequestResult, none is raised."""
+    plan = _plan(cfg, make_prompts(cfg, words))
+    bar = _progress_bar(len(plan)) if progress else None
+    try:
+        if cfg.client_processes == 1:
+            t0 = time.perf_counter()
+            await _send_all(url, model, plan, cfg.concurrency, cfg.timeout_s, api_key, bar.update if bar else None)
+            wall = time.perf_counter() - t0
+        else:  # the wait for the processes runs off this event loop
+            wall = await asyncio.get_running_loop().run_in_executor(None, _send_from_processes, url, model, plan,
+                                                                    cfg, api_key, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return ServeBenchReport(plan, wall, cfg)
+
+
+async def _send_all(url: str, model: str, plan: list[RequestResult], concurrency: int, timeout_s: float,
+                    api_key: str | None, on_done: Callable[[], object] | None) -> None:
+    """Every request of `plan`, at most `concurrency` at a time, on this event loop; fills the results."""
     import httpx
 
-    plan = _plan(cfg, make_prompts(cfg, words))
-    sem = asyncio.Semaphore(cfg.concurrency)
-    bar = _progress_bar(len(plan)) if progress else None
+    sem = asyncio.Semaphore(concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def send(res: RequestResult) -> RequestResult:
         async with sem:
-            await _one(client, model, res, cfg.timeout_s)
-        if bar is not None:
-            bar.update()
+            await _one(client, model, res, timeout_s)
+        if on_done is not None:
+            on_done()
         return res
 
     # trust_env=False: a proxy from the environment would put itself in the measurement
-    async with httpx.AsyncClient(base_url=server_root(url), headers=headers, timeout=cfg.timeout_s, limits=limits,
+    async with httpx.AsyncClient(base_url=server_root(url), headers=headers, timeout=timeout_s, limits=limits,
                                  trust_env=False) as client:
-        t0 = time.perf_counter()
         done = await asyncio.gather(*(send(r) for r in plan), return_exceptions=True)
-        wall = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
     for res, outcome in zip(plan, done):
         if isinstance(outcome, BaseException):  # a bug of ours, still not a lost request
             res.error = f"client: {type(outcome).__name__}: {outcome}"
-    return ServeBenchReport(plan, wall, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Several client processes
+# ---------------------------------------------------------------------------------------------------
+
+PROCESS_START_TIMEOUT_S = 120.0  # every client process imported and ready, or the run is refused
+STREAMS_PER_PROCESS = 16  # the automatic choice: a process per this many concurrent requests
+
+
+def auto_client_processes(concurrency: int) -> int:
+    """One process per STREAMS_PER_PROCESS concurrent requests, on at most half the machine's cores (the
+    other half is the server's when it runs here)."""
+    return max(1, min(-(-concurrency // STREAMS_PER_PROCESS), (os.cpu_count() or 2) // 2))
+
+
+def _send_from_processes(url: str, model: str, plan: list[RequestResult], cfg: ServeBenchConfig,
+                         api_key: str | None, bar) -> float:
+    """Deal the plan round-robin to cfg.client_processes spawned processes, each with its share of the
+    concurrency, released together; fill `plan` with their results. -> the wall time from the first
+    process's start to the last one's end (wall clocks of one machine)."""
+    ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads' locks mid-use
+    n = cfg.client_processes
+    start, finished = ctx.Barrier(n + 1), ctx.Value("i", 0)
+    pipes, procs = [], []
+    for i in range(n):
+        share = cfg.concurrency // n + (i < cfg.concurrency % n)
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_process, name=f"memra-bench-client-{i}", daemon=True,
+                           args=(send, start, finished, url, model, plan[i::n], share, cfg.timeout_s, api_key))
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    try:
+        try:
+            start.wait(PROCESS_START_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            dead = [p.name for p in procs if not p.is_alive()]
+            raise MemraError(f"the bench's client processes did not start ({', '.join(dead) or 'timed out'}); "
+                             "run with --client-processes 1") from None
+        outcomes, shown = [], 0
+        for recv, proc in zip(pipes, procs):
+            while not recv.poll(0.2):
+                shown = _show(bar, finished.value, shown)
+                if not proc.is_alive() and not recv.poll(0):
+                    raise MemraError(f"bench client process {proc.name} exited with code {proc.exitcode} "
+                                     "before reporting; run with --client-processes 1 to see why")
+            outcomes.append(recv.recv())
+        _show(bar, finished.value, shown)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    by_index = {r.index: r for part, _, _ in outcomes for r in part}
+    plan[:] = [by_index[r.index] for r in plan]
+    return max(t1 for _, _, t1 in outcomes) - min(t0 for _, t0, _ in outcomes)
+
+
+def _show(bar, finished: int, shown: int) -> int:
+    if bar is not None and finished > shown:
+        bar.update(finished - shown)
+    return max(finished, shown)
+
+
+def _client_process(conn, start, finished, url: str, model: str, part: list[RequestResult], concurrency: int,
+                    timeout_s: float, api_key: str | None) -> None:
+    """One client process: wait for the others, send its part, report (results, start, end)."""
+    def bump() -> None:
+        with finished.get_lock():
+            finished.value += 1
+
+    start.wait()
+    t0 = time.time()
+    asyncio.run(_send_all(url, model, part, concurrency, timeout_s, api_key, bump))
+    conn.send((part, t0, time.time()))
+    conn.close()
