@@ -43,8 +43,9 @@ def run_linear(x, w, bm, bn, bk, warps, stages):
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    T._linear_kernel[grid](x, w, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=False, IEEE=False,
-                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    T._linear_kernel[grid](x, w, w, y, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), y.stride(0), HAS_BIAS=False,
+                           HAS_RESIDUAL=False, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                           num_stages=stages)
     return y
 
 
