@@ -3,16 +3,17 @@ apart from their scales), dequantizing each weight tile in registers.
 
 Same contract as triton.linear.linear, whose loop this mirrors: frozen tile configurations bucketed by
 M (QUANT_BUCKETS, whose tiles give one set of bits), M not specialised by the compiler, K walked in one
-order with fp32 accumulation. So a row's bits cannot depend on the batch.
+order with fp32 accumulation (in fixed chunks of QUANT_CHUNK_K, their sums added in order). So a row's
+bits cannot depend on the batch.
 
 What is new is the weight tile. The file's layout interleaves a block's fp16 scale with its quants (34
 bytes for 32 Q8_0 values), so a kernel reading it gathers byte by byte and assembles every scale from
 two bytes. The split layouts keep the quants as plain byte planes [N, K] (Q4_K: the file's nibbles
 [N, K/2]) beside small scale planes, so a [BLOCK_K, BLOCK_N] tile is one wide load of contiguous bytes
-along K, and each scale group's scales one load per column, spread over the group. Each tile decodes with the split's own fp32 operations in its
-order (memra.kernels.split, bit-identical to memra.loading.dequant), so it equals
-`w.dequantize(torch.float32)` to the bit, then rounded to the activation dtype exactly as the twin
-(memra.kernels.quant.reference_linear) rounds its dense weight:
+along K, and each scale group's scales one load per column, spread over the group. Each tile decodes
+with the split's own fp32 operations in its order (memra.kernels.split, bit-identical to
+memra.loading.dequant), so it equals `w.dequantize(torch.float32)` to the bit, then rounded to the
+activation dtype exactly as the twin (memra.kernels.quant.reference_linear) rounds its dense weight:
 
   Q8_0  q * d                          int8 q [N, K], fp16 d [N, K/32]
   Q4_K  (d * scale) * q - dmin * min   nibbles [N, K/2], fp32 d, dmin [N, K/256], bytes scale, min [N, K/32]
@@ -24,8 +25,8 @@ Why the weight bits hold on the GPU and in the interpreter alike:
     every product is exact in fp32 (an fp16 scale has an 11-bit significand, a 6-bit K-quant scale or
     min and a 4- or 5-bit q add at most 11 more, Q6_K's 8-bit scale and 6-bit q 13: <= 24 bits; Q8_0's
     d * q needs 11 + 7), so in `(d * scale) * q - (dmin * min)` only the subtraction rounds (tested);
-  * fp32 -> bf16 is rounded to nearest-even in integer arithmetic (`triton.common.round_to_bf16`): the GPU's
-    fptrunc does that too, but Triton's interpreter truncates.
+  * fp32 -> bf16 is the GPU's round-to-nearest-even cast; Triton's interpreter truncates, so there it
+    is rounded in integer arithmetic (`triton.common.round_to_bf16`, ROUND_IN_INTEGERS).
 Hand-written because no library multiplies by these layouts with fp32 values that equal GGUF's own
 dequantization: llama.cpp's kernels multiply in int8, which would change the bits of every logit.
 """
@@ -211,15 +212,15 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
             bm, bn, bk, warps, stages = quant_config(m)
             n_part, chunks = hi - lo, triton.cdiv(k, QUANT_CHUNK_K)
             split = chunks > 1 and m <= SPLIT_ROWS
-            part = torch.empty(chunks, m, n_part, dtype=torch.float32, device=x.device) if split else y
+            sums = torch.empty(chunks, m, n_part, dtype=torch.float32, device=x.device) if split else y
             _split_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n_part, bn), chunks if split else 1)](
-                x2, *planes, b, y[:, lo:hi], part, m, n_part, k, x2.stride(0), y.stride(0), FORMAT=fmt,
+                x2, *planes, b, y[:, lo:hi], sums, m, n_part, k, x2.stride(0), y.stride(0), FORMAT=fmt,
                 HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
                 ROUND_IN_INTEGERS=x.dtype == torch.bfloat16 and _interpreting(), PARTIAL=split,
                 CHUNK=QUANT_CHUNK_K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
             if split:
                 _chunk_sum_kernel[(triton.cdiv(m * n_part, CHUNK_SUM_BLOCK),)](
-                    part, b, y[:, lo:hi], m, n_part, chunks, y.stride(0), HAS_BIAS=bias is not None,
+                    sums, b, y[:, lo:hi], m, n_part, chunks, y.stride(0), HAS_BIAS=bias is not None,
                     BLOCK=CHUNK_SUM_BLOCK)
         lo = hi
     return y.reshape(*lead, n)
