@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 import memra  # noqa: E402
 from memra.generate import generate_tokens  # noqa: E402
 from memra.sampling import SamplingParams  # noqa: E402
-from memra.server.api import build_app  # noqa: E402
+from memra.server.api import INLINE_ENCODE_CHARS, build_app  # noqa: E402
 from memra.server.http import ServerThread  # noqa: E402
 from memra.server.options import ServerOptions  # noqa: E402
 from memra.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -372,3 +372,24 @@ def test_engine_serves_through_the_pipeline_split(demo):
         engine.shutdown()
     assert [_text(demo, got[i]) for i in range(2)] == want
     assert counters.delta(before)["pp_split_walks"] > 0
+
+
+def test_a_short_prompt_is_encoded_on_the_loop_and_a_long_one_on_the_pool(demo, server):
+    """A prompt of at most INLINE_ENCODE_CHARS characters is encoded on the event loop's thread (faster than
+    the hand-off to the pool), a longer one on the tokenizer pool; the ids are the tokenizer's either way."""
+    srv = server[0]
+    tok, threads = demo.tokenizer, []
+    encode = tok.encode
+
+    def watched(text, *args, **kwargs):  # the real encode, noting the thread it ran on
+        threads.append(threading.current_thread().name)
+        return encode(text, *args, **kwargs)
+
+    short, long = "ROMEO: " * 10, "ROMEO: " * (INLINE_ENCODE_CHARS // 7 + 1)
+    tok.encode = watched
+    try:
+        answers = [httpx.post(srv.url + "/tokenize", json={"prompt": p}, headers=AUTH).json() for p in (short, long)]
+    finally:
+        del tok.encode
+    assert [a["tokens"] for a in answers] == [encode(short, True), encode(long, True)]
+    assert threads == [srv.thread.name, threads[1]] and threads[1].startswith("memra-tokenize")

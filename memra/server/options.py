@@ -3,7 +3,8 @@
 Limits keep one request from costing the others: a body is refused (413) before it is read past
 `max_body_bytes`, JSON nested deeper than `max_json_depth` is refused (400) before anything walks it,
 and the per-request work that does scale with the body (tokenizing, chat templates, detokenizing)
-runs on `tokenizer_threads` worker threads, never on the event loop or the engine thread.
+runs on `tokenizer_threads` worker threads, never on the engine thread, and on the event loop only for
+a short prompt (memra.server.api.INLINE_ENCODE_CHARS), which costs less there than the hand-off.
 """
 
 from __future__ import annotations
