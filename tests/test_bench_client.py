@@ -334,6 +334,12 @@ def test_engine_time_splits_the_wall_by_step_kind():
     assert engine_time({}, {}, 2.0) == []  # a server that does not export it: nothing to say
     after["memra:kernel_compiles_total"] = 3.0
     assert engine_time({"memra:kernel_compiles_total": 1.0}, after, 2.0)[-1].endswith("kernel compiles during the run: 2")
+    after.update({"memra:decode_batch_size_count": 110.0, "memra:decode_batch_size_sum": 6060.0,
+                  "memra:time_to_first_token_seconds_count": 40.0, "memra:time_to_first_token_seconds_sum": 1.0})
+    before.update({"memra:decode_batch_size_count": 10.0, "memra:decode_batch_size_sum": 400.0,
+                   "memra:time_to_first_token_seconds_count": 20.0, "memra:time_to_first_token_seconds_sum": 0.6})
+    rows, ttft = engine_time(before, after, 2.0)[-3:-1]
+    assert "56.6 live rows" in rows and "20.0 ms mean" in ttft
 
 
 def test_a_launched_server_that_cannot_start_is_one_line_naming_why(tmp_path):

@@ -63,8 +63,14 @@ def scrape_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
 
 def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float, prefix: str = "memra:") -> list[str]:
     """Where the server's engine spent the run (memra:engine_step_seconds by kind): steps, their mean
-    time and their share of the client's wall time; and how many kernels it compiled meanwhile (a
-    compile after the warm-up stalls a step). Empty when the server exports neither."""
+    time and their share of the client's wall time; how full its steps were (memra:decode_batch_size)
+    and how long a request waited from its submit to its first token by the engine's own clock
+    (memra:time_to_first_token_seconds; the client's TTFT minus this is the HTTP side's and the
+    client's); and how many kernels it compiled meanwhile (a compile after the warm-up stalls a step).
+    Empty when the server exports none of these."""
+    def moved(name: str) -> float:
+        return after.get(prefix + name, 0.0) - before.get(prefix + name, 0.0)
+
     lines, busy = [], 0.0
     for kind in ("decode", "prefill", "mixed"):
         key = f"{prefix}engine_step_seconds_%s{{kind={kind}}}"
@@ -76,6 +82,12 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
             lines.append(f"engine      {kind:8s}{int(n):7d} steps, {s / n * 1e3:8.2f} ms each, {s:7.2f} s{share}")
     if lines:
         lines.append(f"engine      idle    {max(wall_s - busy, 0.0):7.2f} s of {wall_s:.2f} s wall")
+    if moved("decode_batch_size_count") > 0:
+        lines.append(f"engine      rows    {moved('decode_batch_size_sum') / moved('decode_batch_size_count'):7.1f} "
+                     "live rows a decoding step")
+    if moved("time_to_first_token_seconds_count") > 0:
+        mean = moved("time_to_first_token_seconds_sum") / moved("time_to_first_token_seconds_count")
+        lines.append(f"engine      TTFT    {mean * 1e3:7.1f} ms mean, submit to first token")
     compiles = f"{prefix}kernel_compiles_total"
     if compiles in after:  # after the warm-up, each one stalled a step for its compile
         lines.append(f"engine      kernel compiles during the run: {int(after[compiles] - before.get(compiles, 0.0))}")
