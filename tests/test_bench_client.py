@@ -338,8 +338,9 @@ def test_engine_time_splits_the_wall_by_step_kind():
                   "memra:time_to_first_token_seconds_count": 40.0, "memra:time_to_first_token_seconds_sum": 1.0})
     before.update({"memra:decode_batch_size_count": 10.0, "memra:decode_batch_size_sum": 400.0,
                    "memra:time_to_first_token_seconds_count": 20.0, "memra:time_to_first_token_seconds_sum": 0.6})
-    rows, ttft = engine_time(before, after, 2.0)[-3:-1]
-    assert "56.6 live rows" in rows and "20.0 ms mean" in ttft
+    after.update({"memra:http_time_to_first_chunk_seconds_count": 20.0, "memra:http_time_to_first_chunk_seconds_sum": 0.5})
+    rows, ttft, http = engine_time(before, after, 2.0)[-4:-1]
+    assert "56.6 live rows" in rows and "20.0 ms mean" in ttft and "25.0 ms mean" in http
 
 
 def test_a_launched_server_that_cannot_start_is_one_line_naming_why(tmp_path):

@@ -221,6 +221,7 @@ def test_metrics_match_the_traffic(server):
     text = httpx.get(srv.url + "/metrics", headers=AUTH).text
     for name in ("memra:num_requests_running", "memra:num_requests_waiting", "memra:prompt_tokens_total",
                  "memra:generation_tokens_total", "memra:time_to_first_token_seconds_bucket",
+                 "memra:http_time_to_first_chunk_seconds_bucket",
                  "memra:inter_token_latency_seconds_bucket", "memra:kv_cache_usage_perc", "memra:decode_batch_size_bucket",
                  "memra:request_success_total", "memra:pp_split_walks_total", "memra:pp_peer_probes_total",
                  "memra:pp_peer_runtime_probes_total", "memra:spec_verify_forwards_total"):
@@ -235,6 +236,16 @@ def test_metrics_match_the_traffic(server):
     # the engine's steps, timed: one prefill of the prompt, then the 8 decode steps that produce tokens 2..9
     steps = after["memra:engine_step_seconds_count"] - before.get("memra:engine_step_seconds_count", 0.0)
     assert steps == 9 and after["memra:engine_step_seconds_sum"] > before.get("memra:engine_step_seconds_sum", 0.0)
+    # the HTTP side's first-token wait counts streams only, once each, and holds the engine's inside it
+    http = "memra:http_time_to_first_chunk_seconds_"
+    assert after.get(http + "count", 0.0) == before.get(http + "count", 0.0)
+    engine_wait = after["memra:time_to_first_token_seconds_sum"]
+    stream = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY).completions.create(
+        model="demo", prompt=PROMPTS[1], max_tokens=5, temperature=0, stream=True)
+    assert len([c for c in stream if c.choices and c.choices[0].text]) >= 1
+    last = _scrape(srv.url)
+    assert last[http + "count"] - after.get(http + "count", 0.0) == 1
+    assert last[http + "sum"] - after.get(http + "sum", 0.0) >= last["memra:time_to_first_token_seconds_sum"] - engine_wait
 
 
 def _scrape(url: str) -> dict[str, float]:

@@ -65,9 +65,10 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
     """Where the server's engine spent the run (memra:engine_step_seconds by kind): steps, their mean
     time and their share of the client's wall time; how full its steps were (memra:decode_batch_size)
     and how long a request waited from its submit to its first token by the engine's own clock
-    (memra:time_to_first_token_seconds; the client's TTFT minus this is the HTTP side's and the
-    client's); and how many kernels it compiled meanwhile (a compile after the warm-up stalls a step).
-    Empty when the server exports none of these."""
+    (memra:time_to_first_token_seconds) and by the HTTP side's, from a stream's arrival at its route to
+    its first token's chunk (memra:http_time_to_first_chunk_seconds; the client's TTFT minus this is
+    the client's and the connection's); and how many kernels it compiled meanwhile (a compile after the
+    warm-up stalls a step). Empty when the server exports none of these."""
     def moved(name: str) -> float:
         return after.get(prefix + name, 0.0) - before.get(prefix + name, 0.0)
 
@@ -88,6 +89,9 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
     if moved("time_to_first_token_seconds_count") > 0:
         mean = moved("time_to_first_token_seconds_sum") / moved("time_to_first_token_seconds_count")
         lines.append(f"engine      TTFT    {mean * 1e3:7.1f} ms mean, submit to first token")
+    if moved("http_time_to_first_chunk_seconds_count") > 0:
+        mean = moved("http_time_to_first_chunk_seconds_sum") / moved("http_time_to_first_chunk_seconds_count")
+        lines.append(f"server      TTFT    {mean * 1e3:7.1f} ms mean, a stream's arrival to its first token's chunk")
     compiles = f"{prefix}kernel_compiles_total"
     if compiles in after:  # after the warm-up, each one stalled a step for its compile
         lines.append(f"engine      kernel compiles during the run: {int(after[compiles] - before.get(compiles, 0.0))}")

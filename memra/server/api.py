@@ -138,6 +138,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrival = time.perf_counter()
         body = await body_of(request, CompletionRequest)
         body.check_supported()
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -147,10 +148,12 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             if isinstance(p, str):
                 check_chars(len(p))
         ids = [p if isinstance(p, list) else await encode(p, True) for p in prompts]
-        return await serve(request, body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens)
+        return await serve(request, body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens,
+                           arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        arrival = time.perf_counter()
         body = await body_of(request, ChatRequest)
         body.check_supported()
         want = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -160,10 +163,10 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         ids = await off_loop(chat_ids, body.messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
-                           max_tokens=want if want is not None else max(max_len - len(ids), 1))
+                           max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival)
 
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
-                    max_tokens: int):
+                    max_tokens: int, arrival: float):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
         out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text_worker)
         try:
@@ -182,7 +185,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         head = ReplyHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model_name,
                            chat, sum(len(p) for p in prompts) * body.n, logprobs is not None)
         if body.stream:
-            return StreamingResponse(out.events(head, body.include_usage), media_type="text/event-stream")
+            first = None if metrics is None else lambda: metrics.http_ttft.observe(time.perf_counter() - arrival)
+            return StreamingResponse(out.events(head, body.include_usage, first), media_type="text/event-stream")
         return await out.whole(request, head)
 
     return app

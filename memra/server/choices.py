@@ -28,7 +28,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -223,9 +223,11 @@ class RequestOutputs:
                 "total_tokens": head.prompt_tokens + done}
 
     # --- a stream of server-sent events ---
-    async def events(self, head: ReplyHeader, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, head: ReplyHeader, include_usage: bool,
+                     on_first_token: Callable[[], None] | None = None) -> AsyncIterator[str]:
         """The SSE body. Deltas that are already waiting go out in one write (a client that fell behind
-        catches up without one write per token)."""
+        catches up without one write per token). on_first_token: called once, when the first token's
+        delta reaches this loop (the server's HTTP-side TTFT)."""
         kind = "chat.completion.chunk" if head.chat else "text_completion"
         # every chunk repeats these fields: serialized once (a stream sends one chunk per token)
         fixed = json.dumps({"id": head.id, "object": kind, "created": head.created, "model": head.model})[:-1]
@@ -255,6 +257,9 @@ class RequestOutputs:
                               "finish_reason": None} for i in range(len(self.streams))])
             pending: list[str] = []
             async for d in self.deltas():
+                if on_first_token is not None and d.event.token_id is not None:
+                    on_first_token()
+                    on_first_token = None
                 pending.append(message(d))
                 if not self.ready():
                     yield "".join(pending)

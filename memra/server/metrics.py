@@ -40,6 +40,11 @@ class Metrics:
         self.preemptions = Counter("memra:num_preemptions", "Sequences swapped out to make room", registry=r)
         self.ttft = Histogram("memra:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
+        # the same wait seen from the HTTP side: a streamed request's arrival at its route to its first
+        # token's chunk on the event loop (parsing, tokenizing, the queue and the text thread included)
+        self.http_ttft = Histogram("memra:http_time_to_first_chunk_seconds",
+                                   "A streamed request's arrival at the API to its first token's chunk",
+                                   registry=r, buckets=_LATENCY_BUCKETS)
         self.inter_token = Histogram("memra:inter_token_latency_seconds", "Between consecutive tokens of a sequence",
                                      registry=r, buckets=_LATENCY_BUCKETS)
         self.batch_size = Histogram("memra:decode_batch_size", "Rows per batched decode step", registry=r,
