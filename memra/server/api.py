@@ -39,7 +39,7 @@ from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequ
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of
 # the context cannot fit; the factor leaves room for normalizers that merge characters (NFC and kin).
 _CHARS_SLACK = 2
-INLINE_ENCODE_CHARS = 1024
+INLINE_ENCODE_CHARS = 1024  # a prompt this short is encoded on the event loop (module docstring)
 
 
 def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOptions(), metrics=None,
