@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.activation import silu_mul
-from memra.kernels.triton.common import _interpreting, round_to_bf16, round_to_dtype
+from memra.kernels.triton.common import _interpreting, round_to_dtype
 from memra.kernels.triton.linear import linear_config
 
 
@@ -86,8 +86,7 @@ def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False,
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False,
                     RESIDUAL: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
     # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
@@ -107,10 +106,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.c
             p = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)  # where pair (t, j) sits in sorted order
         y = tl.load(y_ptr + p * E + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        if ROUND_BF16:
-            acc = round_to_bf16(acc + round_to_bf16(y * w))
-        else:
-            acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        acc = round_to_dtype(acc + round_to_dtype(y * w, dt), dt)
     if SHARED:
         acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt)
     if RESIDUAL:
@@ -263,7 +259,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         s, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, residual))
         _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, s if s is not None else out,
                                                           r if r is not None else out, e, TOP_K=top_k,
-                                                          ROUND_BF16=x.dtype == torch.bfloat16, BLOCK=block,
+                                                          BLOCK=block,
                                                           PER_PAIR=plan.per_pair, SHARED=s is not None,
                                                           RESIDUAL=r is not None, enable_fp_fusion=False)
     return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import round_to_bf16
+from memra.kernels.triton.common import round_to_dtype
 from memra.kernels.triton.launch import lean
 
 RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
@@ -30,7 +30,7 @@ def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, H, stride_xt, st
     if RESIDUAL:  # x + r rounded to the dtype as torch's add rounds it, stored, then normalised
         x = x + tl.load(r_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         s_ty = s_ptr.dtype.element_ty
-        x = round_to_bf16(x) if s_ty == tl.bfloat16 else x.to(s_ty).to(tl.float32)
+        x = round_to_dtype(x, s_ty)
         tl.store(s_ptr + row * D + cols, x.to(s_ty), mask=mask)
     xn = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -87,7 +87,7 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_on, stride
     out_ty = y_ptr.dtype.element_ty
     o = tl.load(o_ptr + n * stride_on + h * stride_oh + cols, mask=mask, other=0.0).to(tl.float32)
     if o_ptr.dtype.element_ty != out_ty:
-        o = round_to_bf16(o) if out_ty == tl.bfloat16 else o.to(out_ty).to(tl.float32)
+        o = round_to_dtype(o, out_ty)
     z = tl.load(z_ptr + n * stride_zn + h * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     row = n * tl.num_programs(1) + h
