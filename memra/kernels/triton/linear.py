@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.activation import silu_mul_values
-from memra.kernels.triton.common import _interpreting, round_to_bf16
+from memra.kernels.triton.common import _interpreting, round_to_dtype
 from memra.kernels.triton.launch import lean
 
 # The frozen configurations. Changing any of these changes bits (never across batch sizes, but
@@ -92,7 +92,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride
         if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
             r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
             total = r.to(tl.float32) + y.to(tl.float32)
-            y = (round_to_bf16(total) if ty == tl.bfloat16 else total).to(ty)
+            y = round_to_dtype(total, ty).to(ty)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=inside)
 
 
@@ -120,12 +120,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant. With
     `residual` [..., N]: residual + that, in the epilogue, with the bits of the add done apart (the
     block's residual add after its down projection, one launch fewer per layer)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    m, n = x2.shape[0], w.shape[0]
+    lead, x2, w = _operands(x, w)
+    m, n, k = x2.shape[0], w.shape[0], x2.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r = residual.reshape(m, n) if residual is not None else y
     if r.stride(-1) != 1:
@@ -147,12 +143,8 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     registers a step as the plain tile (a column's bits do not depend on the tile's width, which the
     self-test re-checks). Under the interpreter the halves are the plain tile's width: its numpy dot
     sums in an order set by the tile shape."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
-    m, f = x2.shape[0], w.shape[0] // 2
+    lead, x2, w = _operands(x, w)
+    m, f, k = x2.shape[0], w.shape[0] // 2, x2.shape[1]
     y = torch.empty(m, f, dtype=x.dtype, device=x.device)
     if m:
         bm, bn, bk, warps, stages = linear_config(m, x.element_size())
@@ -165,3 +157,12 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SWIGLU=True, LIBDEVICE=not _interpreting(),
             num_warps=warps, num_stages=stages)
     return y.reshape(*lead, f)
+
+
+def _operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (its leading dims, its rows [M, K]), and w: each with unit stride along K, copied only
+    where it is not."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x.shape[:-1], x2, (w if w.stride(-1) == 1 else w.contiguous())
