@@ -332,14 +332,15 @@ def test_engine_time_splits_the_wall_by_step_kind():
     assert "prefill" in lines[1] and "50.00 ms each" in lines[1]
     assert "idle" in lines[-1] and "0.80 s" in lines[-1]
     assert engine_time({}, {}, 2.0) == []  # a server that does not export it: nothing to say
-    after["memra:kernel_compiles_total"] = 3.0
-    assert engine_time({"memra:kernel_compiles_total": 1.0}, after, 2.0)[-1].endswith("kernel compiles during the run: 2")
+    after.update({"memra:kernel_compiles_total": 3.0, "memra:graph_captures_total": 9.0})
+    tail = engine_time({"memra:kernel_compiles_total": 1.0, "memra:graph_captures_total": 9.0}, after, 2.0)[-2:]
+    assert tail[0].endswith("kernel compiles during the run: 2") and tail[1].endswith("graph captures during the run: 0")
     after.update({"memra:decode_batch_size_count": 110.0, "memra:decode_batch_size_sum": 6060.0,
                   "memra:time_to_first_token_seconds_count": 40.0, "memra:time_to_first_token_seconds_sum": 1.0})
     before.update({"memra:decode_batch_size_count": 10.0, "memra:decode_batch_size_sum": 400.0,
                    "memra:time_to_first_token_seconds_count": 20.0, "memra:time_to_first_token_seconds_sum": 0.6})
     after.update({"memra:http_time_to_first_chunk_seconds_count": 20.0, "memra:http_time_to_first_chunk_seconds_sum": 0.5})
-    rows, ttft, http = engine_time(before, after, 2.0)[-4:-1]
+    rows, ttft, http = engine_time(before, after, 2.0)[-5:-2]
     assert "56.6 live rows" in rows and "20.0 ms mean" in ttft and "25.0 ms mean" in http
 
 

@@ -92,9 +92,12 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
     if moved("http_time_to_first_chunk_seconds_count") > 0:
         mean = moved("http_time_to_first_chunk_seconds_sum") / moved("http_time_to_first_chunk_seconds_count")
         lines.append(f"server      TTFT    {mean * 1e3:7.1f} ms mean, a stream's arrival to its first token's chunk")
-    compiles = f"{prefix}kernel_compiles_total"
-    if compiles in after:  # after the warm-up, each one stalled a step for its compile
-        lines.append(f"engine      kernel compiles during the run: {int(after[compiles] - before.get(compiles, 0.0))}")
+    # After the warm-up each of these stalled a step: a Triton compile, or a CUDA graph recorded (a decode
+    # or mixed step's shape the warm-up did not meet), which holds up every live row's next token.
+    for counter, what in (("kernel_compiles", "kernel compiles"), ("graph_captures", "CUDA graph captures")):
+        name = f"{prefix}{counter}_total"
+        if name in after:
+            lines.append(f"engine      {what} during the run: {int(after[name] - before.get(name, 0.0))}")
     return lines
 
 
