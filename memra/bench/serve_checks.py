@@ -94,10 +94,10 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
         lines.append(f"server      TTFT    {mean * 1e3:7.1f} ms mean, a stream's arrival to its first token's chunk")
     # After the warm-up each of these stalled a step: a Triton compile, or a CUDA graph recorded (a decode
     # or mixed step's shape the warm-up did not meet), which holds up every live row's next token.
-    for counter, what in (("kernel_compiles", "kernel compiles"), ("graph_captures", "CUDA graph captures")):
-        name = f"{prefix}{counter}_total"
-        if name in after:
-            lines.append(f"engine      {what} during the run: {int(after[name] - before.get(name, 0.0))}")
+    for counter, what in (("kernel_compiles_total", "kernel compiles"),
+                          ("graph_captures_total", "CUDA graph captures")):
+        if prefix + counter in after:
+            lines.append(f"engine      {what} during the run: {int(moved(counter))}")
     return lines
 
 

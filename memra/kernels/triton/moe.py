@@ -86,8 +86,8 @@ def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False,
-                    RESIDUAL: tl.constexpr = False):
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
     # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
     # `out += y * w` -- the reference's order and roundings. The sum is held in fp32 registers but only
@@ -258,8 +258,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         pos = plan.tile_expert if plan.per_pair else plan.sorted_pos  # unread per pair
         s, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, residual))
         _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, s if s is not None else out,
-                                                          r if r is not None else out, e, TOP_K=top_k,
-                                                          BLOCK=block,
+                                                          r if r is not None else out, e, TOP_K=top_k, BLOCK=block,
                                                           PER_PAIR=plan.per_pair, SHARED=s is not None,
                                                           RESIDUAL=r is not None, enable_fp_fusion=False)
     return out
