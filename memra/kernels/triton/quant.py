@@ -77,6 +77,15 @@ def _spread(scale, G: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(ptr, rows, cols, k0, K, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A per-G-positions scale plane [N, K // G] at the tile's groups -> [BLOCK_K // G, BLOCK_N] fp32 (one load
+    per column and group, not per value; _spread then repeats it over the group); zeros past the weight."""
+    g = k0 // G + tl.arange(0, BLOCK_K // G)
+    return tl.load(ptr + rows * (K // G) + g[:, None], mask=cols[None, :] & (g < K // G)[:, None],
+                   other=0).to(tl.float32)
+
+
+@triton.jit
 def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K, FORMAT: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """The fp32 values of weight tile [BLOCK_K, BLOCK_N] over K positions kk = k0 + arange(BLOCK_K):
@@ -88,15 +97,11 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
     cols = rn < N
     if FORMAT == 0:  # Q8_0
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        d = tl.load(d_ptr + rows * (K // 32) + g[:, None], mask=cols[None, :] & (g < K // 32)[:, None], other=0.0)
-        return q * _spread(d.to(tl.float32), 32, BLOCK_K)
+        return q * _spread(_group_scales(d_ptr, rows, cols, k0, K, 32, BLOCK_K), 32, BLOCK_K)
     elif FORMAT == 3:  # Q6_K: groups of 16
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
         d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=cols & (k0 < K), other=0.0)
-        g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sc = tl.load(sc_ptr + rows * (K // 16) + g[:, None], mask=cols[None, :] & (g < K // 16)[:, None], other=0)
-        return q * _spread(d[None, :] * sc.to(tl.float32), 16, BLOCK_K)
+        return q * _spread(d[None, :] * _group_scales(sc_ptr, rows, cols, k0, K, 16, BLOCK_K), 16, BLOCK_K)
     else:  # Q4_K, Q5_K: per 256 d and dmin, per 32 a 6-bit scale and min
         if FORMAT == 1:  # run kk // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
             byte = tl.load(q_ptr + rows * (K // 2) + (kk // 64 * 32 + kk % 32)[:, None], mask=mask, other=0)
@@ -106,11 +111,8 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
         live = cols & (k0 < K)
         d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
         dmin = tl.load(dmin_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        at = rows * (K // 32) + g[:, None]
-        gmask = cols[None, :] & (g < K // 32)[:, None]
-        sc = tl.load(sc_ptr + at, mask=gmask, other=0).to(tl.float32)
-        mn = tl.load(mn_ptr + at, mask=gmask, other=0).to(tl.float32)
+        sc = _group_scales(sc_ptr, rows, cols, k0, K, 32, BLOCK_K)
+        mn = _group_scales(mn_ptr, rows, cols, k0, K, 32, BLOCK_K)
         # the split's fp32 order, q * (d * scale) - dmin * min: only the subtraction rounds
         return q * _spread(d[None, :] * sc, 32, BLOCK_K) - _spread(dmin[None, :] * mn, 32, BLOCK_K)
 
