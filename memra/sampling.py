@@ -72,6 +72,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # ((token id, bias), ...)
     n: int = 1  # choices per prompt; choice i samples with seed + i
     logprobs: int | None = None  # the chosen token's logprob and this many top ones (0: the chosen only)
+    ignore_eos: bool = False  # run to max_tokens through end-of-sequence tokens (vLLM's name; benchmarks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +108,8 @@ class SamplingParams:
                 raise MemraError(f"{name} must be in [-2, 2], got {v!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise MemraError(f"n must be an integer in 1..{MAX_N}, got {self.n!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise MemraError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise MemraError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
         for tok, bias in self.logit_bias:

@@ -1,5 +1,6 @@
-"""The `memra bench` command line: `memra bench serve` (load-test a server, memra.bench.serve_client)
-and `memra bench model` (tokens/s against the roofline and HF, memra.bench.model_bench) — their flags,
+"""The `memra bench` command line: `memra bench serve` (load-test a server, memra.bench.serve_client),
+`memra bench model` (tokens/s against the roofline and HF, memra.bench.model_bench) and `memra bench
+throughput` (an offline batch through memra.LLM, memra.bench.throughput) — their flags,
 the config each builds from them, and the exit code each run earns.
 
 memra.cli wires this in (add_bench_parser, cmd_bench); nothing here imports memra.cli, so the command
@@ -28,7 +29,7 @@ def add_bench_parser(sub) -> None:
     """`memra bench serve ...` and `memra bench model ...` on the CLI's subparsers (memra.cli wires it;
     `python -m memra bench ...` runs the same)."""
     bench = sub.add_parser("bench", help="benchmarks: serve (load-test a server), model (tokens/s vs roofline and HF)")
-    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,model}")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,model,throughput}")
     p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server; checks that no request is lost")
     d = ServeBenchConfig()
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
@@ -63,6 +64,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="dtype for --offline-check")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report (per request too) as JSON")
     add_model_parser(kinds)
+    add_throughput_parser(kinds)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -70,6 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model: cmd_model (exit 1 when a cell failed)."""
     if args.bench_command == "model":
         return cmd_model(args)
+    if args.bench_command == "throughput":
+        return cmd_throughput(args)
     cfg = ServeBenchConfig(requests=args.requests, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction,
                            min_prompt_words=args.min_prompt_words, max_prompt_words=args.max_prompt_words,
                            min_tokens=args.min_tokens, max_tokens=args.max_tokens,
@@ -197,3 +201,46 @@ def cmd_model(args: argparse.Namespace) -> int:
     report = run_bench(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table())
     return 1 if report.failed else 0
+
+
+# --- memra bench throughput ----------------------------------------------------------------------
+
+
+def add_throughput_parser(kinds) -> None:
+    """`memra bench throughput` on the `memra bench` subparsers (vLLM's benchmark_throughput convention)."""
+    from memra.bench.throughput import ThroughputConfig, _lengths_said
+
+    d = ThroughputConfig()
+    p = kinds.add_parser("throughput", help="offline batch throughput through memra.LLM.generate: N prompts at "
+                                            "once, output and total tokens/s, the engine's step mix")
+    p.add_argument("model", nargs="?", default=d.model,
+                   help="HF directory, .gguf, demo or random:SHAPE (default %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests (default %(default)s)")
+    p.add_argument("--dataset", default=None, metavar="JSONL",
+                   help='requests from a file, one {"prompt" or "prompt_token_ids", "output_len"} a line; '
+                        f"default: synthetic, lengths {_lengths_said()}")
+    p.add_argument("--input-len", type=int, default=None, help="every synthetic prompt this long")
+    p.add_argument("--output-len", type=int, default=None, help="every request generates this many tokens")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="sampling temperature, each request seeded with seed + its index (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded at once (default %(default)s)")
+    p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--check", type=int, default=d.check,
+                   help="re-run this many requests alone and compare their tokens (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    """Exit 1 when a checked request differed alone, or a request ended before its length."""
+    from memra.bench.throughput import ThroughputConfig, run_throughput
+
+    cfg = ThroughputConfig(model=args.model, num_prompts=args.num_prompts, dataset=args.dataset,
+                           input_len=args.input_len, output_len=args.output_len, seed=args.seed,
+                           temperature=args.temperature, max_batch=args.max_batch,
+                           device=args.device or default_device(), dtype=args.dtype, check=args.check,
+                           json_path=args.json)
+    report = run_throughput(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.table())
+    return 1 if report.check_failures or report.length_failures else 0

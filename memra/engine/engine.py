@@ -49,6 +49,7 @@ from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.seq_state import SeqState
+from memra.engine.step_mix import StepMix
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
 from memra.errors import MemraError
@@ -86,6 +87,7 @@ class Engine:
         self._lock = threading.Lock()  # submit() vs the scheduler's queue bound
         self._next = 0
         self.steps = 0
+        self.step_mix = StepMix()  # steps by kind and their time: what `memra bench throughput` reports
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -313,7 +315,9 @@ class Engine:
         self._send_events()
         self.steps += 1
         kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
-        self._publish_gauges(len(plan.decode), kind, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_mix.add(kind, len(plan.decode), sum(n for _, _, n in plan.prefill), seconds)
+        self._publish_gauges(len(plan.decode), kind, seconds)
 
     def _new_cache(self, s: SeqState):
         # Every cache is as wide as the engine's longest: the decode graphs key on the table width, so one

@@ -11,6 +11,7 @@ promise (batched rows = B=1 rows, chunked prefill = one-shot prefill, seeded sam
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from memra.engine.types import EngineConfig, TokenEvent
 from memra.errors import MemraError
 from memra.generate import GenerationStats
 from memra.sampling import SamplingParams
+from memra.settings import show_progress
 from memra.tokenizer import TextStream
 
 
@@ -84,9 +86,11 @@ class LLM:
             self.engine.warm_up()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is text (encoded with the model's special tokens,
-        e.g. bos) or a list of token ids; `params` is one SamplingParams for all or one per prompt."""
+        e.g. bos) or a list of token ids; `params` is one SamplingParams for all or one per prompt.
+        use_tqdm: a bar of finished prompts on an interactive terminal (never when piped or under CI)."""
         batch = _prompt_list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
@@ -95,12 +99,17 @@ class LLM:
         for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
             self.engine.check_request(prompt_ids, p)
         runs = []
+        bar = _progress_bar(sum(p.n for p in plist)) if use_tqdm else None
         for prompt_ids, p in zip(ids, plist):
             choices, rids = [_Choice(TextStream(self.tokenizer, p.stop)) for _ in range(p.n)], []
-            rids += self.engine.submit(prompt_ids, p, self._sink(choices, rids), n=p.n, logprobs=p.logprobs,
-                                       eos_ids=self.tokenizer.eos_ids)
+            rids += self.engine.submit(prompt_ids, p, self._sink(choices, rids, bar), n=p.n, logprobs=p.logprobs,
+                                       eos_ids=self._eos_ids(p))
             runs.append(choices)
-        self.engine.run_until_idle()
+        try:
+            self.engine.run_until_idle()
+        finally:
+            if bar is not None:
+                bar.close()
         failed = next((c.error for choices in runs for c in choices if c.error), None)
         if failed:
             raise MemraError(failed)
@@ -120,7 +129,7 @@ class LLM:
         events: deque[TokenEvent] = deque()
         text = TextStream(self.tokenizer, p.stop)
         start = time.perf_counter()
-        rids = self.engine.submit(ids, p, events.append, logprobs=p.logprobs, eos_ids=self.tokenizer.eos_ids)
+        rids = self.engine.submit(ids, p, events.append, logprobs=p.logprobs, eos_ids=self._eos_ids(p))
         first = last = None
         try:
             while stats.finish_reason == "":
@@ -157,13 +166,13 @@ class LLM:
                for c in convs]
         return self.generate(ids, params)
 
-    def _sink(self, choices: list[_Choice], rids: list[str]):
+    def _eos_ids(self, p: SamplingParams):
+        return () if p.ignore_eos else self.tokenizer.eos_ids
+
+    def _sink(self, choices: list[_Choice], rids: list[str], bar=None):
         """Events of one prompt's choices -> their text; runs on this thread inside run_until_idle, after
-        `rids` has been filled in by submit."""
-        def sink(ev: TokenEvent) -> None:
-            c = choices[ev.index]
-            if c.finish is not None:
-                return  # after a stop string: the step that was already running
+        `rids` has been filled in by submit. `bar` (or None) advances as each choice finishes."""
+        def take(c: _Choice, ev: TokenEvent) -> None:
             if ev.error:
                 c.error, c.finish = ev.error, "abort"
                 return
@@ -180,7 +189,24 @@ class LLM:
             if ev.finish_reason is not None:
                 c.finish = ev.finish_reason
                 c.pieces.append(c.text.finish())
+
+        def sink(ev: TokenEvent) -> None:
+            c = choices[ev.index]
+            if c.finish is not None:
+                return  # after a stop string: the step that was already running
+            take(c, ev)
+            if bar is not None and c.finish is not None:
+                bar.update(1)
         return sink
+
+
+def _progress_bar(total: int):
+    """A tqdm bar of finished choices on an interactive terminal; None when piped or under CI."""
+    if not show_progress():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="seq", file=sys.stderr, leave=False)
 
 
 def _prompt_list(prompts) -> list:

@@ -1,0 +1,201 @@
+"""`memra bench throughput`: offline batch throughput through memra.LLM.generate, after the convention
+of vLLM's benchmark_throughput — N prompts submitted at once, the wall time until the last one ends,
+output tokens/s and total (prompt + output) tokens/s.
+
+The workload is N synthetic requests drawn from a fixed seed, or a JSONL file. Synthetic lengths are
+ShareGPT-like: input and output lengths each log-normal with median 160 tokens and sigma 1.0, clipped
+to [4, 1024] (ShareGPT's conversations, as vLLM filters them, average about 220 input / 200 output
+Llama-3 tokens, with a long tail); prompt ids are uniform over the vocabulary. Every request runs to
+its output length (ignore_eos), so the token count does not depend on what a random model says.
+
+Beside the rates it prints the engine's step mix (memra.engine.step_mix) and, with --check K, runs K
+of the prompts again one at a time and compares their tokens with the batched run's: the throughput
+is the exact engine's, and the run shows it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from memra.errors import MemraError
+from memra.sampling import SamplingParams
+
+LENGTH_MEDIAN, LENGTH_SIGMA, MIN_LEN, MAX_LEN = 160, 1.0, 4, 1024
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    model: str = "demo"
+    num_prompts: int = 1000
+    dataset: str | None = None  # JSONL: {"prompt": text | "prompt_token_ids": [...], "output_len": N} a line
+    input_len: int | None = None  # fixed lengths instead of the ShareGPT-like draw
+    output_len: int | None = None
+    seed: int = 0
+    temperature: float = 1.0  # vLLM's benchmark samples at 1.0; each request seeded with seed + its index
+    max_batch: int = 256
+    device: str | None = None
+    dtype: str | None = None
+    check: int = 2  # prompts re-run alone and compared with the batched run
+    json_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_batch"):
+            if getattr(self, name) <= 0:
+                raise MemraError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("input_len", "output_len"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise MemraError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if self.check < 0:
+            raise MemraError(f"--check must be >= 0, got {self.check}")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]  # token ids
+    output_len: int
+
+
+def sharegpt_like_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n lengths, log-normal (median LENGTH_MEDIAN, sigma LENGTH_SIGMA) clipped to [MIN_LEN, MAX_LEN]."""
+    draw = rng.lognormal(math.log(LENGTH_MEDIAN), LENGTH_SIGMA, size=n)
+    return np.clip(np.rint(draw), MIN_LEN, MAX_LEN).astype(np.int64)
+
+
+def synthetic_workload(cfg: ThroughputConfig, vocab: int, context: int) -> list[Request]:
+    """cfg.num_prompts requests from cfg.seed: the same list on every machine for the same arguments.
+    Each fits `context` (prompt + output); the output is cut first, and never below one token."""
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_prompts
+    ins = np.full(n, cfg.input_len) if cfg.input_len else sharegpt_like_lengths(rng, n)
+    outs = np.full(n, cfg.output_len) if cfg.output_len else sharegpt_like_lengths(rng, n)
+    reqs = []
+    for i, o in zip(ins.tolist(), outs.tolist()):
+        i = min(i, context - 1)
+        reqs.append(Request(rng.integers(0, vocab, size=i).tolist(), max(1, min(o, context - i))))
+    return reqs
+
+
+def jsonl_workload(path: str, tokenizer, limit: int) -> list[Request]:
+    """The first `limit` lines of a JSONL file; a bad line is a one-line error naming its number."""
+    reqs = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise MemraError(f"cannot read --dataset {path}: {e.strerror or e}") from None
+    for no, line in enumerate(lines, 1):
+        if len(reqs) == limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "prompt_token_ids" in row:
+                ids = [int(t) for t in row["prompt_token_ids"]]
+            else:
+                ids = tokenizer.encode(str(row["prompt"]), add_special=True)
+            out = int(row.get("output_len", row.get("max_tokens", LENGTH_MEDIAN)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise MemraError(f"{path} line {no}: expected {{\"prompt\" or \"prompt_token_ids\", \"output_len\"}} "
+                             f"({type(e).__name__}: {e})") from None
+        if not ids or out <= 0:
+            raise MemraError(f"{path} line {no}: an empty prompt or an output_len below 1")
+        reqs.append(Request(ids, out))
+    if not reqs:
+        raise MemraError(f"--dataset {path} holds no requests")
+    return reqs
+
+
+@dataclass
+class ThroughputReport:
+    model: str
+    device: str
+    workload: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    steps: dict = field(default_factory=dict)  # StepMix.to_json()
+    step_lines: list[str] = field(default_factory=list)
+    checked: int = 0
+    check_failures: list[str] = field(default_factory=list)
+    length_failures: int = 0  # requests that ended before their output length
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    def table(self) -> str:
+        lines = [f"memra bench throughput: {self.model} on {self.device}; {self.workload}",
+                 f"{self.requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} output tokens "
+                 f"in {self.seconds:.2f} s",
+                 f"  {self.requests / self.seconds:10.2f} requests/s",
+                 f"  {self.output_tps:10.1f} output tokens/s",
+                 f"  {self.total_tps:10.1f} total tokens/s",
+                 "engine steps:", *self.step_lines]
+        if self.checked:
+            verdict = "all equal" if not self.check_failures else f"{len(self.check_failures)} DIFFER"
+            lines.append(f"exactness: {self.checked} requests re-run alone, tokens {verdict}")
+        if self.length_failures:
+            lines.append(f"{self.length_failures} requests ended before their output length")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {**{k: v for k, v in vars(self).items() if k != "step_lines"},
+                "output_tokens_per_s": self.output_tps, "total_tokens_per_s": self.total_tps}
+
+
+def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
+    """Load the model, build the workload, time one LLM.generate over all of it. -> the report."""
+    from memra.engine.llm import LLM
+    from memra.loading.checkpoint import load
+
+    model = load(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    if cfg.dataset:
+        reqs, workload = jsonl_workload(cfg.dataset, model.tokenizer, cfg.num_prompts), f"dataset {cfg.dataset}"
+    else:
+        reqs = synthetic_workload(cfg, model.cfg.vocab_size, model.cfg.max_position)
+        workload = (f"synthetic, seed {cfg.seed}, input "
+                    + (f"{cfg.input_len}" if cfg.input_len else _lengths_said())
+                    + ", output " + (f"{cfg.output_len}" if cfg.output_len else _lengths_said()))
+    context = max(len(r.prompt) + r.output_len for r in reqs)
+    log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {cfg.max_batch}) ...")
+    llm = LLM(model, max_batch=cfg.max_batch, max_ctx=context)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True)
+              for i, r in enumerate(reqs)]
+    before = llm.engine.step_mix.copy()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params)
+    seconds = time.perf_counter() - t0
+    mix = llm.engine.step_mix.since(before)
+    report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
+                              sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines())
+    report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
+    for i in _spread(len(reqs), cfg.check):  # alone: B=1 from submit to end
+        report.checked += 1
+        alone = llm.generate([reqs[i].prompt], [params[i]], use_tqdm=False)[0].outputs[0].token_ids
+        if alone != outs[i].outputs[0].token_ids:
+            report.check_failures.append(f"request {i}: batched and alone differ")
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
+    return report
+
+
+def _lengths_said() -> str:
+    return f"lognormal(median {LENGTH_MEDIAN}, sigma {LENGTH_SIGMA}) in [{MIN_LEN}, {MAX_LEN}]"
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """k indices spread over 0..n-1 (the first, the last, and between)."""
+    k = min(k, n)
+    return sorted({round(j * (n - 1) / max(1, k - 1)) for j in range(k)}) if k else []
