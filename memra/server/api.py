@@ -35,6 +35,7 @@ from memra.server.errors import ApiError, error_response, install_error_handlers
 from memra.server.options import ServerOptions
 from memra.sampling import fresh_seed
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
 
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of
 # the context cannot fit; the factor leaves room for normalizers that merge characters (NFC and kin).
@@ -67,8 +68,11 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     install_error_handlers(app)
     install_api_key(app, options.api_key)
 
-    async def body_of(request: Request, schema):
-        body = validate(schema, await read_json(request, options.max_body_bytes, options.max_json_depth))
+    async def body_of(request: Request, schema, route: str | None = None):
+        raw = await read_json(request, options.max_body_bytes, options.max_json_depth)
+        if route is not None:
+            refuse_unhonoured(raw, route)
+        body = validate(schema, raw)
         if body.model is not None and body.model != model_name:
             raise model_not_found(body.model, model_name)
         return body
@@ -90,12 +94,12 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
                 f"this model's maximum context length is {max_len} tokens; the prompt's {text_chars:,} characters "
                 f"cannot fit in it (no token is longer than {tok.max_piece_chars} characters); shorten the prompt")
 
-    def chat_ids(messages) -> list[int]:  # on the pool
+    def chat_ids(messages, add_special: bool = False) -> list[int]:  # on the pool
         if not tok.chat_template:
             raise MemraError("this model has no chat template; use /v1/completions")
         text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                        add_generation_prompt=True)
-        return tok.encode(text, add_special=False)
+        return tok.encode(text, add_special=add_special)
 
     @app.get("/health")
     async def health():
@@ -139,7 +143,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.perf_counter()
-        body = await body_of(request, CompletionRequest)
+        body = await body_of(request, CompletionRequest, CMPL)
         body.check_supported()
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         body.sampling(max_tokens, 0)  # refuse bad sampling before tokenizing anything
@@ -147,20 +151,20 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         for p in prompts:
             if isinstance(p, str):
                 check_chars(len(p))
-        ids = [p if isinstance(p, list) else await encode(p, True) for p in prompts]
+        ids = [p if isinstance(p, list) else await encode(p, body.add_special_tokens) for p in prompts]
         return await serve(request, body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens,
                            arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
-        body = await body_of(request, ChatRequest)
+        body = await body_of(request, ChatRequest, CHAT)
         body.check_supported()
         want = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if want is not None:
             body.sampling(want, 0)
         check_chars(sum(len(m.text()) for m in body.messages))
-        ids = await off_loop(chat_ids, body.messages)
+        ids = await off_loop(chat_ids, body.messages, body.add_special_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
                            max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival)

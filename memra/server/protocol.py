@@ -106,16 +106,13 @@ class CompletionRequest(_Sampling):
     max_tokens: _integer(0, INT32) | None = 16  # OpenAI's default for completions
     logprobs: _integer(0, MAX_LOGPROBS) | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM's: BOS and kin before the prompt's text
     best_of: _integer(1, MAX_N) | None = None
     suffix: Text | None = None
 
     def check_supported(self) -> None:
         if self.echo:
             raise MemraError("echo is not supported")
-        if self.suffix:
-            raise MemraError("suffix is not supported")
-        if self.best_of not in (None, 1, self.n):
-            raise MemraError("best_of other than n is not supported")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -153,6 +150,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: _integer(0, INT32) | None = None
     logprobs: StrictBool = False
     top_logprobs: _integer(0, MAX_LOGPROBS) | None = None
+    add_special_tokens: StrictBool = False  # vLLM's: BOS and kin on top of what the chat template writes
 
     def check_supported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,0 +1,136 @@
+"""Request fields that OpenAI's or vLLM's protocol defines and memra does not honour: each is refused
+with a 400 naming it, so that no client believes it got what it asked for.
+
+The rule: a field in the table below is refused when the request carries it with any value other than
+null or one of its no-op values (the value that asks for what memra does anyway: `store: false`,
+`ignore_eos: false`, `tools: []`, `response_format: {"type": "text"}`, ...). Fields the protocols do not
+define (vendor extras) stay ignored, and the fields memra honours are validated by
+memra.server.protocol. Where a field has a no-op value only because another field is refused
+(`tool_choice: "auto"` needs `tools`, which is refused when non-empty), that value is accepted.
+
+Sources, by the tag in each row:
+  openai-chat  OpenAI API reference, POST /v1/chat/completions (platform.openai.com/docs/api-reference/chat)
+  openai-cmpl  OpenAI API reference, POST /v1/completions (legacy)
+  vllm-samp    vLLM vllm/entrypoints/openai/protocol.py, the "*-sampling-params" blocks of
+               ChatCompletionRequest / CompletionRequest (and docs/serving/openai_compatible_server.md)
+  vllm-extra   the same file's "*-extra-params" blocks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from memra.server.errors import ApiError
+
+CHAT, CMPL = "chat", "completions"
+BOTH = (CHAT, CMPL)
+
+
+@dataclass(frozen=True)
+class Unhonoured:
+    name: str
+    routes: tuple[str, ...]
+    source: str
+    no_op: Callable[[object, dict], bool]  # (value, whole body) -> the value asks for nothing memra does not do
+    why: str  # the end of the refusal's sentence
+
+
+def _is(*values) -> Callable[[object, dict], bool]:
+    # `False == 0` in Python: compare types too, so `ignore_eos: 0` is not taken for false
+    return lambda v, body: any(type(v) is type(x) and v == x or (type(x) is float and type(v) is int and v == x)
+                               for x in values)
+
+
+def _empty(v, body) -> bool:
+    return v in ([], {}, "")
+
+
+def _never(v, body) -> bool:
+    return False
+
+
+def _text_format(v, body) -> bool:
+    return isinstance(v, dict) and v.get("type") == "text" and set(v) <= {"type"}
+
+
+def _best_of(v, body) -> bool:
+    return type(v) is int and v in (1, body.get("n", 1))
+
+
+_ALL_TEXT = _is(["text"])
+R = Unhonoured
+TABLE: tuple[Unhonoured, ...] = (
+    # OpenAI's own fields
+    R("tools", BOTH, "openai-chat", _empty, "memra has no tool calling"),
+    R("tool_choice", BOTH, "openai-chat", _is("none", "auto"), "memra has no tool calling"),
+    R("parallel_tool_calls", BOTH, "openai-chat", _is(True, False), "memra has no tool calling"),
+    R("functions", BOTH, "openai-chat", _empty, "memra has no function calling"),
+    R("function_call", BOTH, "openai-chat", _is("none", "auto"), "memra has no function calling"),
+    R("response_format", BOTH, "openai-chat / vllm-extra", _text_format,
+      "memra has no structured output; only {\"type\": \"text\"} is accepted"),
+    R("reasoning_effort", BOTH, "openai-chat", _never, "memra does not steer reasoning"),
+    R("verbosity", BOTH, "openai-chat", _never, "memra does not steer verbosity"),
+    R("modalities", BOTH, "openai-chat", _ALL_TEXT, "memra produces text only"),
+    R("audio", BOTH, "openai-chat", _never, "memra produces text only"),
+    R("prediction", BOTH, "openai-chat", _never, "memra has no predicted outputs"),
+    R("service_tier", BOTH, "openai-chat", _is("auto", "default"), "memra has one service tier"),
+    R("store", BOTH, "openai-chat", _is(False), "memra stores nothing"),
+    R("metadata", BOTH, "openai-chat", _empty, "memra stores nothing to tag"),
+    R("web_search_options", BOTH, "openai-chat", _never, "memra has no web search"),
+    R("prompt_cache_key", BOTH, "openai-chat", _never, "memra has no cache routing key"),
+    R("suffix", (CMPL,), "openai-cmpl", _empty, "memra has no fill-in-the-middle"),
+    R("best_of", (CMPL,), "openai-cmpl / vllm-samp", _best_of, "memra does not rank candidates; use n"),
+    # vLLM's sampling params
+    R("use_beam_search", BOTH, "vllm-samp", _is(False), "memra has no beam search"),
+    R("length_penalty", BOTH, "vllm-samp", _is(1.0), "memra has no beam search"),
+    R("stop_token_ids", BOTH, "vllm-samp", _empty, "memra stops on the model's EOS ids and stop strings"),
+    R("include_stop_str_in_output", BOTH, "vllm-samp", _is(False), "memra leaves the stop string out"),
+    R("ignore_eos", BOTH, "vllm-samp", _is(False), "memra always stops at EOS"),
+    R("min_tokens", BOTH, "vllm-samp", _is(0), "memra has no minimum length"),
+    R("skip_special_tokens", BOTH, "vllm-samp", _is(True), "memra's text always skips special tokens"),
+    R("spaces_between_special_tokens", BOTH, "vllm-samp", _is(True), "memra's text always skips special tokens"),
+    R("truncate_prompt_tokens", BOTH, "vllm-samp", _never, "memra never truncates a prompt"),
+    R("allowed_token_ids", BOTH, "vllm-samp", _never, "memra has no allow-list; use logit_bias"),
+    R("bad_words", BOTH, "vllm-samp", _empty, "memra has no bad-word filter"),
+    R("prompt_logprobs", BOTH, "vllm-samp", _never, "memra does not score prompts yet"),
+    # vLLM's extra params
+    R("echo", (CHAT,), "vllm-extra", _is(False), "memra's chat does not prepend the last message"),
+    R("add_generation_prompt", (CHAT,), "vllm-extra", _is(True), "memra always adds the generation prompt"),
+    R("continue_final_message", (CHAT,), "vllm-extra", _is(False), "memra always starts a new message"),
+    R("documents", (CHAT,), "vllm-extra", _empty, "memra passes no documents to the chat template"),
+    R("chat_template", (CHAT,), "vllm-extra", _never, "memra uses the model's chat template"),
+    R("chat_template_kwargs", (CHAT,), "vllm-extra", _empty, "memra passes no arguments to the chat template"),
+    R("include_reasoning", (CHAT,), "vllm-extra", _is(True), "memra does not separate reasoning from the answer"),
+    R("mm_processor_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
+    R("media_io_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
+    R("prompt_embeds", (CMPL,), "vllm-extra", _never, "memra takes text or token ids"),
+    R("guided_json", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("guided_regex", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("guided_choice", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("guided_grammar", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("guided_decoding_backend", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("guided_whitespace_pattern", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("structural_tag", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("structured_outputs", BOTH, "vllm-extra", _never, "memra has no structured output"),
+    R("priority", BOTH, "vllm-extra", _is(0), "memra schedules first come, first served"),
+    R("request_id", BOTH, "vllm-extra", _never, "memra makes its own response ids"),
+    R("logits_processors", BOTH, "vllm-extra", _empty, "memra runs no custom logits processors"),
+    R("return_tokens_as_token_ids", BOTH, "vllm-extra", _is(False), "memra reports tokens as text"),
+    R("return_token_ids", BOTH, "vllm-extra", _is(False), "memra does not return token ids"),
+    R("cache_salt", BOTH, "vllm-extra", _never, "memra's cache takes no salt"),
+    R("kv_transfer_params", BOTH, "vllm-extra", _never, "memra has no KV transfer"),
+    R("vllm_xargs", BOTH, "vllm-extra", _empty, "memra has no request extensions"),
+    R("repetition_detection", BOTH, "vllm-extra", _never, "memra has no repetition detector"),
+)
+_BY_ROUTE = {route: tuple(r for r in TABLE if route in r.routes) for route in BOTH}
+
+
+def refuse_unhonoured(body: dict, route: str, honoured: frozenset[str] = frozenset()) -> None:
+    """ApiError(400) naming the first field of `body` that memra would not honour on `route`.
+    `honoured`: table fields this server implements after all (they are validated elsewhere)."""
+    for row in _BY_ROUTE[route]:
+        if row.name in body and row.name not in honoured:
+            value = body[row.name]
+            if value is not None and not row.no_op(value, body):
+                raise ApiError(400, f"{row.name} is not supported: {row.why}; remove the field", param=row.name)
