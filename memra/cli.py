@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from memra.cli_common import add_load_args, add_model_args, load_model
+from memra.cli_common import add_load_args, add_model_args, add_spec_args, load_model, spec_config
 from memra.errors import MemraError
 
 
@@ -33,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
-    gen.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
-                     help="draft-and-verify decoding: the checkpoint's MTP head, or n-gram prompt lookup "
-                          "(the output is token-identical to plain decoding; only the speed changes)")
-    gen.add_argument("--draft-k", type=int, default=4, help="draft tokens per verify with --speculative (default 4)")
-    gen.add_argument("--dynamic-k", action="store_true", help="adapt the draft length (1..K) to the acceptance")
+    add_spec_args(gen)
 
     chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit")
     chat.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
@@ -146,9 +142,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(args.args) > 2:
         raise MemraError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
     model_path, prompt = (args.args if len(args.args) == 2 else ("demo", args.args[0]))
-    from memra.spec import SpecConfig, check_model
+    from memra.spec import check_model
 
-    spec = SpecConfig(args.speculative, k=args.draft_k, dynamic_k=args.dynamic_k) if args.speculative else None
+    spec = spec_config(args)
     model = load_model(args, model_path)
     tok = model.tokenizer
     if args.chat:

@@ -21,6 +21,27 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "--kv-memory is not given (default 0.9; on CPU, of the available RAM)")
 
 
+def add_spec_args(p: argparse.ArgumentParser, where: str = "") -> None:
+    """The speculative-decoding flags `memra generate`, `memra serve` and `memra bench serve --launch` share."""
+    p.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
+                   help=f"{where}draft-and-verify decoding: the checkpoint's MTP head, or n-gram prompt lookup "
+                        "(the output is token-identical to plain decoding; only the speed changes)")
+    p.add_argument("--draft-k", type=int, default=4, help=f"{where}draft tokens per verify with --speculative (default 4)")
+    p.add_argument("--dynamic-k", action="store_true", help=f"{where}adapt the draft length (1..K) to the acceptance")
+
+
+def spec_config(args: argparse.Namespace):
+    """The SpecConfig the flags ask for (None without --speculative); a bad value is a one-line MemraError."""
+    from memra.errors import MemraError
+    from memra.spec import SpecConfig
+
+    if args.speculative is None:
+        if args.dynamic_k or args.draft_k != 4:
+            raise MemraError("--draft-k and --dynamic-k need --speculative mtp|ngram")
+        return None
+    return SpecConfig(args.speculative, k=args.draft_k, dynamic_k=args.dynamic_k)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a Hugging Face model directory or a .gguf file")
     add_load_args(p)

@@ -21,6 +21,7 @@ from memra.bench.serve_checks import (check_against_offline, check_metrics, engi
                                       scrape_metrics)
 from memra.bench.serve_client import auto_client_processes, run_serve_bench
 from memra.bench.serve_launch import launch_server
+from memra.cli_common import add_spec_args, spec_config
 from memra.bench.serve_report import ServeBenchConfig
 from memra.errors import MemraError
 
@@ -38,6 +39,7 @@ def add_bench_parser(sub) -> None:
                         "stop it, then check every answer against offline generation; 'demo' = the bundled model")
     p.add_argument("--max-batch", type=int, default=32, help="with --launch: the server's --max-batch")
     p.add_argument("--max-ctx", type=int, default=1024, help="with --launch: the server's --max-ctx")
+    add_spec_args(p, "with --launch: the server's ")
     p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrency", type=int, default=d.concurrency)
@@ -82,13 +84,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     server = None
     if args.launch:
         server = launch_server(args.launch, max_batch=args.max_batch, max_ctx=args.max_ctx, device=args.device,
-                               dtype=args.dtype, api_key=args.api_key)
+                               dtype=args.dtype, api_key=args.api_key, extra_args=_spec_flags(args))
         args.url = server.url
     try:
         return _bench(args, cfg, server)
     finally:
         if server is not None:
             server.stop()
+
+
+def _spec_flags(args) -> tuple[str, ...]:
+    """The server's speculative-decoding flags (checked here first: a bad one is refused before the launch)."""
+    spec = spec_config(args)
+    if spec is None:
+        return ()
+    return ("--speculative", spec.method, "--draft-k", str(spec.k)) + (("--dynamic-k",) if spec.dynamic_k else ())
 
 
 def _bench(args, cfg: ServeBenchConfig, server) -> int:

@@ -67,7 +67,7 @@ def _answers(url: str, api_key: str | None) -> bool:
 
 
 def launch_server(model: str, *, max_batch: int, max_ctx: int, device: str | None, dtype: str | None,
-                  api_key: str | None, ready_timeout_s: float = 1800.0) -> LaunchedServer:
+                  api_key: str | None, ready_timeout_s: float = 1800.0, extra_args: tuple[str, ...] = ()) -> LaunchedServer:
     """Start `memra serve MODEL` and wait until /v1/models answers. A child that exits first, or never
     answers within ready_timeout_s, is a MemraError carrying the last line it printed."""
     port = free_port()
@@ -75,6 +75,7 @@ def launch_server(model: str, *, max_batch: int, max_ctx: int, device: str | Non
            "--max-batch", str(max_batch), "--max-ctx", str(max_ctx)]
     cmd += ["--device", device] if device else []
     cmd += ["--dtype", dtype] if dtype else []
+    cmd += list(extra_args)
     log = tempfile.TemporaryFile()
     env = {**process_env(), **({"MEMRA_API_KEY": api_key} if api_key else {})}  # not on the command line
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

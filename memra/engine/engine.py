@@ -49,6 +49,7 @@ from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.seq_state import SeqState
+from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
@@ -69,6 +70,7 @@ class Engine:
         self.model, self.cfg, self.metrics = model, cfg, metrics
         self.backend = backend_for(model, cfg)
         self.rt = self.backend.rt
+        self.spec = speculation_for(model, cfg.speculative, self.backend)  # draft-and-verify, or plain decoding
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
@@ -107,10 +109,10 @@ class Engine:
         refuse_request(prompt, params, self.max_len, self.model.cfg.vocab_size)
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[TokenEvent], None], n: int = 1,
-               logprobs: int | None = None, eos_ids=()) -> list[str]:
+               logprobs: int | None = None, eos_ids=(), speculative: bool = True) -> list[str]:
         """Queue a request with n choices (choice i samples with seed + i). -> the sequence ids, in choice
-        order. Raises MemraError (bad request), QueueFull (over the bound) or Unavailable (shutting down,
-        stopped after an error, a pipeline rank gone)."""
+        order; speculative=False: plain decoding on an engine that speculates (same tokens). Raises MemraError
+        (bad request), QueueFull (over the bound) or Unavailable (shutting down, stopped after an error, a rank gone)."""
         self.check_request(prompt, params)
         with self._lock:  # the engine thread's exit aborts what is queued under this lock: nothing slips past
             self._check_open()
@@ -121,6 +123,7 @@ class Engine:
                 p = params if n == 1 else dataclasses.replace(params, seed=params.seed + i)
                 self._next += 1
                 seqs.append(SeqState(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
+                seqs[-1].spec = self.spec.start(p) if speculative else None
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]
@@ -280,6 +283,8 @@ class Engine:
             if s.cache is None:
                 s.cache = self._new_cache(s)
             assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
+        # speculating rows draft now and verify after the batch's tokens are launched (memra.engine.speculation)
+        rows, chunks, verifying, alone = self.spec.before_step(rows, chunks, self.scheduler, self._inflight, self._land)
         # The decode rows, fed the last step's tokens on the device, and every prefill chunk: in one forward
         # where memra.step.mixes holds, else a graphed decode (it returns once launched, and the GPU runs it
         # while the host issues the prefill's kernels) and the chunks' shared forwards (memra.step.prime_batch).
@@ -288,6 +293,7 @@ class Engine:
                                     [s.cache for s, _, _ in chunks])
         ready: list[SeqState] = list(rows)  # sequences that get a token this step, in the order of `logits`' rows
         logits: list[torch.Tensor] = [decoded] if rows else []
+        chunks, lasts = self.spec.prime_alone(chunks, lasts, alone)
         for (s, start, n), last in zip(chunks, lasts):
             prefilled[s.rid] = n
             if self.metrics is not None:
@@ -307,7 +313,8 @@ class Engine:
                 batch = batch.index_select(0, upload_values(live, torch.long, batch.device))
             rows = [ready[i] for i in live]
             self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
-        for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live], []):
+        extra = self.spec.verify(verifying, self._emit, self._end, self.metrics)
+        for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live] + list(extra), [], extra):
             if rid in self.seqs:  # its token in flight is its last (max_tokens): the scheduler freed its blocks
                 self._release(self.seqs[rid])
         if not self.backend.device_tokens:  # a process pipeline's decode takes host ids: land now
@@ -355,9 +362,12 @@ class Engine:
                 continue
             self._emit(s, picked)
             if s.done:
-                self.scheduler.cancel(s.rid)  # a no-op where max_tokens already ended it there
-                self._release(self.seqs.pop(s.rid))
+                self._end(s)
         return True
+
+    def _end(self, s: SeqState) -> None:  # a sequence that finished with the token it was just given
+        self.scheduler.cancel(s.rid)  # a no-op where max_tokens already ended it there
+        self._release(self.seqs.pop(s.rid))
 
     def _send_events(self) -> bool:
         """Hand the waiting token events to their readers, in order. -> whether there were any."""

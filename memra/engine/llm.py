@@ -24,6 +24,7 @@ from memra.errors import MemraError
 from memra.generate import GenerationStats
 from memra.sampling import SamplingParams
 from memra.settings import show_progress
+from memra.spec import SpecConfig
 from memra.tokenizer import TextStream
 
 
@@ -66,12 +67,14 @@ class LLM:
     warm_up: pay kernel compilation and (on a GPU) every batch bucket's graph capture now (Engine.warm_up).
     prefill_wait_steps, prefill_group: hold a request that could start while others decode, so that several
     start in one prefill (memra.engine.admission; EngineConfig's defaults).
+    speculative: draft-and-verify decoding, "mtp" or "ngram" (draft length 4) or a memra.spec.SpecConfig;
+    the outputs are the same tokens and logprobs as without it (E4), only the speed changes.
     """
 
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
                  max_ctx: int | None = None, warm_up: bool = True,
                  prefill_wait_steps: int | None = None, prefill_group: int | None = None,
-                 **load_options):
+                 speculative: str | SpecConfig | None = None, **load_options):
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load
 
@@ -80,8 +83,10 @@ class LLM:
             raise MemraError("memra.LLM needs a model with its tokenizer (load it with tokenizer=True)")
         self.model, self.tokenizer = model, model.tokenizer
         ctx = min(max_ctx or model.cfg.max_position, model.cfg.max_position)
+        spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
         self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30,
-                                                 prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group))
+                                                 prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group,
+                                                 speculative=spec))
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
             self.engine.warm_up()
 

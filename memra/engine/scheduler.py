@@ -11,9 +11,11 @@ Accounting. The scheduler counts KV blocks and recurrent slots; the engine's poo
 least `total_blocks` blocks and `total_slots` slots, and the counts here never exceed them. A RUNNING
 sequence holds ceil(in_cache / block_size) blocks, where in_cache = prefilled + max(generated - 1, 0)
 (the newest sampled token is not fed yet). `schedule()` reserves the blocks the step will write (a
-prefill chunk, or 1 token for a decode); `step_done()` trims back to what was really written. Every
-RUNNING sequence holds one recurrent slot; WAITING and SWAPPED sequences hold neither blocks nor a
-slot (a swapped one's state is on the host, which the engine owns). So the running set is capped by
+prefill chunk, or 1 token for a decode); `step_done()` trims back to what was really written. A
+speculating decode row may write more than its one token (its verify's drafts): the engine asks
+`reserve_extra` during the step, which grants what the free blocks allow. Every RUNNING sequence
+holds one recurrent slot; WAITING and SWAPPED sequences hold neither blocks nor a slot (a swapped
+one's state is on the host, which the engine owns). So the running set is capped by
 min(max_running, total_slots).
 
 One step, in this order:
@@ -122,6 +124,7 @@ class Scheduler:
         # The plan in flight, until step_done: what each rid was told to do (checks the engine's report).
         self._planned_prefill: dict[str, int] = {}
         self._planned_decode: set[str] = set()
+        self._extra: dict[str, int] = {}  # rid -> extra tokens reserve_extra granted it for the plan in flight
         self._in_flight = False
         self._held = 0  # steps the startable waiting requests have been held (memra.engine.admission)
 
@@ -256,14 +259,36 @@ class Scheduler:
         self._in_flight = bool(prefill or decode)
         return StepPlan(prefill, decode, swap_out, swap_in)
 
-    def step_done(self, prefilled: dict[str, int], sampled: list[str], finished: list[str]) -> list[str]:
+    def reserve_extra(self, rid: str, tokens: int) -> int:
+        """A decode row of the plan in flight will write up to `tokens` more positions this step than its
+        one (a speculative verify: its last token and `tokens` drafts). Reserves the blocks for as many
+        as fit in its own blocks' slack and the free ones, never beyond max_tokens. -> how many were
+        granted (0..tokens); step_done gives back whatever was not written."""
+        seq = self._seqs.get(rid)
+        if seq is None or rid not in self._planned_decode:
+            raise ValueError(f"{rid}: reserve_extra is for a decode row of the plan in flight")
+        n = max(0, min(tokens, seq.max_tokens - seq.generated - 1))
+        while n and seq.blocks_needed(1 + n) > seq.blocks + self._free:
+            n -= 1
+        self._reserve(seq, 1 + n)
+        self._extra[rid] = n
+        return n
+
+    def step_done(self, prefilled: dict[str, int], sampled: list[str], finished: list[str],
+                  extra: dict[str, int] | None = None) -> list[str]:
         """The engine's report on the plan in flight.
 
         prefilled: rid -> prompt tokens written this step (the planned chunk; a planned rid left out
         made no progress); sampled: rids that got one new token (a completed prefill samples its
-        first); finished: rids that are done (EOS / max_tokens / stop string) and are freed. Reports
-        about rids no longer live (cancelled during the step) are ignored. Everything is checked before
-        anything changes, so a bad report leaves it as it was. -> the rids freed at max_tokens now."""
+        first); extra: rid -> tokens it got beyond that one (a speculative verify; at most what
+        reserve_extra granted); finished: rids that are done (EOS / max_tokens / stop string) and are
+        freed. Reports about rids no longer live (cancelled during the step) are ignored. Everything is
+        checked before anything changes, so a bad report leaves it as it was. -> the rids freed at
+        max_tokens now."""
+        extra = {rid: n for rid, n in (extra or {}).items() if n and rid in self._seqs}
+        for rid, n in extra.items():
+            if not 0 < n <= self._extra.get(rid, 0) or rid not in sampled:
+                raise ValueError(f"{rid}: reported {n} extra tokens, reserve_extra granted {self._extra.get(rid, 0)}")
         live = self._seqs
         grown: dict[str, int] = {}
         for rid, n in prefilled.items():
@@ -285,7 +310,7 @@ class Scheduler:
         for rid, n in grown.items():
             live[rid].prefilled += n
         for rid in (r for r in sampled if r in live):
-            live[rid].generated += 1
+            live[rid].generated += 1 + extra.get(rid, 0)
         for rid in (r for r in finished if r in live):
             self._finish(live[rid])
         ended = []  # reached max_tokens with this step
@@ -300,7 +325,7 @@ class Scheduler:
             keep = seq.blocks_needed(0)  # give back what was reserved but not written
             self._free += seq.blocks - keep
             seq.blocks = keep
-        self._planned_prefill, self._planned_decode, self._in_flight = {}, set(), False
+        self._planned_prefill, self._planned_decode, self._in_flight, self._extra = {}, set(), False, {}
         return ended
 
     # --- views ---

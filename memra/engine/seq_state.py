@@ -30,6 +30,7 @@ class SeqState:
     last_token_at: float | None = None
     done: bool = False
     row: RowSpec | None = None  # what the sampler needs (shares `prompt` and `out`)
+    spec: object | None = None  # its drafter state when it speculates (memra.engine.speculation.SpecSeq)
 
     def __post_init__(self) -> None:
         self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)

@@ -10,6 +10,7 @@ from memra.cache import BLOCK_SIZE
 from memra.engine.admission import PrefillGrouping
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
+from memra.spec import SpecConfig
 from memra.step import EXACT_PIECE
 
 
@@ -31,6 +32,7 @@ class EngineConfig:
     # the module docstring there)
     prefill_wait_steps: int | None = None
     prefill_group: int | None = None  # how many end the hold at once; default max(2, max_batch // 8)
+    speculative: SpecConfig | None = None  # draft-and-verify decoding (memra.engine.speculation); None: off
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):

@@ -172,11 +172,14 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
                     max_tokens: int, arrival: float):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
+        if body.speculative and not engine.spec.enabled:
+            raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
+                                "or leave the field out", param="speculative")
         out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text_worker)
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,
-                                          eos_ids=tok.eos_ids)
+                                          eos_ids=tok.eos_ids, speculative=body.speculative is not False)
         except QueueFull as err:
             engine.cancel(out.rids)
             raise too_many_requests(str(err)) from None

@@ -52,6 +52,13 @@ class Metrics:
         # where the engine's time goes: a step that only decodes, only prefills, or does both
         self.step_seconds = Histogram("memra:engine_step_seconds", "Wall time of one engine step, by what it ran",
                                       ["kind"], registry=r, buckets=_LATENCY_BUCKETS)
+        # speculative decoding (memra.engine.speculation; vLLM's names): verify rounds, those that carried drafts,
+        # the draft tokens they carried and the ones accepted; all zero on a server without --speculative
+        self.spec_verifies = Counter("memra:spec_decode_num_verifies", "Speculative verify forwards", registry=r)
+        self.spec_drafts = Counter("memra:spec_decode_num_drafts", "Verify rounds that carried drafts", registry=r)
+        self.spec_draft_tokens = Counter("memra:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("memra:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
         self.info = Gauge("memra:model_info", "The served model", list(label), registry=r)
         self.info.labels(**label).set(1)
         r.register(_LivenessCounters())

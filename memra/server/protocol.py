@@ -72,6 +72,9 @@ class _Sampling(BaseModel):
     repetition_penalty: _number(0.0, 10.0, above=True) | None = None
     logit_bias: Annotated[dict[StrictStr, _number(-100.0, 100.0)], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: Text | None = None
+    # memra's extra: false = decode this request plainly on a server started with --speculative (its tokens
+    # and logprobs are the same either way, E4); true on a server without speculation is refused
+    speculative: StrictBool | None = None
 
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memra.cli_common import add_load_args, load_model
+from memra.cli_common import add_load_args, add_spec_args, load_model, spec_config
 from memra.engine.types import EngineConfig
 from memra.errors import MemraError
 from memra.server.options import DEFAULT_MAX_BODY_MB
@@ -38,6 +38,7 @@ def add_serve_parser(sub) -> None:
                      help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
                           "error (default 30)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
+    add_spec_args(srv)
     srv.add_argument("--pp-size", type=int, default=None,
                      help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
                           "this machine; under torchrun every rank runs this command and rank 0 serves HTTP "
@@ -83,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
                        max_waiting=args.max_waiting, prefill_wait_steps=args.prefill_wait_steps,
-                       prefill_group=args.prefill_group)
+                       prefill_group=args.prefill_group, speculative=spec_config(args))
     if not 0 < args.port < 65536:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 1024:
@@ -114,6 +115,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"memra serve: {name} ({model.cfg.arch}, {model.device}, {model.dtype}) on http://{args.host}:{args.port}",
           file=sys.stderr)
     print(f"memra serve: {engine.backend.describe()}", file=sys.stderr)
+    if cfg.speculative is not None:
+        s = cfg.speculative
+        print(f"memra serve: speculative decoding: {s.method}, draft k={s.k}{' (dynamic)' if s.dynamic_k else ''}; "
+              "a request opts out with \"speculative\": false", file=sys.stderr)
     if pipe is not None:
         print(f"memra serve: {pipe.n_stages} pipeline stages ({pipe.dist_cfg.backend}):", file=sys.stderr)
         for line in pipe.description.splitlines():
