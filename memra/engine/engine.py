@@ -112,7 +112,7 @@ class Engine:
                logprobs: int | None = None, eos_ids=(), speculative: bool = True) -> list[str]:
         """Queue a request with n choices (choice i samples with seed + i). -> the sequence ids, in choice
         order; speculative=False: plain decoding on an engine that speculates (same tokens). Raises MemraError
-        (bad request), QueueFull (over the bound) or Unavailable (shutting down, stopped after an error, a rank gone)."""
+        (bad request), QueueFull (over the bound) or Unavailable (shutting down, stopped by an error, a rank gone)."""
         self.check_request(prompt, params)
         with self._lock:  # the engine thread's exit aborts what is queued under this lock: nothing slips past
             self._check_open()
