@@ -55,7 +55,7 @@ from memra.kernels.cuts import ATTN_SPLIT
 from memra.model.context import RowGroup, StackedStep
 from memra.upload import upload
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_TABLE_BLOCKS = 16  # NB never below this (256 positions), so short contexts share one graph
 SPLIT_BLOCKS = ATTN_SPLIT // BLOCK_SIZE  # NB of a step whose rows all fit in one attention split
 

@@ -235,6 +235,8 @@ def add_throughput_parser(kinds) -> None:
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="sampling temperature, each request seeded with seed + its index (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded at once (default %(default)s)")
+    p.add_argument("--kv-fraction", type=float, default=d.kv_fraction,
+                   help="share of the free device memory the KV pool may take (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--check", type=int, default=d.check,
@@ -248,7 +250,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     cfg = ThroughputConfig(model=args.model, num_prompts=args.num_prompts, dataset=args.dataset,
                            input_len=args.input_len, output_len=args.output_len, seed=args.seed,
-                           temperature=args.temperature, max_batch=args.max_batch,
+                           temperature=args.temperature, max_batch=args.max_batch, kv_fraction=args.kv_fraction,
                            device=args.device or default_device(), dtype=args.dtype, check=args.check,
                            json_path=args.json)
     report = run_throughput(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))

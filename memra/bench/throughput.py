@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from memra.errors import MemraError
+from memra.pools import KvBudget
 from memra.sampling import SamplingParams
 
 LENGTH_MEDIAN, LENGTH_SIGMA, MIN_LEN, MAX_LEN = 160, 1.0, 4, 1024
@@ -39,6 +40,8 @@ class ThroughputConfig:
     seed: int = 0
     temperature: float = 1.0  # vLLM's benchmark samples at 1.0; each request seeded with seed + its index
     max_batch: int = 256
+    kv_fraction: float = 0.8  # of the free device memory after the weights, for the KV pool: the rest holds
+    # the activations and the captured graphs of every batch bucket up to max_batch
     device: str | None = None
     dtype: str | None = None
     check: int = 2  # prompts re-run alone and compared with the batched run
@@ -160,7 +163,7 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     from memra.engine.llm import LLM
     from memra.loading.checkpoint import load
 
-    model = load(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    model = load(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_budget=KvBudget(fraction=cfg.kv_fraction))
     if cfg.dataset:
         reqs, workload = jsonl_workload(cfg.dataset, model.tokenizer, cfg.num_prompts), f"dataset {cfg.dataset}"
     else:
