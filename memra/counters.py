@@ -25,6 +25,7 @@ _counts = {
     # speculative decoding (memra.spec)
     "spec_verify_forwards": 0,  # decode_step_t calls (T-token verify forwards)
     "spec_verify_columns": 0,  # tokens they fed (sum of T)
+    "spec_verify_batch_rows": 0,  # sequences verified together in one forward (memra.verify_batch)
     "spec_verify_split_walks": 0,  # verify forwards that walked the stage split (MEMRA_SPEC_PP)
     "spec_drafted_tokens": 0,  # draft tokens proposed to a verify
     "spec_accepted_tokens": 0,  # ... of which the accept walk kept

@@ -113,7 +113,10 @@ def test_speculating_server_answers_bit_for_bit_at_concurrency_1_8_32(demo, refe
     assert moved["memra:spec_decode_num_drafts_total"] > 0
     assert moved["memra:spec_decode_num_draft_tokens_total"] >= moved["memra:spec_decode_num_drafts_total"]
     assert moved["memra:spec_decode_num_accepted_tokens_total"] > 0
-    assert moved["memra:spec_verify_forwards_total"] >= moved["memra:spec_decode_num_verifies_total"] > 0
+    assert moved["memra:spec_decode_num_verifies_total"] > 0
+    if spec.method == "mtp":  # every MTP row verifies each step: at concurrency 8 and 32 they share forwards
+        assert moved["memra:spec_verify_batch_rows_total"] > 0
+        assert moved["memra:spec_verify_forwards_total"] < moved["memra:spec_decode_num_verifies_total"]
 
 
 def test_a_request_opts_out_and_a_plain_server_refuses_the_opt_in(demo, reference):

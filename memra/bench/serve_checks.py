@@ -92,6 +92,10 @@ def engine_time(before: dict[str, float], after: dict[str, float], wall_s: float
     if moved("http_time_to_first_chunk_seconds_count") > 0:
         mean = moved("http_time_to_first_chunk_seconds_sum") / moved("http_time_to_first_chunk_seconds_count")
         lines.append(f"server      TTFT    {mean * 1e3:7.1f} ms mean, a stream's arrival to its first token's chunk")
+    if moved("spec_decode_num_verifies_total") > 0:  # a server started with --speculative
+        drafted, accepted = moved("spec_decode_num_draft_tokens_total"), moved("spec_decode_num_accepted_tokens_total")
+        lines.append(f"engine      spec    {int(moved('spec_decode_num_verifies_total'))} verifies, {int(accepted)}/"
+                     f"{int(drafted)} drafts accepted ({accepted / max(drafted, 1):.1%})")
     # After the warm-up each of these stalled a step: a Triton compile, or a CUDA graph recorded (a decode
     # or mixed step's shape the warm-up did not meet), which holds up every live row's next token.
     for counter, what in (("kernel_compiles_total", "kernel compiles"),

@@ -9,18 +9,18 @@ A sequence speculates when the engine has a SpecConfig (`memra serve --speculati
              (Scheduler.reserve_extra); the drafter proposes up to k tokens (memra.spec). A row with no
              drafts (n-gram: no match; any: k = 0) stays in the step's plain decode batch. MTP rows
              always verify (even T = 1), so the drafter sees every position's hidden state.
-    verify   after the batch's own tokens are launched: the row's verify forward (decode_step_t,
-             T = 1 + drafts), whose column j has decode's bits for that token (E4).
+    verify   after the batch's own tokens are launched: every verifying row's T = 1 + drafts tokens in
+             one forward, rows of different lengths side by side (memra.verify_batch), each column
+             with decode's bits for its token (E4).
     accept   column by column, the token is chosen by the engine's own sampler (launch_pick: the
              same penalties from the row's history, step counter = its output index, seeded noise,
              logprobs of the raw row) and emitted as the plain step would emit it; a draft survives
              only if it equals that choice. So every token and every logprob is the plain server's.
-    rollback the rejected suffix is dropped (the verify's state trail, or snapshot + replay) and the
+    rollback the rejected suffix is dropped (the row's state trail, or snapshot + replay) and the
              blocks past the kept position go back to the pool, so the cache holds what the
              scheduler counts.
 
-One verify forward per speculating row (each exact on its own); the plain rows of the step still
-decode as one batch. A multi-row verify forward is not built yet.
+The plain rows of the step decode as one batch beside it, as they would without speculation.
 
 An MTP drafter needs the prompt's final-normed hidden states: a speculating MTP sequence's prefill
 chunks are primed alone with hidden=True (the same forwards and bits as in the step's shared prefill,
@@ -37,7 +37,8 @@ from memra import counters
 from memra.cache import BLOCK_SIZE, StateTrail
 from memra.engine.sampler import launch_pick
 from memra.errors import MemraError
-from memra.spec import MtpDrafter, NgramDrafter, SpecConfig, check_model, drop_rejected, next_k, verify_round
+from memra.spec import MtpDrafter, NgramDrafter, SpecConfig, check_model, drop_rejected, next_k
+from memra.verify_batch import decode_step_t_batch
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Speculation:
 
         verify_plan(model, model.settings.exact)  # refuses a plan with no verify body (bucket) now, not mid-request
         self.model, self.cfg = model, spec
-        self.trail = StateTrail()  # one for the engine: each row's verify is rolled back before the next runs
+        self.trails: list[StateTrail] = []  # the i-th verifying row of a step records into the i-th (grow-only)
 
     def start(self, params) -> SpecSeq:
         return SpecSeq()
@@ -176,10 +177,18 @@ class Speculation:
         """Each row's verify, accept walk and rollback. `emit(seq, picked)` records a token as the plain step
         does (and marks the sequence done at EOS / max_tokens); `end(seq)` frees one that finished. -> rid
         -> tokens beyond one emitted, for every row still running (each got at least one)."""
+        if not rows:
+            return {}
+        while len(self.trails) < len(rows):
+            self.trails.append(StateTrail())
+        trails = self.trails[: len(rows)]
+        snaps = [v.seq.cache.snapshot() if self.cfg.rollback == "replay" else None for v in rows]
+        verified = decode_step_t_batch(self.model, [[v.seq.out[-1], *v.drafts] for v in rows],
+                                       [v.seq.cache for v in rows], [None if snap else t for snap, t in zip(snaps, trails)])
         extra = {}
-        for v in rows:
+        for v, (logits, h_seed), trail, snap in zip(rows, verified, trails, snaps):
             s, drafts = v.seq, v.drafts
-            emitted, accepted = self._round(s, drafts, emit)
+            emitted, accepted = self._accept(s, drafts, logits, h_seed, trail, snap, emit)
             counters.bump("spec_drafted_tokens", len(drafts))
             counters.bump("spec_accepted_tokens", accepted)
             if metrics is not None:
@@ -195,11 +204,11 @@ class Speculation:
                 extra[s.rid] = emitted - 1
         return extra
 
-    def _round(self, s, drafts: list[int], emit) -> tuple[int, int]:
-        """One row's verify and accept walk. -> (tokens emitted, drafts accepted)."""
-        c, last = s.cache, s.out[-1]
-        chunk = [last, *drafts]
-        logits, h_seed, pos0, snap = verify_round(self.model, c, last, drafts, self.cfg, self.trail)
+    def _accept(self, s, drafts: list[int], logits, h_seed, trail, snap, emit) -> tuple[int, int]:
+        """One row's accept walk over its verify's columns (logits [T, V]), then its rollback. -> (tokens
+        emitted, drafts accepted)."""
+        c, chunk = s.cache, [s.out[-1], *drafts]
+        pos0 = c.pos - len(chunk)
         keep = accepted = 0
         while True:
             picked = launch_pick(self.model.ops, logits[keep : keep + 1], [s.row]).fetch()[0]
@@ -211,7 +220,7 @@ class Speculation:
                     continue
             break
         if not s.done:
-            drop_rejected(self.model, c, chunk, keep, pos0, self.trail, snap)
+            drop_rejected(self.model, c, chunk, keep, pos0, trail, snap)
             _trim(c)
             if isinstance(s.spec.drafter, MtpDrafter):
                 s.spec.drafter.advance(chunk[:keep], h_seed[:keep], picked.token)

@@ -6,7 +6,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels.table import KernelTable
-from memra.model.context import Segments, StackedStep, StepContext
+from memra.model.context import Segments, StackedStep, StepContext, joined
 
 
 class GatedDeltaNet:
@@ -122,25 +122,47 @@ class GatedDeltaNet:
         return o
 
     def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
-        """The verify body's GDN: x [T, E], T consecutive generated tokens of ONE sequence (ctxs[j] at
-        pos0 + j), each computed as decode computes it, in three calls instead of T:
-        - projections, norms and gates stacked (batch-invariant kernels: a row's bits are its B=1 call's);
-        - the conv over the T tokens at once: per element the very multiply-adds of decode's
+        """The verify body's GDN: x [N, E], the consecutive generated tokens of one sequence (ctxs[j] at
+        pos0 + j) — or of several, each a run of rows with its own cache (the engine's batched verify) —
+        each computed as decode computes it, in three calls per sequence instead of one per token:
+        - projections, norms and gates stacked over all N rows (batch-invariant kernels: a row's bits are
+          its B=1 call's);
+        - the conv over a sequence's T tokens at once: per element the very multiply-adds of decode's
           causal_conv_step, in the same order (elementwise ops are position-invariant on the GPU);
-        - the delta rule as one scan over the T tokens in order: decode's own kernel (T=1 per row
+        - the delta rule as one scan over a sequence's T tokens in order: decode's own kernel (T=1 per row
           there), so every token's step has decode's bits. The state after each token is kept for
-          rollback (the trail)."""
-        cache, trail = step.ctxs[0].cache, step.ctxs[0].trail
+          rollback (the sequence's trail)."""
         mixed, z, b, a = self.ops.linear(x, self.w_in).split(self.split, dim=-1)
-        conv_state, state = cache.conv_state(self.layer), cache.ssm_state(self.layer)
-        if trail is not None:  # conv state after token j = the Kc-1 raw inputs ending at j
-            window = torch.cat((conv_state.to(mixed.dtype), mixed.t()), dim=1)  # [C, Kc-1+T]
-            trail.record_conv_all(self.layer, window.unfold(1, conv_state.shape[-1], 1)[:, 1:].permute(1, 0, 2))
-        mixed, new_conv = self.ops.causal_conv(mixed, conv_state, self.conv)  # [T, conv_dim]
-        conv_state.copy_(new_conv)
-        q, k, v, beta, decay = self._heads(mixed, b, a)
-        o, states = self.ops.delta_rule_scan(q[None], k[None], v[None], beta[None], decay[None], state[None])
-        state.copy_(states[0, -1])
-        if trail is not None:
-            trail.record_ssm_all(self.layer, states[0])
-        return self._output(o[0], z)
+        runs = _runs(step.ctxs)
+        convolved = []
+        for lo, hi in runs:
+            cache, trail = step.ctxs[lo].cache, step.ctxs[lo].trail
+            conv_state, part = cache.conv_state(self.layer), mixed[lo:hi]
+            if trail is not None:  # conv state after token j = the Kc-1 raw inputs ending at j
+                window = torch.cat((conv_state.to(part.dtype), part.t()), dim=1)  # [C, Kc-1+T]
+                trail.record_conv_all(self.layer, window.unfold(1, conv_state.shape[-1], 1)[:, 1:].permute(1, 0, 2))
+            out, new_conv = self.ops.causal_conv(part, conv_state, self.conv)  # [T, conv_dim]
+            conv_state.copy_(new_conv)
+            convolved.append(out)
+        q, k, v, beta, decay = self._heads(joined(convolved), b, a)
+        outs = []
+        for lo, hi in runs:
+            cache, trail = step.ctxs[lo].cache, step.ctxs[lo].trail
+            state = cache.ssm_state(self.layer)
+            o, states = self.ops.delta_rule_scan(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], beta[None, lo:hi],
+                                                 decay[None, lo:hi], state[None])
+            state.copy_(states[0, -1])
+            if trail is not None:
+                trail.record_ssm_all(self.layer, states[0])
+            outs.append(o[0])
+        return self._output(joined(outs), z)
+
+
+def _runs(ctxs) -> list[tuple[int, int]]:
+    """[lo, hi) of each run of consecutive contexts on one cache (one sequence's verify columns)."""
+    runs, lo = [], 0
+    for i in range(1, len(ctxs) + 1):
+        if i == len(ctxs) or ctxs[i].cache is not ctxs[lo].cache:
+            runs.append((lo, i))
+            lo = i
+    return runs

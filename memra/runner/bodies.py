@@ -84,6 +84,19 @@ def verify_layers(model, h: torch.Tensor, cache: Cache, pos0: int, plan: str, a:
     return torch.cat([model.forward_layers(h[j : j + 1], ctx, a, b) for j, ctx in enumerate(ctxs)])
 
 
+def verify_rows_layers(model, h: torch.Tensor, caches, lens: list[int], plan: str, trails) -> torch.Tensor:
+    """The batched verify's body over every layer: h [N, E], sequence i's lens[i] tokens at caches[i].pos.. in
+    consecutive rows, each column a decode step of its own sequence (verify_layers' arithmetic). Under
+    `stacked` the row-wise ops run over all N rows at once (batch-invariant kernels: a row's bits are its
+    own call's), attention row by row over each row's own prefix, GDN per sequence; under `row` every
+    column runs alone. Each sequence's GDN layers record into trails[i]. -> [N, E]; positions not advanced."""
+    ctxs = [model.context(c, c.pos + j, 1, recurrent=True, trail=t, column=j)
+            for c, n, t in zip(caches, lens, trails) for j in range(n)]
+    if plan == "stacked":
+        return model.forward_layers_stacked(h, ctxs, tokens=True)
+    return torch.cat([model.forward_layers(h[i : i + 1], ctx) for i, ctx in enumerate(ctxs)])
+
+
 def verify_head(model, h: torch.Tensor, plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Final norm and lm_head grouped as decode groups them. -> (logits [T, V] fp32, normed hidden [T, E]:
     what an MTP drafter is re-seeded from)."""

@@ -31,6 +31,7 @@ from memra.runner.bodies import (
     segment_layers,
     verify_head,
     verify_layers,
+    verify_rows_layers,
 )
 from memra.upload import upload_values
 
@@ -145,6 +146,15 @@ class UnsplitExecutor:
         h = verify_layers(m, m.embed_tokens(ids), cache, cache.pos, plan, trail=trail)
         out = verify_head(m, h, plan)
         cache.pos += ids.numel()
+        return out
+
+    def run_verify_batch(self, ids: torch.Tensor, caches, lens: list[int], plan: str, trails):
+        """Several sequences' verifies in one forward: ids [N], sequence i's lens[i] tokens in consecutive
+        rows -> (logits [N, V] fp32, h_seed [N, E]). Only this executor has it (memra.verify_batch)."""
+        m = self.model
+        out = verify_head(m, verify_rows_layers(m, m.embed_tokens(ids), caches, lens, plan, trails), plan)
+        for c, n in zip(caches, lens):
+            c.pos += n
         return out
 
 
