@@ -76,7 +76,6 @@ class Settings:
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
-    pdl: str = "0"  # MEMRA_PDL: auto | 1 | 0 (memra.kernels.triton.launch)
     gate_seed: int = 0
     gate_canary: bool = False
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
@@ -88,8 +87,6 @@ class Settings:
             raise MemraError(f"MEMRA_DECODE_PLAN={self.decode_plan!r} is not one of {', '.join(DECODE_PLANS)}")
         if self.mixed_step not in ("auto", "1", "0"):
             raise MemraError(f"MEMRA_MIXED_STEP={self.mixed_step!r} is not auto, 1 or 0")
-        if self.pdl not in ("auto", "1", "0"):
-            raise MemraError(f"MEMRA_PDL={self.pdl!r} is not auto, 1 or 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -103,7 +100,6 @@ class Settings:
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
-            pdl=_auto_flag(e, "MEMRA_PDL") if (e.get("MEMRA_PDL") or "").strip() else "0",
             gate_seed=integer(e, "MEMRA_GATE_SEED", 0),
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
@@ -142,7 +138,7 @@ class Settings:
         on = lambda b: "1" if b else "0"  # noqa: E731
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
-                "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step, "MEMRA_PDL": self.pdl,
+                "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
@@ -170,8 +166,6 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "
      "where decode steps are graphed (else the two calls), eager elsewhere (CPU, MEMRA_CUDA_GRAPHS=0) | 1 = "
      "eager too where no graph fits | 0"),
-    ("MEMRA_PDL", "0", "programmatic dependent launch of memra's Triton kernels (each may start while the one before "
-     "it finishes; no value changes): auto = on where the GPU has compute capability 9.0 or later | 1 | 0"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.errors import MemraError
 from memra.kernels import quant, reference, split
 from memra.sampling import device_sample
 
@@ -63,18 +62,6 @@ def triton_ops() -> types.SimpleNamespace | None:
         paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
         prefill_attention=attention.prefill_attention, prefill_attention_pieces=attention.prefill_attention_pieces,
     )
-
-
-def _decide_pdl(device: torch.device, door: str) -> None:
-    """MEMRA_PDL for this process's launches (memra.kernels.triton.launch): auto = on where the GPU has
-    compute capability 9.0 or later; 1 where it has not is refused in one line."""
-    from memra.kernels.triton import launch
-
-    capable = torch.cuda.get_device_capability(device) >= (9, 0)
-    if door == "1" and not capable:
-        raise MemraError(f"MEMRA_PDL=1: {torch.cuda.get_device_name(device)} has no programmatic dependent launch "
-                         "(compute capability 9.0 or later); unset MEMRA_PDL or set it to 0")
-    launch.set_pdl(door == "1" or (door == "auto" and capable))
 
 
 # The families the table calls as modules (attributes looked up per call), importable wherever
@@ -144,8 +131,6 @@ class KernelTable:
     def build(cls, device: torch.device | str, settings) -> "KernelTable":
         cuda = torch.device(device).type == "cuda"
         triton = cuda and settings.triton and triton_ops() is not None
-        if triton:
-            _decide_pdl(torch.device(device), settings.pdl)
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None)

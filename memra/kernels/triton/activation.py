@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from memra.kernels.triton.common import _interpreting, round_to_dtype, wait_for_previous
+from memra.kernels.triton.common import _interpreting, round_to_dtype
 from memra.kernels.triton.launch import lean
 
 SILU_BLOCK = 1024  # feature columns per program (8 per thread at 4 warps: 16-byte loads of bf16)
@@ -34,10 +34,8 @@ def silu_mul_values(g, u, ty: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 @lean
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
-                     PDL: tl.constexpr = False):
+def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Program (row, block of features): gate at columns [0, F), up at [F, 2F) of the row.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < F

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.kernels.pieces import ATTENTION_TILE
-from memra.kernels.triton.common import _interpreting, wait_for_previous
+from memra.kernels.triton.common import _interpreting
 from memra.kernels.triton.launch import lean
 
 
@@ -28,7 +28,7 @@ def _decode_block_s(block_d: int) -> int:
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, qk_scale,
                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                             PARTIAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                             PARTIAL: tl.constexpr, IEEE: tl.constexpr):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
     # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
     # own, whatever its tile-mates). Query row r attends over its own prefix: positions 0..S-1 whose
@@ -38,7 +38,6 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
     # a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output) for
     # _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -90,12 +89,11 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
 @lean
 @triton.jit
 def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_D: tl.constexpr):
     # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
     # in split 0 gets exactly the unsplit kernel's bits: its weight is exp2(0) = 1, the empty splits'
     # are exp2(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
     # the split be chosen per call (from the longest row) without changing any row's bits.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     r = tl.program_id(0)
     h = tl.program_id(1)
     cd = tl.arange(0, BLOCK_D)
@@ -166,8 +164,7 @@ PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = ATTENTION_TILE
 @triton.jit(do_not_specialize=["T", "pos0", "n_pieces"])
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, T, pos0, n_pieces, Hq, qk_scale,
                               GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIECES: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIECES: tl.constexpr):
     # Program (BLOCK_M queries, head): flash attention with the keys visited in blocks of BLOCK_N from
     # position 0, whatever the queries. A query's bits cannot depend on the piece it came in or on the
     # tile it shares: its scores and its P @ V are per-row MMA results, the blocks it sees are fixed
@@ -177,7 +174,6 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
     # each piece's tiles numbered as its solo launch numbers them; a program finds its piece in the
     # table and then runs that solo program's arithmetic on the piece's rows. A program past the last
     # piece's tiles (a captured step launches a bound on their count) gets no queries and no keys.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     if PIECES:
         tile = tl.program_id(0)
         piece = tl.zeros((), tl.int32)

@@ -1,6 +1,5 @@
 """What several Triton families share: whether Triton's interpreter runs them (TRITON_INTERPRET, CI's CPU
-runs), the count of kernels compiled, fp32 -> bf16 rounding to nearest-even in bit arithmetic, and the
-programmatic-dependent-launch prologue every kernel opens with (wait_for_previous)."""
+runs), the count of kernels compiled, and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
 
 from __future__ import annotations
 
@@ -38,20 +37,6 @@ def count_compiles() -> None:
 
     counted.counts_kernel_compiles = True
     runtime.jit_post_compile_hook = counted
-
-
-@triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """Every memra kernel's first statement. With PDL (memra.kernels.triton.launch: a programmatic
-    dependent launch, MEMRA_PDL), the kernel may start while the one before it on the stream still runs,
-    so it waits here until that kernel has finished and its writes are visible (griddepcontrol.wait),
-    then lets the next kernel start its own launch early (griddepcontrol.launch_dependents). Nothing is
-    read or written before the wait, so no value changes: what overlaps is the launch, not the work.
-    Without PDL this compiles to nothing (and the interpreter, which has no such instructions, never
-    meets them)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

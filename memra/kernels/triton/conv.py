@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import round_to_dtype, wait_for_previous
+from memra.kernels.triton.common import round_to_dtype
 from memra.kernels.triton.launch import lean
 
 CONV_BLOCK = 256  # channels per program
@@ -39,9 +39,8 @@ def _conv_out(acc, ty: tl.constexpr):
 @lean
 @triton.jit
 def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, stride_slot, stride_out,
-                      KC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      KC: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row, channel block): the window is the slot's Kc-1 saved inputs, then the row's new one.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
@@ -87,10 +86,8 @@ def _conv_acc(u_ptr, state_ptr, w_ptr, t, c, mask, stride_u, KC: tl.constexpr, B
 
 @lean
 @triton.jit
-def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr,
-                 PDL: tl.constexpr = False):
+def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: tl.constexpr, BLOCK: tl.constexpr):
     # Program (token t, channel block) of one piece.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
@@ -101,11 +98,10 @@ def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: 
 @lean
 @triton.jit(do_not_specialize=["n_pieces"])
 def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C, stride_u, stride_out, stride_slot,
-                        KC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                        KC: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row of the wave, channel block): the row's piece found in the table (rows: first row,
     # tokens, slot, ...), then _conv_kernel's arithmetic for that piece's token, its saved inputs read
     # from the piece's pool slot.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
@@ -124,10 +120,9 @@ def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C
 @lean
 @triton.jit
 def _conv_state_pieces_kernel(u_ptr, pool_ptr, pieces_ptr, C, stride_u, stride_slot, KC: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                              BLOCK: tl.constexpr):
     # Program (piece, channel block): the slot's saved inputs become the last Kc-1 of (saved, tokens),
     # in place. Input j comes from window position t + j > j, never from one this loop already wrote.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     p = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C

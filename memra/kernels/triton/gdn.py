@@ -49,7 +49,6 @@ import triton.language as tl
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
-from memra.kernels.triton.common import wait_for_previous
 from memra.kernels.triton.launch import lean
 from memra.upload import upload_parts
 
@@ -73,9 +72,8 @@ def _dot(a, b, PREC: tl.constexpr):
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+                    CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
     n = tl.load(cuts_ptr + c + 1) - a
@@ -113,12 +111,11 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
 @triton.jit(do_not_specialize=["stride_slot"])
 def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, pieces_ptr,
                     stride_slot, H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
     """One (value head, block of value columns, piece): the piece's state columns through its chunks in
     order. A piece is a row of pieces_ptr (first row, tokens, slot, first chunk, end chunk); its state
     is read at s_ptr + slot * stride_slot and written at s_out_ptr + slot * stride_slot (a pool's slot,
     in place; or a lone state, slot 0)."""
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     h = tl.program_id(0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     piece = tl.program_id(2)
@@ -210,7 +207,7 @@ GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one progra
 @lean
 @triton.jit(do_not_specialize=["T", "INDEXED"])
 def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
-                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr = False):
+                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     # One program per (sequence x head, block of value columns): those columns of the state evolve
     # independently of every other column, head and sequence. The program walks its T tokens in order
     # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
@@ -220,7 +217,6 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
     # INDEXED (runtime too, for the same reason): sequence n's state is s[s_rows[n]] and its states go
     # to s_out[s_rows[n]], so a decode updates a pool's slots in place. That is safe because a program
     # reads its whole slice of the state before it writes that slice, and no other program touches it.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     r = tl.program_id(0)  # sequence * H + head
     n, h = r // H, r % H
     at = n.to(tl.int64)

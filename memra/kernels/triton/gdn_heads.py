@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import wait_for_previous
 from memra.kernels.triton.launch import lean
 
 
@@ -40,8 +39,7 @@ def _softplus(x):
 @triton.jit
 def _gdn_heads_kernel(m_ptr, b_ptr, a_ptr, a_neg_ptr, dt_bias_ptr, q_ptr, k_ptr, v_ptr, beta_ptr, decay_ptr,
                       stride_m, stride_b, stride_a, KEY_DIM, DK, DV, eps, scale,
-                      RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
+                      RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     n = tl.program_id(0)
     g = tl.program_id(1)
     hv = tl.num_programs(1) * RATIO  # value heads

@@ -15,13 +15,6 @@ The first call of each key goes through Triton (compiling, with its hooks: memra
 sees it). Not carried over: Triton's launch enter/exit hooks (profilers such as proton see only the
 first launch of each variant), and its check that a kernel's global constants have not changed
 since it was compiled (memra's never do). Under TRITON_INTERPRET every call goes through Triton.
-
-Programmatic dependent launch (MEMRA_PDL; Hopper and later): every lean kernel takes a `PDL`
-constexpr and opens with common.wait_for_previous(PDL). With the mode on, each launch sets PDL and
-Triton's `launch_pdl` option together, so no kernel starts early without waiting for the one before
-it. The mode is one per process, set by the first kernel table built on a GPU (set_pdl) and refused
-in one line if a later load asks for the other: a launch attribute that changes no value, kept here
-rather than threaded through every family's signature.
 """
 
 from __future__ import annotations
@@ -29,23 +22,7 @@ from __future__ import annotations
 import torch
 from triton.runtime import driver
 
-from memra.errors import MemraError
 from memra.kernels.triton.common import _interpreting
-
-_pdl: bool | None = None  # the process's launch mode, once a GPU kernel table has decided it (set_pdl)
-
-
-def set_pdl(on: bool) -> None:
-    """Decide the process's launch mode (module docstring); a second, different decision is refused."""
-    global _pdl
-    if _pdl is not None and _pdl != on:
-        raise MemraError(f"MEMRA_PDL: this process already launches its kernels with PDL {'on' if _pdl else 'off'}; "
-                         "load every model of one process with the same MEMRA_PDL")
-    _pdl = on
-
-
-def pdl_on() -> bool:
-    return bool(_pdl)
 
 
 def _arg_key(a) -> object:
@@ -70,7 +47,6 @@ class Lean:
     def __init__(self, fn):
         self.fn = fn
         self.params = getattr(fn, "params", ())  # its parameters in signature order (not under the interpreter)
-        self.takes_pdl = any(p.name == "PDL" for p in self.params)
         self.variants: dict = {}
 
     def __getitem__(self, grid):
@@ -80,8 +56,6 @@ class Lean:
         if _interpreting():
             self.fn[grid](*args, **kwargs)
             return
-        if _pdl and self.takes_pdl:
-            kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
         device = driver.active.get_current_device()
         key = (device, tuple(_arg_key(a) for a in args), tuple(kwargs.items()))
         compiled = self.variants.get(key)

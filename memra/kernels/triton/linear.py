@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.triton.activation import silu_mul_values
-from memra.kernels.triton.common import _interpreting, round_to_dtype, wait_for_previous
+from memra.kernels.triton.common import _interpreting, round_to_dtype
 from memra.kernels.triton.launch import lean
 
 # The frozen configurations. Changing any of these changes bits (never across batch sizes, but
@@ -62,12 +62,11 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SWIGLU: tl.constexpr = False, LIBDEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
+                   SWIGLU: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
     # SWIGLU: w holds gate rows [0, N) and up rows [N, 2N); the program accumulates both for its
     # columns, each column's products summed as the plain kernel sums them, and stores silu(gate) * up
     # from the two rounded products (triton.activation's steps): linear then silu_mul, in one launch.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

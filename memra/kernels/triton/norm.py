@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import round_to_dtype, wait_for_previous
+from memra.kernels.triton.common import round_to_dtype
 from memra.kernels.triton.launch import lean
 
 RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
@@ -18,11 +18,10 @@ RMS_ZERO_CENTRED, RMS_LLAMA = 0, 1
 @lean
 @triton.jit
 def _row_norm_kernel(x_ptr, w_ptr, y_ptr, r_ptr, s_ptr, D, eps, H, stride_xt, stride_xh, MODE: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row, the whole row in one tile: the sum is one tree of fixed shape. x's row
     # `row` is head row % H of token row // H (a [T, H, D] view, e.g. q and k inside a fused
     # projection's output, is read where it lies); r, s and y are contiguous rows.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -78,10 +77,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: flo
 @lean
 @triton.jit
 def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, D, eps, stride_on, stride_oh, stride_zn, stride_zh,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK: tl.constexpr):
     # Program (token, head). o of another dtype (the delta rule's fp32) is rounded to the output's first,
     # as the cast the caller would otherwise launch rounds it; z may be a column slice of wider rows.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     n = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)

@@ -40,7 +40,7 @@ import triton.language as tl
 from memra.errors import MemraError
 from memra.kernels.quant import _check_linear
 from memra.kernels.split import SPLIT_TYPES, Q4KSplit, Q5KSplit, Q6KSplit, Q8Split, SplitRows
-from memra.kernels.triton.common import _interpreting, round_to_bf16, wait_for_previous
+from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.launch import lean
 from memra.kernels.triton.linear import _mma
 
@@ -122,13 +122,11 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
 def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm,
                          stride_ym, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                          ROUND_IN_INTEGERS: tl.constexpr, PARTIAL: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
     # K is summed in chunks of CHUNK positions (QUANT_CHUNK_K), each from zero, then the chunks' sums in order.
     # PARTIAL: program (., ., c) sums chunk c alone into part [chunks, M, N] (_chunk_sum_kernel adds
     # them); else one program sums every chunk of its tile and stores the result.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -161,11 +159,9 @@ def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
 
 @lean
 @triton.jit
-def _chunk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+def _chunk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # The split kernel's epilogue over part [CHUNKS, M, N]: the chunks' sums added in order from zero,
     # as one program adds them, then the bias and the cast.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = at < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

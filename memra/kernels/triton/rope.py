@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import wait_for_previous
 from memra.kernels.triton.launch import lean
 
 
@@ -35,9 +34,8 @@ def _rotated(base, cos_ptr, sin_ptr, t, c, D, R, HALF: tl.constexpr, ty: tl.cons
 @lean
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, HALF: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_D: tl.constexpr):
     # One program per (token, head).
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     t = tl.program_id(0) // H
     h = tl.program_id(0) % H
     c = tl.arange(0, BLOCK_D)
@@ -48,12 +46,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, D, R, 
 @lean
 @triton.jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rows_ptr, qo_ptr, kp_ptr, vp_ptr, HQ, HKV,
-                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, D, R, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, D, R, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program (token t, head h over Hq query heads, then Hkv key heads, then Hkv value heads): a query
     # head is rotated into qo; a key head is rotated and a value head copied straight into the pool
     # row rows[t] (flat: block * BLOCK_SIZE + offset), so the separately rotated K and V never exist.
-    wait_for_previous(PDL)  # PDL: the previous kernel's writes first (common)
     t = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.arange(0, BLOCK_D)
