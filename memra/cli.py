@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
     gate.add_argument("--batch", default=None, help="batch width (default 4); pp mode: a list, e.g. 1,4,8 (default)")
-    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec"])
+    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec", "score"],
+                      help="score: scored logprobs == sampled ones (E9); --steps tokens per completion")
     gate.add_argument("--stages", type=int, default=2, help="pp/ppspec mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
     gate.add_argument("--reps", type=int, default=2, help="pp/ppspec mode: repetitions of the split arm")
     gate.add_argument("--ts", default="2,5,9", help="ppspec mode: verify widths T = K+1 (default 2,5,9: K = 1, 4, 8)")
@@ -82,7 +83,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from memra.gate import run_battery
 
     pp = args.mode == "pp"
-    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6}.get(args.mode, 32)
+    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24}.get(args.mode, 32)
     dist = args.transport == "dist"
     if dist and not pp:
         raise MemraError("--transport dist runs the pp battery across processes; use it with --mode pp")
@@ -110,6 +111,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
         ok = run_pp_battery(model, stages=args.stages, batches=batches, steps=steps, reps=args.reps,
                             plen=args.plen, out=out)
+    elif args.mode == "score":
+        from memra.gate.score_arm import run_score_battery
+
+        ok = run_score_battery(model, steps=steps, plen=args.plen, out=out)
     elif args.mode == "ppspec":
         from memra.gate.ppspec_battery import run_ppspec_battery
 

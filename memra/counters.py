@@ -53,6 +53,10 @@ _counts = {
     "pp_dist_replies": 0,  # replies (logits, acknowledgements) rank 0 received from the last stage
     "pp_dist_prime_pieces": 0,  # prompt pieces rank 0 sent through the stages
     "pp_dist_failures": 0,  # PipelineErrors raised because a rank died, hung or failed
+    # scoring (memra.engine.scoring: echo / prompt_logprobs / LLM.score)
+    "scored_tokens": 0,  # positions given a logprob
+    "scored_prompt_tokens": 0,  # ... tokens primed with every position's logits (the prefill arithmetic)
+    "scored_decode_tokens": 0,  # ... continuation tokens stepped with the decode arithmetic (verify columns)
 }
 
 

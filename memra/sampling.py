@@ -73,6 +73,7 @@ class SamplingParams:
     n: int = 1  # choices per prompt; choice i samples with seed + i
     logprobs: int | None = None  # the chosen token's logprob and this many top ones (0: the chosen only)
     ignore_eos: bool = False  # run to max_tokens through end-of-sequence tokens (vLLM's name; benchmarks)
+    prompt_logprobs: int | None = None  # score the prompt too (memra.LLM.generate): each token's logprob + top n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +113,9 @@ class SamplingParams:
             raise MemraError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise MemraError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (type(self.prompt_logprobs) is int
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise MemraError(f"prompt_logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
         for tok, bias in self.logit_bias:
             if tok < 0 or not -100.0 <= bias <= 100.0 or not math.isfinite(bias):
                 raise MemraError(f"logit_bias entry {tok}: {bias} invalid; ids must be >= 0 and biases in [-100, 100]")

@@ -163,7 +163,7 @@ BAD = [
     ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 99999999]}, "vocabulary"),
     ({"prompt": "word " * 600, "max_tokens": 8}, "maximum context length"),

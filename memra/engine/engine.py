@@ -48,6 +48,7 @@ from memra.engine.backends import backend_for
 from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from memra.engine.scoring import ScoreJob, ScoreJobs
 from memra.engine.seq_state import SeqState
 from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
@@ -92,6 +93,7 @@ class Engine:
         self.step_mix = StepMix()  # steps by kind and their time: what `memra bench throughput` reports
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.score_jobs = ScoreJobs()  # scoring runs between steps (memra.engine.scoring)
 
     @property
     def max_len(self) -> int:
@@ -127,6 +129,12 @@ class Engine:
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]
+
+    def score(self, job: ScoreJob):  # queue a scoring job (memra.engine.scoring) -> a Future of its scores
+        job.check(self.model.cfg.vocab_size, self.cache_ctx, in_process=self.backend.preemption)
+        with self._lock:  # refusals as submit's
+            self._check_open()
+            return self.score_jobs.put(job, self._wake, self.cfg.max_waiting)
 
     def _check_open(self) -> None:
         if not self._accepting:
@@ -186,7 +194,7 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs) or not self._commands.empty() or bool(self._outbox) or self._inflight is not None
+        return bool(self.seqs or self.score_jobs or self._outbox) or not self._commands.empty() or self._inflight is not None
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -196,11 +204,12 @@ class Engine:
         self._drain_commands()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
+        scored = self.score_jobs.run_ready(self.model, self.scheduler, self.backend.new_cache)
         plan = self.scheduler.schedule()
         if plan.empty:
             landed = self._land()
             self._publish_gauges(0)
-            return self._send_events() or landed
+            return self._send_events() or landed or scored
         self._step(plan)
         return True
 
@@ -233,6 +242,7 @@ class Engine:
         """End every sequence, running or still queued, with `error`. Under the submit lock, so a request
         submitted while the thread exits is either aborted here or refused by submit(), never left waiting."""
         with self._lock:
+            self.score_jobs.fail_all(Unavailable(error))
             queued = []
             while True:
                 try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from memra.engine.engine import Engine
+from memra.engine.scoring import ScoreJob, TokenScore
 from memra.engine.types import EngineConfig, TokenEvent
 from memra.errors import MemraError
 from memra.generate import GenerationStats
@@ -43,6 +44,20 @@ class RequestOutput:
     prompt: str | None  # the text, when the prompt was given as text
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs: per prompt position {token id: logprob} of its own token and the top n
+    # (vLLM's shape; None at position 0, which nothing predicts)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """LLM.score's answer for one (prompt, continuation): each continuation token's logprob, bit for bit
+    the one it got when it was sampled after this prompt (promise E9)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the continuation's
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None  # where top_logprobs > 0
 
 
 @dataclass
@@ -103,6 +118,8 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p) for p in batch]
         for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
             self.engine.check_request(prompt_ids, p)
+        scored = [self.engine.score(ScoreJob(tuple(i), None, p.prompt_logprobs)) if p.prompt_logprobs is not None
+                  else None for i, p in zip(ids, plist)]
         runs = []
         bar = _progress_bar(sum(p.n for p in plist)) if use_tqdm else None
         for prompt_ids, p in zip(ids, plist):
@@ -118,8 +135,30 @@ class LLM:
         failed = next((c.error for choices in runs for c in choices if c.error), None)
         if failed:
             raise MemraError(failed)
-        return [RequestOutput(p if isinstance(p, str) else None, i, [_output(k, c) for k, c in enumerate(choices)])
-                for p, i, choices in zip(batch, ids, runs)]
+        return [RequestOutput(p if isinstance(p, str) else None, i, [_output(k, c) for k, c in enumerate(choices)],
+                              None if f is None else [_as_dict(i[k], t) for k, t in enumerate(f.result())])
+                for p, i, choices, f in zip(batch, ids, runs, scored)]
+
+    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], continuations: Sequence[str] | Sequence[Sequence[int]],
+              top_logprobs: int = 0) -> list[ScoreOutput]:
+        """Each continuation's tokens scored after its prompt: the prompt primed as a prompt, the
+        continuation stepped as decode steps, so a token gets, bit for bit, the logprob it had when it was
+        sampled (memra.engine.scoring). Text prompts are encoded with the special tokens, text
+        continuations without; give token ids to score exactly what was generated."""
+        if len(prompts) != len(continuations):
+            raise MemraError(f"score got {len(prompts)} prompts for {len(continuations)} continuations")
+        enc = self.tokenizer.encode
+        pairs = [(enc(p, add_special=True) if isinstance(p, str) else list(p),
+                  enc(c, add_special=False) if isinstance(c, str) else list(c)) for p, c in zip(prompts, continuations)]
+        if any(not p or not c for p, c in pairs):
+            raise MemraError("score needs a non-empty prompt and continuation in every pair")
+        futures = [self.engine.score(ScoreJob(tuple(p + c), len(p), top_logprobs)) for p, c in pairs]
+        self.engine.run_until_idle()
+        outs = []
+        for (p, c), f in zip(pairs, futures):
+            got = f.result()[len(p):]
+            outs.append(ScoreOutput(p, c, [t.logprob for t in got], [dict(t.top) for t in got] if top_logprobs else None))
+        return outs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                stats: GenerationStats | None = None) -> Iterator[str]:
@@ -223,6 +262,10 @@ def _prompt_list(prompts) -> list:
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _as_dict(token: int, t: TokenScore | None) -> dict[int, float] | None:
+    return None if t is None else {token: t.logprob, **dict(t.top)}
 
 
 def _output(index: int, c: _Choice) -> CompletionOutput:

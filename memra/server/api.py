@@ -29,12 +29,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from memra.errors import ContextOverflowError, MemraError
 from memra.server.auth import install_api_key
 from memra.server.bodies import read_json, validate
-from memra.server.choices import ReplyHeader, RequestOutputs, TextWorker
+from memra.server.choices import ReplyHeader, RequestOutputs, TextWorker, reply_body
 from memra.engine.engine import Engine, QueueFull, Unavailable
+from memra.engine.scoring import ScoreJob
 from memra.server.errors import ApiError, error_response, install_error_handlers, model_not_found, too_many_requests
 from memra.server.options import ServerOptions
 from memra.sampling import fresh_seed
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from memra.server.scored import Scored, ScoredReply
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
 
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of
@@ -146,14 +148,19 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         body = await body_of(request, CompletionRequest, CMPL)
         body.check_supported()
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        body.sampling(max_tokens, 0)  # refuse bad sampling before tokenizing anything
+        if max_tokens or not body.echo:  # echo with max_tokens 0 only scores (lm-eval's loglikelihood)
+            body.sampling(max_tokens, 0)  # refuse bad sampling before tokenizing anything
         prompts = body.prompts()
         for p in prompts:
             if isinstance(p, str):
                 check_chars(len(p))
         ids = [p if isinstance(p, list) else await encode(p, body.add_special_tokens) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        scored = await scored_reply(body, ids, texts, body.echo, body.logprobs if body.echo else None)
+        if not max_tokens:
+            return echo_only(body, ids, scored)
         return await serve(request, body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens,
-                           arrival=arrival)
+                           arrival=arrival, scored=scored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -166,11 +173,43 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         check_chars(sum(len(m.text()) for m in body.messages))
         ids = await off_loop(chat_ids, body.messages, body.add_special_tokens)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        scored = await scored_reply(body, [ids], [None], False, None)
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
-                           max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival)
+                           max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival,
+                           scored=scored)
+
+    async def scored_reply(body, ids: list[list[int]], texts: list, echo: bool, echo_top: int | None):
+        """The prompts' scores where the body asks for them (memra.engine.scoring, on the engine thread
+        between steps), as a ScoredReply; None where it asks for neither echo nor prompt_logprobs."""
+        if not echo and body.prompt_logprobs is None:
+            return None
+        top = max(echo_top or 0, body.prompt_logprobs or 0)
+        scores = [[] for _ in ids]
+        if echo_top is not None or body.prompt_logprobs is not None:
+            try:
+                futures = [engine.score(ScoreJob(tuple(p), body.continuation_start, top)) for p in ids]
+                scores = [await asyncio.wrap_future(f) for f in futures]
+            except QueueFull as err:
+                raise too_many_requests(str(err)) from None
+            except Unavailable as err:
+                raise ApiError(503, str(err)) from None
+        made = [t if t is not None else await off_loop(tok.decode, p, True) for p, t in zip(ids, texts)]
+        return ScoredReply(tuple(Scored(p, s, t) for p, s, t in zip(ids, scores, made)), body.n, echo, echo_top,
+                           body.prompt_logprobs, bool(body.return_tokens_as_token_ids))
+
+    def echo_only(body, ids: list[list[int]], scored: ScoredReply) -> JSONResponse:
+        """echo with max_tokens 0: each choice is its prompt, nothing generated."""
+        head = ReplyHeader("cmpl-" + uuid.uuid4().hex[:24], int(time.time()), model_name, False,
+                           sum(len(p) for p in ids) * body.n, False, scored=scored)
+        choices = []
+        for i in range(len(ids) * body.n):
+            choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
+            scored.extend(tok, choices[-1], i)
+        usage = {"prompt_tokens": head.prompt_tokens, "completion_tokens": 0, "total_tokens": head.prompt_tokens}
+        return JSONResponse(reply_body(head, choices, usage))
 
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
-                    max_tokens: int, arrival: float):
+                    max_tokens: int, arrival: float, scored: ScoredReply | None = None):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
         if body.speculative and not engine.spec.enabled:
             raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
@@ -190,7 +229,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             engine.cancel(out.rids)
             raise
         head = ReplyHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model_name,
-                           chat, sum(len(p) for p in prompts) * body.n, logprobs is not None)
+                           chat, sum(len(p) for p in prompts) * body.n, logprobs is not None,
+                           bool(body.return_tokens_as_token_ids), scored)
         if body.stream:
             first = None if metrics is None else lambda: metrics.http_ttft.observe(time.perf_counter() - arrival)
             return StreamingResponse(out.events(head, body.include_usage, first), media_type="text/event-stream")

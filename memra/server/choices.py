@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from memra.engine.engine import TokenEvent
 from memra.server.errors import error_response
+from memra.server.scored import ScoredReply, text_offsets, token_text
 from memra.tokenizer import TextStream
 
 _ERROR_STATUS = {"shutdown": 503, "refused": 400, "engine": 500}
@@ -60,6 +61,8 @@ class ReplyHeader:
     chat: bool
     prompt_tokens: int
     logprobs: bool  # the client asked for logprobs
+    as_ids: bool = False  # return_tokens_as_token_ids
+    scored: ScoredReply | None = None  # echo / prompt_logprobs (memra.server.scored)
 
 
 class TextWorker:
@@ -207,15 +210,15 @@ class RequestOutputs:
         choices = []
         for i in range(n):
             text = "".join(texts[i])
-            lp = logprobs_body(self.tok, logs[i], head.chat) if head.logprobs else None
+            lp = logprobs_body(self.tok, logs[i], head.chat, head.as_ids) if head.logprobs else None
             if head.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                 "finish_reason": finish[i]})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
-        return JSONResponse({"id": head.id, "object": "chat.completion" if head.chat else "text_completion",
-                             "created": head.created, "model": head.model, "choices": choices,
-                             "usage": self._usage(head)})
+            if head.scored is not None:
+                head.scored.extend(self.tok, choices[-1], i)
+        return JSONResponse(reply_body(head, choices, self._usage(head)))
 
     def _usage(self, head: ReplyHeader) -> dict:
         done = sum(self.tokens)
@@ -245,12 +248,15 @@ class RequestOutputs:
                                                         "code": status}}) + "\n\n"
             if ev.token_id is None and not d.text and d.finish_reason not in ("stop", "length"):
                 return ""  # an abort without words: nothing to tell
-            lp = logprobs_body(self.tok, [ev], head.chat) if head.logprobs and ev.token_id is not None else None
+            lp = (logprobs_body(self.tok, [ev], head.chat, head.as_ids, emitted[d.index])
+                  if head.logprobs and ev.token_id is not None else None)
+            emitted[d.index] += len(d.text)
             if head.chat:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 return chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
             return chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
 
+        emitted = [0] * len(self.streams)  # characters each choice has sent: its next token's text_offset
         try:
             if head.chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -271,18 +277,27 @@ class RequestOutputs:
             self.cancel_open()
 
 
-def logprobs_body(tok, events: list[TokenEvent], chat: bool):
+def reply_body(head: ReplyHeader, choices: list[dict], usage: dict) -> dict:
+    body = {"id": head.id, "object": "chat.completion" if head.chat else "text_completion", "created": head.created,
+            "model": head.model, "choices": choices, "usage": usage}
+    if head.chat and head.scored is not None and head.scored.prompt_top is not None:  # vLLM: the response's
+        body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
+    return body
+
+
+def logprobs_body(tok, events: list[TokenEvent], chat: bool, as_ids: bool = False, base: int = 0):
+    """The generated tokens' logprobs object; `base`: the first token's text_offset."""
     events = [e for e in events if e.token_id is not None and e.logprob is not None]
     if chat:
         def entry(tid: int, lp: float) -> dict:
-            s = tok.decode([tid])
+            s = token_text(tok, tid, as_ids)
             return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top_logprobs]}
                             for e in events]}
-    return {"tokens": [tok.decode([e.token_id]) for e in events], "token_logprobs": [e.logprob for e in events],
-            "top_logprobs": [{tok.decode([t]): v for t, v in e.top_logprobs} for e in events],
-            "text_offset": []}
+    return {"tokens": [token_text(tok, e.token_id, as_ids) for e in events], "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{token_text(tok, t, as_ids): v for t, v in e.top_logprobs} for e in events],
+            "text_offset": text_offsets(tok, [e.token_id for e in events], base)}
 
 
 def _shift(ev: TokenEvent, offset: int) -> TokenEvent:

@@ -75,6 +75,17 @@ class _Sampling(BaseModel):
     # memra's extra: false = decode this request plainly on a server started with --speculative (its tokens
     # and logprobs are the same either way, E4); true on a server without speculation is refused
     speculative: StrictBool | None = None
+    prompt_logprobs: _integer(0, MAX_LOGPROBS) | None = None  # vLLM's: score the prompt (memra.server.scored)
+    continuation_start: _integer(1, INT32) | None = None  # memra's: the first generated position of the prompt (E9)
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: tokens as "token_id:<id>"
+
+    def check_scoring(self, echo_logprobs: bool) -> None:
+        """The refusals of the scoring fields; echo_logprobs: the completions route's echo with logprobs."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise MemraError("prompt_logprobs is not available with stream: true (as in vLLM); ask without stream")
+        if self.continuation_start is not None and not echo_logprobs and self.prompt_logprobs is None:
+            raise MemraError("continuation_start says where scoring switches to the decode arithmetic; it needs "
+                             "prompt_logprobs (or, on /v1/completions, echo with logprobs)")
 
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
@@ -114,8 +125,14 @@ class CompletionRequest(_Sampling):
     suffix: Text | None = None
 
     def check_supported(self) -> None:
-        if self.echo:
-            raise MemraError("echo is not supported")
+        if self.echo and self.stream:
+            raise MemraError("echo is not available with stream: true; ask without stream")
+        self.check_scoring(self.echo and self.logprobs is not None)
+
+    @property
+    def scores(self) -> bool:
+        """Whether the prompt must be scored: echo with logprobs, or prompt_logprobs."""
+        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -158,6 +175,7 @@ class ChatRequest(_Sampling):
     def check_supported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise MemraError("top_logprobs needs logprobs: true")
+        self.check_scoring(False)
 
 
 class TokenizeRequest(BaseModel):

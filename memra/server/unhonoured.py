@@ -4,7 +4,8 @@ with a 400 naming it, so that no client believes it got what it asked for.
 The rule: a field in the table below is refused when the request carries it with any value other than
 null or one of its no-op values (the value that asks for what memra does anyway: `store: false`,
 `ignore_eos: false`, `tools: []`, `response_format: {"type": "text"}`, ...). Fields the protocols do not
-define (vendor extras) stay ignored, and the fields memra honours are validated by
+define (vendor extras) stay ignored, and the fields memra honours (`n`, `logprobs`, `echo` on
+completions, `prompt_logprobs`, `return_tokens_as_token_ids`, `add_special_tokens`, ...) are validated by
 memra.server.protocol. Where a field has a no-op value only because another field is refused
 (`tool_choice: "auto"` needs `tools`, which is refused when non-empty), that value is accepted.
 
@@ -93,7 +94,6 @@ TABLE: tuple[Unhonoured, ...] = (
     R("truncate_prompt_tokens", BOTH, "vllm-samp", _never, "memra never truncates a prompt"),
     R("allowed_token_ids", BOTH, "vllm-samp", _never, "memra has no allow-list; use logit_bias"),
     R("bad_words", BOTH, "vllm-samp", _empty, "memra has no bad-word filter"),
-    R("prompt_logprobs", BOTH, "vllm-samp", _never, "memra does not score prompts yet"),
     # vLLM's extra params
     R("echo", (CHAT,), "vllm-extra", _is(False), "memra's chat does not prepend the last message"),
     R("add_generation_prompt", (CHAT,), "vllm-extra", _is(True), "memra always adds the generation prompt"),
@@ -116,7 +116,6 @@ TABLE: tuple[Unhonoured, ...] = (
     R("priority", BOTH, "vllm-extra", _is(0), "memra schedules first come, first served"),
     R("request_id", BOTH, "vllm-extra", _never, "memra makes its own response ids"),
     R("logits_processors", BOTH, "vllm-extra", _empty, "memra runs no custom logits processors"),
-    R("return_tokens_as_token_ids", BOTH, "vllm-extra", _is(False), "memra reports tokens as text"),
     R("return_token_ids", BOTH, "vllm-extra", _is(False), "memra does not return token ids"),
     R("cache_salt", BOTH, "vllm-extra", _never, "memra's cache takes no salt"),
     R("kv_transfer_params", BOTH, "vllm-extra", _never, "memra has no KV transfer"),

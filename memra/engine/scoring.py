@@ -1,0 +1,179 @@
+"""Scoring a text: each token's logprob given the tokens before it, with the arithmetic that would have
+produced it (promise E9, docs/EXACTNESS.md).
+
+    ids [n], start s (optional) --> scores[i] for i in 0..n-1: the logprob of ids[i] (None for i = 0)
+
+A logprob is of the raw logits (before temperature, penalties, top-k/p), log_softmax in fp32 over the
+one row [V] - exactly what the sampler reports for a sampled token (memra.engine.sampler.launch_pick).
+
+Where the logits come from:
+- without `start`, the whole text is a prompt: it is primed in 64-aligned chunks with every position's
+  logits (memra.step.prime(all_logits=True)); row i scores ids[i + 1]. E5 makes a row's bits the same
+  whatever the chunking, and a prime does not depend on other sequences (E1/E6).
+- with `start` = s, ids[:s] is the prompt a sequence was given and ids[s:] what it generated. Rows
+  0..s-2 come from the prompt's prime as above. Row s-1, the logits the first generated token was drawn
+  from, is the engine's: the head over the last prompt position alone (on a CPU a linear's bits depend
+  on its row count, so the row of an all-positions head is not it). Rows s..n-2 are decode steps: the
+  verify body (memra.step.decode_step_t), whose column j is bit-identical to decode_step (E4): attention
+  row by row, GDN in its recurrent form. Priming the continuation as prompt text instead
+  (`prefill_continuation`, the gate's canary) gives other bits: GDN's chunked form is another algorithm,
+  and on a CPU a linear's rows depend on how many rows its forward has.
+
+On a server a scoring job runs whole between two engine steps (ScoreJobs), on a cache from the engine's
+pools that the scheduler's free blocks and slots cover, so it cannot take memory a running sequence was
+promised; it waits for that room. Its cost is one prefill of the text (plus at most 64 tokens primed
+again for the row s-1), so a long text delays the other sequences' next step by that much.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from memra import counters
+from memra.cache import BLOCK_SIZE
+from memra.errors import MemraError
+from memra.engine.scheduler import QueueFull
+from memra.kernels.cuts import TILE
+from memra.sampling import MAX_LOGPROBS
+from memra.step import decode_step_t, prime
+
+SCORE_CHUNK = 4 * TILE  # tokens per prime / verify call: bounds the [T, V] logits held at once (64-aligned: E5)
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """One position's score: ids[i]'s logprob, its rank among the vocabulary (1 = the argmax), and the
+    top n (token id, logprob) of the row it was scored from."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    ids: tuple[int, ...]
+    start: int | None = None  # continuation_start: the first generated position
+    top: int = 0  # top-n per position
+    prefill_continuation: bool = False  # the canary: prime the continuation as prompt text (not decode's bits)
+
+    def check(self, vocab: int, max_len: int, in_process: bool = True) -> None:
+        if not in_process:  # a process pipeline (no preemption either) has no all-positions prime
+            raise MemraError("scoring (echo with logprobs, prompt_logprobs) needs the model in this process")
+        n = len(self.ids)
+        if n == 0:
+            raise MemraError("cannot score an empty text")
+        if n > max_len:
+            raise MemraError(f"the text to score has {n} tokens; this server holds at most {max_len} per sequence")
+        if self.start is not None and not 1 <= self.start <= n:
+            raise MemraError(f"continuation_start must be in 1..{n} (a token position of this text), got {self.start}")
+        if not 0 <= self.top <= MAX_LOGPROBS:
+            raise MemraError(f"top logprobs must be in 0..{MAX_LOGPROBS}, got {self.top}")
+        if min(self.ids) < 0 or max(self.ids) >= vocab:
+            raise MemraError(f"token ids must be in 0..{vocab - 1}")
+
+
+def row_score(logits: torch.Tensor, token: int, top: int) -> TokenScore:
+    """The sampler's numbers for one row [V]: log_softmax over the fp32 row, the token's value."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    lp = logp[token]
+    rank = int((logp > lp).sum()) + 1
+    tops = ()
+    if top:
+        vals, ids = torch.topk(logp, top)
+        tops = tuple(zip(ids.tolist(), vals.double().tolist()))
+    return TokenScore(float(lp.double()), rank, tops)
+
+
+def score(model, job: ScoreJob, cache) -> list[TokenScore | None]:
+    """Every position's score (None for position 0), on `cache` (empty; left holding the text)."""
+    ids, n = list(job.ids), len(job.ids)
+    s = n if job.start is None else job.start
+    out: list[TokenScore | None] = [None]
+    # rows 0..s-2: the prompt's prime with every position's logits (row i scores ids[i + 1]); where a
+    # continuation follows, row s-1 is the engine's own: the final piece (from the last 64-aligned cut)
+    # is primed once for its rows and once more, from a snapshot, for the head over its last position
+    cut = ((s - 1) // TILE) * TILE if s < n else s
+    for a in range(0, cut, SCORE_CHUNK):
+        _prime_rows(model, ids, a, min(a + SCORE_CHUNK, cut), cache, job.top, out, s)
+    if cut < s:
+        snap = cache.snapshot()
+        _prime_rows(model, ids, cut, s, cache, job.top, out, s)
+        cache.restore(snap)
+        out.append(row_score(prime(model, ids[cut:s], cache), ids[s], job.top))
+    # rows s..n-2: the continuation's decode steps (verify columns), each scoring the next token
+    for a in range(s, n - 1, SCORE_CHUNK):
+        b = min(a + SCORE_CHUNK, n - 1)
+        if job.prefill_continuation:  # the canary: the prompt arithmetic where decode's was used
+            logits = prime(model, ids[a:b], cache, all_logits=True)
+        else:
+            logits, _ = decode_step_t(model, ids[a:b], a, cache)
+            counters.bump("scored_decode_tokens", b - a)
+        out += [row_score(logits[j], ids[a + j + 1], job.top) for j in range(b - a)]
+    counters.bump("scored_tokens", n - 1)
+    assert len(out) == n
+    return out
+
+
+def _prime_rows(model, ids, a: int, b: int, cache, top: int, out: list, limit: int) -> None:
+    """Prime ids[a:b] (a on the 64-grid) with every position's logits [b-a, V]; append the rows that
+    score ids[a+1 .. min(b, limit-1)] (the prompt part: position limit on is scored elsewhere)."""
+    logits = prime(model, ids[a:b], cache, all_logits=True)
+    for j in range(min(b, limit - 1) - a):
+        out.append(row_score(logits[j], ids[a + j + 1], top))
+    counters.bump("scored_prompt_tokens", b - a)
+
+
+class ScoreJobs:
+    """The engine's queue of scoring jobs: each runs whole between two steps, when the scheduler's free
+    blocks and slots cover its cache (module docstring). FIFO: a job that does not fit holds the ones
+    behind it, so none is overtaken for ever."""
+
+    def __init__(self):
+        self._queue: collections.deque[tuple[ScoreJob, Future]] = collections.deque()
+
+    def put(self, job: ScoreJob, wake, bound: int) -> Future:
+        """Queue `job`, then set `wake` (the engine thread's event); QueueFull past `bound` jobs."""
+        if len(self._queue) >= bound:
+            raise QueueFull(f"{bound} scoring jobs are already waiting; retry later")
+        fut: Future = Future()
+        self._queue.append((job, fut))
+        wake.set()
+        return fut
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def run_ready(self, model, scheduler, new_cache) -> bool:
+        """Run the queued jobs that fit now, in order. -> whether any ran."""
+        ran = False
+        while self._queue:
+            job, fut = self._queue[0]
+            blocks = -(-len(job.ids) // BLOCK_SIZE)
+            slots = scheduler.free_slots()
+            if blocks > scheduler.free_blocks() or (slots is not None and slots < 1):
+                return ran
+            self._queue.popleft()
+            ran = True
+            if not fut.set_running_or_notify_cancel():
+                continue
+            cache = None
+            try:
+                cache = new_cache(len(job.ids))
+                fut.set_result(score(model, job, cache))
+            except MemraError as err:
+                fut.set_exception(err)
+            finally:
+                if cache is not None:
+                    cache.free()
+        return ran
+
+    def fail_all(self, err: BaseException) -> None:
+        while self._queue:
+            _, fut = self._queue.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
