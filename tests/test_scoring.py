@@ -65,7 +65,7 @@ def test_prompt_logprobs_in_generate(llm):
 
 def test_score_refusals(llm):
     with pytest.raises(MemraError, match="continuation_start"):
-        llm.engine.score(ScoreJob((1, 2, 3), 4))
+        llm.engine.score_jobs.submit(ScoreJob((1, 2, 3), 4))
     with pytest.raises(MemraError, match="empty"):
         llm.score([[5, 6]], [[]])
     with pytest.raises(MemraError, match="prompt_logprobs"):

@@ -175,7 +175,8 @@ def test_prompt_logprobs_on_completions_and_chat(demo, url):
     ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "continuation_start": 1}, "continuation_start"),
-    ({"prompt": "ROMEO:", "echo": True, "logprobs": 0, "max_tokens": 0, "continuation_start": 99}, "continuation_start"),
+    ({"prompt": "ROMEO:", "echo": True, "logprobs": 0, "max_tokens": 0, "continuation_start": 99},
+     "continuation_start"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
 ])

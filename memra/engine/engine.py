@@ -1,33 +1,29 @@
-"""The engine: the one loop that decides every next token, for the server, `memra generate`,
-`memra chat` and memra.LLM alike.
+"""The engine: the one loop that decides every next token, for the server, `memra generate`, `memra chat` and memra.LLM.
 
-    submit() --> [commands] --> step(): schedule -> swap out/in -> the decode rows, fed the last
-                                        step's tokens on the device, and the prefill chunks, in one
-                                        forward where they may share it (memra.step.mixed_step) ->
-                                        land the last step: its tokens to the host, ended sequences freed
-                                        (memra.engine.inflight) -> every row's token chosen on the
-                                        device, not waited for (memra.engine.sampler) -> the landed
-                                        tokens' events to each request's sink, once this step is
-                                        launched, so the readers' threads run while the GPU does
+    submit() --> [commands] --> step(): schedule -> swap out/in -> the decode rows, fed the last step's tokens on
+                                        the device, and the prefill chunks, in one forward where they may share it
+                                        (memra.step.mixed_step) -> land the last step: its tokens to the host, ended
+                                        sequences freed (memra.engine.inflight) -> every row's token chosen on the
+                                        device, not waited for (memra.engine.sampler) -> the landed tokens' events to
+                                        each request's sink, once this step is launched, so the readers' threads run
+                                        while the GPU does
 
-step() runs on the caller's thread (offline: run_until_idle) or on the serving thread (start()).
-
-Every request's tokens are the ones the reference loop (memra.generate.generate_tokens) produces for
-it alone, bit for bit:
-- prefill chunks are cut at absolute multiples of 64 (the scheduler's alignment), which is the very
-  set of forwards a one-shot prime runs (E5); a step's chunks share forwards only where a token's
-  bits cannot depend on its forward (memra.step.prime_batch; the gate's prime-batch arm);
+Every request gets the tokens the reference loop (memra.generate.generate_tokens) produces for it alone, bit for bit:
+- prefill chunks are cut at absolute multiples of 64 (the scheduler's alignment), which is the very set of forwards a
+  one-shot prime runs (E5); a step's chunks share forwards only where a token's bits cannot depend on its forward
+  (memra.step.prime_batch; the gate's prime-batch arm);
 - a decode row is bit-identical to that sequence decoded alone (E1: decode_step_batch);
-- each token is chosen by the reference rule: penalties over its own prompt and output, step counter
-  = its output index, noise = f(seed, counter, id) (E3), so what else runs cannot change it;
-- preemption swaps the KV blocks and the recurrent slot out to host memory and back, byte for byte
-  (recomputing would re-run generated tokens through the chunked GDN form and change the bits).
+- each token is chosen by the reference rule: penalties over its own prompt and output, step counter = its output
+  index, noise = f(seed, counter, id) (E3), so what else runs cannot change it;
+- preemption swaps the KV blocks and the recurrent slot out to host memory and back, byte for byte (recomputing would
+  re-run generated tokens through the chunked GDN form and change the bits).
 
-The engine does model work only. Text is the reader's business: an event carries token ids (and
-logprobs when asked); the reader turns them into text, watches for stop strings (memra.tokenizer
-.TextStream) and ends a sequence that hit one with cancel(rids, finish_reason="stop"). How a sequence
-ends, and the error kinds an abort carries, are in memra.engine.types.TokenEvent. What the engine runs
-on is a backend (memra.engine.backends): the model in this process, or a process pipeline.
+The engine does model work only. Text is the reader's business: an event carries token ids (and logprobs when asked);
+the reader turns them into text, watches for stop strings (memra.tokenizer.TextStream) and ends a sequence that hit
+one with cancel(rids, finish_reason="stop"). How a sequence ends, and the error kinds an abort carries:
+memra.engine.types.TokenEvent. Backends (memra.engine.backends): the model in this process, or a process pipeline.
+Scoring jobs (memra.engine.scoring) run whole between two steps. step() runs on the caller's thread (offline:
+run_until_idle) or on the serving thread (start()).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ from memra.engine.backends import backend_for
 from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
-from memra.engine.scoring import ScoreJob, ScoreJobs
+from memra.engine.scoring import ScoreJobs
 from memra.engine.seq_state import SeqState
 from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
@@ -93,7 +89,7 @@ class Engine:
         self.step_mix = StepMix()  # steps by kind and their time: what `memra bench throughput` reports
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.score_jobs = ScoreJobs()  # scoring runs between steps (memra.engine.scoring)
+        self.score_jobs = ScoreJobs(self)  # scoring runs between steps; .submit(job) queues one
 
     @property
     def max_len(self) -> int:
@@ -129,12 +125,6 @@ class Engine:
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]
-
-    def score(self, job: ScoreJob):  # queue a scoring job (memra.engine.scoring) -> a Future of its scores
-        job.check(self.model.cfg.vocab_size, self.cache_ctx, in_process=self.backend.preemption)
-        with self._lock:  # refusals as submit's
-            self._check_open()
-            return self.score_jobs.put(job, self._wake, self.cfg.max_waiting)
 
     def _check_open(self) -> None:
         if not self._accepting:
@@ -194,7 +184,7 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs or self.score_jobs or self._outbox) or not self._commands.empty() or self._inflight is not None
+        return bool(self.seqs or self.score_jobs or self._outbox or self._inflight) or not self._commands.empty()
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -204,12 +194,12 @@ class Engine:
         self._drain_commands()
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
-        scored = self.score_jobs.run_ready(self.model, self.scheduler, self.backend.new_cache)
+        self.score_jobs.run_ready()  # a job that ran alone sends no event: the idle wait after it is short
         plan = self.scheduler.schedule()
         if plan.empty:
             landed = self._land()
             self._publish_gauges(0)
-            return self._send_events() or landed or scored
+            return self._send_events() or landed
         self._step(plan)
         return True
 

@@ -118,8 +118,9 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p) for p in batch]
         for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
             self.engine.check_request(prompt_ids, p)
-        scored = [self.engine.score(ScoreJob(tuple(i), None, p.prompt_logprobs)) if p.prompt_logprobs is not None
-                  else None for i, p in zip(ids, plist)]
+        jobs = self.engine.score_jobs  # prompt_logprobs: each prompt scored as a prompt (memra.engine.scoring)
+        scored = [jobs.submit(ScoreJob(tuple(i), None, p.prompt_logprobs)) if p.prompt_logprobs is not None else None
+                  for i, p in zip(ids, plist)]
         runs = []
         bar = _progress_bar(sum(p.n for p in plist)) if use_tqdm else None
         for prompt_ids, p in zip(ids, plist):
@@ -139,8 +140,8 @@ class LLM:
                               None if f is None else [_as_dict(i[k], t) for k, t in enumerate(f.result())])
                 for p, i, choices, f in zip(batch, ids, runs, scored)]
 
-    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]], continuations: Sequence[str] | Sequence[Sequence[int]],
-              top_logprobs: int = 0) -> list[ScoreOutput]:
+    def score(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+              continuations: Sequence[str] | Sequence[Sequence[int]], top_logprobs: int = 0) -> list[ScoreOutput]:
         """Each continuation's tokens scored after its prompt: the prompt primed as a prompt, the
         continuation stepped as decode steps, so a token gets, bit for bit, the logprob it had when it was
         sampled (memra.engine.scoring). Text prompts are encoded with the special tokens, text
@@ -152,12 +153,13 @@ class LLM:
                   enc(c, add_special=False) if isinstance(c, str) else list(c)) for p, c in zip(prompts, continuations)]
         if any(not p or not c for p, c in pairs):
             raise MemraError("score needs a non-empty prompt and continuation in every pair")
-        futures = [self.engine.score(ScoreJob(tuple(p + c), len(p), top_logprobs)) for p, c in pairs]
+        futures = [self.engine.score_jobs.submit(ScoreJob(tuple(p + c), len(p), top_logprobs)) for p, c in pairs]
         self.engine.run_until_idle()
         outs = []
         for (p, c), f in zip(pairs, futures):
             got = f.result()[len(p):]
-            outs.append(ScoreOutput(p, c, [t.logprob for t in got], [dict(t.top) for t in got] if top_logprobs else None))
+            tops = [dict(t.top) for t in got] if top_logprobs else None
+            outs.append(ScoreOutput(p, c, [t.logprob for t in got], tops))
         return outs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -129,33 +129,39 @@ def _prime_rows(model, ids, a: int, b: int, cache, top: int, out: list, limit: i
 
 
 class ScoreJobs:
-    """The engine's queue of scoring jobs: each runs whole between two steps, when the scheduler's free
-    blocks and slots cover its cache (module docstring). FIFO: a job that does not fit holds the ones
-    behind it, so none is overtaken for ever."""
+    """An engine's queue of scoring jobs: each runs whole between two steps (on the engine's thread), when
+    the scheduler's free blocks and slots cover its cache (module docstring). FIFO: a job that does not
+    fit holds the ones behind it, so none is overtaken for ever."""
 
-    def __init__(self):
+    def __init__(self, engine):
+        self.engine = engine
         self._queue: collections.deque[tuple[ScoreJob, Future]] = collections.deque()
 
-    def put(self, job: ScoreJob, wake, bound: int) -> Future:
-        """Queue `job`, then set `wake` (the engine thread's event); QueueFull past `bound` jobs."""
-        if len(self._queue) >= bound:
-            raise QueueFull(f"{bound} scoring jobs are already waiting; retry later")
-        fut: Future = Future()
-        self._queue.append((job, fut))
-        wake.set()
+    def submit(self, job: ScoreJob) -> Future:
+        """Queue `job` (any thread). -> a Future of its scores. Refusals as Engine.submit's: MemraError (a
+        bad job), QueueFull (max_waiting jobs already queued), Unavailable (shutting down, stopped)."""
+        e = self.engine
+        job.check(e.model.cfg.vocab_size, e.cache_ctx, in_process=e.backend.preemption)
+        with e._lock:  # as submit: the engine thread's exit fails what is queued under this lock
+            e._check_open()
+            if len(self._queue) >= e.cfg.max_waiting:
+                raise QueueFull(f"{e.cfg.max_waiting} scoring jobs are already waiting; retry later")
+            fut: Future = Future()
+            self._queue.append((job, fut))
+        e._wake.set()
         return fut
 
     def __len__(self) -> int:
         return len(self._queue)
 
-    def run_ready(self, model, scheduler, new_cache) -> bool:
-        """Run the queued jobs that fit now, in order. -> whether any ran."""
-        ran = False
+    def run_ready(self) -> bool:
+        """Run the queued jobs that fit now, in order (on the engine's thread). -> whether any ran."""
+        e, ran = self.engine, False
         while self._queue:
             job, fut = self._queue[0]
             blocks = -(-len(job.ids) // BLOCK_SIZE)
-            slots = scheduler.free_slots()
-            if blocks > scheduler.free_blocks() or (slots is not None and slots < 1):
+            slots = e.scheduler.free_slots()
+            if blocks > e.scheduler.free_blocks() or (slots is not None and slots < 1):
                 return ran
             self._queue.popleft()
             ran = True
@@ -163,8 +169,8 @@ class ScoreJobs:
                 continue
             cache = None
             try:
-                cache = new_cache(len(job.ids))
-                fut.set_result(score(model, job, cache))
+                cache = e.backend.new_cache(len(job.ids))
+                fut.set_result(score(e.model, job, cache))
             except MemraError as err:
                 fut.set_exception(err)
             finally:

@@ -62,7 +62,7 @@ def run_score_battery(model, steps: int = 24, plen: int = 20, out: Callable[[str
     for name, params in draws.items():
         for prompt, evs in zip(prompts, _sample(engine, prompts, params)):
             gen = [e.token_id for e in evs]
-            fut = engine.score(ScoreJob(tuple(prompt + gen), len(prompt), TOP, prefill_continuation=canary))
+            fut = engine.score_jobs.submit(ScoreJob(tuple(prompt + gen), len(prompt), TOP, prefill_continuation=canary))
             engine.run_until_idle()
             got = fut.result()[len(prompt):]
             expected_decode += 0 if canary else len(gen) - 1
@@ -73,7 +73,7 @@ def run_score_battery(model, steps: int = 24, plen: int = 20, out: Callable[[str
                     break
     led.verdict("score", "a completion's scored logprobs == its sampled ones, greedy and seeded, bit for bit")
     for prompt in prompts:
-        fut = engine.score(ScoreJob(tuple(prompt), None, TOP))
+        fut = engine.score_jobs.submit(ScoreJob(tuple(prompt), None, TOP))
         engine.run_until_idle()
         cache = model.new_cache(len(prompt))
         rows = model.prime(prompt, cache, all_logits=True)

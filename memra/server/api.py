@@ -187,7 +187,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         scores = [[] for _ in ids]
         if echo_top is not None or body.prompt_logprobs is not None:
             try:
-                futures = [engine.score(ScoreJob(tuple(p), body.continuation_start, top)) for p in ids]
+                futures = [engine.score_jobs.submit(ScoreJob(tuple(p), body.continuation_start, top)) for p in ids]
                 scores = [await asyncio.wrap_future(f) for f in futures]
             except QueueFull as err:
                 raise too_many_requests(str(err)) from None

@@ -295,7 +295,8 @@ def logprobs_body(tok, events: list[TokenEvent], chat: bool, as_ids: bool = Fals
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top_logprobs]}
                             for e in events]}
-    return {"tokens": [token_text(tok, e.token_id, as_ids) for e in events], "token_logprobs": [e.logprob for e in events],
+    return {"tokens": [token_text(tok, e.token_id, as_ids) for e in events],
+            "token_logprobs": [e.logprob for e in events],
             "top_logprobs": [{token_text(tok, t, as_ids): v for t, v in e.top_logprobs} for e in events],
             "text_offset": text_offsets(tok, [e.token_id for e in events], base)}
 
