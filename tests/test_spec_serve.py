@@ -1,20 +1,23 @@
 """Speculative decoding in the server (promise E4 under load): a real server on loopback started with
 speculation (MTP, n-gram) answers every request — greedy, seeded sampled, with penalties, with logprobs —
 with the very JSON the plain server gives it, tokens and logprob floats alike, at concurrency 1, 8 and 32.
-Also: the per-request opt-out, its refusal on a plain server, /metrics, memra.LLM(speculative=), the
+Also: a stream, the per-request opt-out, its refusal on a plain server, /metrics, memra.LLM(speculative=), the
 scheduler's accounting for the extra positions, preemption while speculating, and the canary (a
 verify that forgets its rollback) that the comparison must catch."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import httpx
 import pytest
 
 import memra
+from conftest import hf_dir
 from memra.engine.engine import Engine, EngineConfig
 from memra.engine.scheduler import Scheduler, SchedulerConfig
+from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.server.api import build_app
 from memra.server.http import ServerThread
@@ -196,3 +199,26 @@ def test_scheduler_grants_extra_positions_within_the_free_blocks():
     assert s.get("a").generated == 4 and s.get("a").blocks == 2 and s.free_blocks() == 4
     with pytest.raises(ValueError, match="plan in flight"):
         s.reserve_extra("a", 1)
+
+
+def test_a_speculating_stream_equals_the_plain_answer(demo, reference):
+    srv = _server(demo, SpecConfig("mtp", k=3))
+    try:
+        for i in (0, 1):  # greedy and seeded, with logprobs
+            route, body = BODIES[i]
+            with httpx.stream("POST", srv.url + route, json={**body, "stream": True}, timeout=300) as r:
+                chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+            parts = [json.loads(c)["choices"][0] for c in chunks]
+            assert "".join(p["text"] for p in parts) == reference[i]["choices"][0]["text"]
+            got = [x for p in parts for x in p["logprobs"]["token_logprobs"]]
+            assert got == reference[i]["choices"][0]["logprobs"]["token_logprobs"]
+    finally:
+        srv.stop()
+
+
+def test_an_engine_refuses_speculation_it_cannot_run(demo, load_model):
+    with pytest.raises(MemraError, match="no MTP block; use --speculative ngram"):
+        Engine(load_model(hf_dir("llama")), EngineConfig(max_batch=2, max_ctx=64, speculative=SpecConfig("mtp")))
+    with pytest.raises(MemraError, match="no verify body"):
+        Engine(demo.with_doors(MEMRA_DECODE_PLAN="bucket"),
+               EngineConfig(max_batch=2, max_ctx=64, speculative=SpecConfig("ngram")))
