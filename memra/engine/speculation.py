@@ -16,6 +16,8 @@ A sequence speculates when the engine has a SpecConfig (`memra serve --speculati
              same penalties from the row's history, step counter = its output index, seeded noise,
              logprobs of the raw row) and emitted as the plain step would emit it; a draft survives
              only if it equals that choice. So every token and every logprob is the plain server's.
+             (Without penalties every column's choice is made ahead, all rows in one launch and one
+             copy to the host: column j is reached only after drafts[:j] came out.)
     rollback the rejected suffix is dropped (the row's state trail, or snapshot + replay) and the
              blocks past the kept position go back to the pool, so the cache holds what the
              scheduler counts.
@@ -35,7 +37,7 @@ import torch
 
 from memra import counters
 from memra.cache import BLOCK_SIZE, StateTrail
-from memra.engine.sampler import launch_pick
+from memra.engine.sampler import RowSpec, launch_pick
 from memra.errors import MemraError
 from memra.spec import MtpDrafter, NgramDrafter, SpecConfig, check_model, drop_rejected, next_k
 from memra.verify_batch import decode_step_t_batch
@@ -185,10 +187,11 @@ class Speculation:
         snaps = [v.seq.cache.snapshot() if self.cfg.rollback == "replay" else None for v in rows]
         verified = decode_step_t_batch(self.model, [[v.seq.out[-1], *v.drafts] for v in rows],
                                        [v.seq.cache for v in rows], [None if snap else t for snap, t in zip(snaps, trails)])
+        early = self._early_picks(rows, [logits for logits, _ in verified])
         extra = {}
-        for v, (logits, h_seed), trail, snap in zip(rows, verified, trails, snaps):
+        for v, (logits, h_seed), trail, snap, picks in zip(rows, verified, trails, snaps, early):
             s, drafts = v.seq, v.drafts
-            emitted, accepted = self._accept(s, drafts, logits, h_seed, trail, snap, emit)
+            emitted, accepted = self._accept(s, drafts, logits, h_seed, trail, snap, picks, emit)
             counters.bump("spec_drafted_tokens", len(drafts))
             counters.bump("spec_accepted_tokens", accepted)
             if metrics is not None:
@@ -204,14 +207,31 @@ class Speculation:
                 extra[s.rid] = emitted - 1
         return extra
 
-    def _accept(self, s, drafts: list[int], logits, h_seed, trail, snap, emit) -> tuple[int, int]:
-        """One row's accept walk over its verify's columns (logits [T, V]), then its rollback. -> (tokens
-        emitted, drafts accepted)."""
+    def _early_picks(self, rows: list[Verify], logits: list[torch.Tensor]) -> list[list | None]:
+        """Every column's choice, chosen at once, for the rows without penalties: there a column's choice
+        depends on the walk only through its step counter, and column j is reached only when the walk
+        emitted drafts[:j] before it — so it is the sampler's choice for output out + drafts[:j], made in one
+        launch and one copy to the host for all of them (the sampler's rows do not see each other, E3).
+        -> per row its picks, or None (penalized: chosen column by column as the walk goes)."""
+        specs, parts = [], []
+        for v, lg in zip(rows, logits):
+            s = v.seq
+            if not s.params.penalized:
+                specs += [RowSpec(s.params, s.prompt, s.out + v.drafts[:j], s.logprobs) for j in range(lg.shape[0])]
+                parts.append(lg)
+        picked = iter(launch_pick(self.model.ops, torch.cat(parts), specs).fetch() if specs else ())
+        return [None if v.seq.params.penalized else [next(picked) for _ in range(lg.shape[0])]
+                for v, lg in zip(rows, logits)]
+
+    def _accept(self, s, drafts: list[int], logits, h_seed, trail, snap, picks, emit) -> tuple[int, int]:
+        """One row's accept walk over its verify's columns (logits [T, V]; `picks`: their choices when made
+        ahead), then its rollback. -> (tokens emitted, drafts accepted)."""
         c, chunk = s.cache, [s.out[-1], *drafts]
         pos0 = c.pos - len(chunk)
         keep = accepted = 0
         while True:
-            picked = launch_pick(self.model.ops, logits[keep : keep + 1], [s.row]).fetch()[0]
+            picked = picks[keep] if picks is not None else \
+                launch_pick(self.model.ops, logits[keep : keep + 1], [s.row]).fetch()[0]
             emit(s, picked)
             keep += 1
             if keep <= len(drafts) and drafts[keep - 1] == picked.token:
