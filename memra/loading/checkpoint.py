@@ -59,12 +59,18 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """'demo' names the bundled demo model (unless a file or folder of that name exists here)."""
+    """'demo' names the bundled demo model, and ORG/NAME[:FILE.gguf] a Hugging Face model
+    (memra.loading.hub), unless a file or folder of that name exists here."""
     p = Path(path)
     if str(path) == "demo" and not p.exists():
         if not (DEMO_DIR / "config.json").exists():
             raise MemraError(f"the bundled demo model is missing from {DEMO_DIR}; reinstall memra")
         return DEMO_DIR
+    if isinstance(path, str):
+        from memra.loading.hub import looks_like_hub_name, resolve_hub_name
+
+        if looks_like_hub_name(path):
+            return resolve_hub_name(path)
     return p
 
 
@@ -72,7 +78,8 @@ def open_checkpoint(path: str | Path):
     """-> (ModelConfig, names mapper, tokenizer factory, kind). Understands an HF dir or a .gguf file."""
     p = resolve_model_path(path)
     if not p.exists():
-        raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory or a .gguf file)")
+        raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory, a .gguf file, "
+                         "or a Hugging Face name ORG/NAME[:FILE.gguf])")
     if p.is_dir():
         return _open_hf(p)
     try:
@@ -213,6 +220,7 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
     settings = settings if settings is not None else Settings.from_env()  # the doors, read once: now
     if str(path).startswith(RANDOM_PREFIX):
         return _random(str(path)[len(RANDOM_PREFIX):], dev, dt, tokenizer, budget, settings)
+    path = resolve_model_path(path)  # a hub name is looked up (and fetched) once, here
     opened = open_checkpoint(path)
     tok = opened[2]() if tokenizer else None  # a broken tokenizer fails before any weight is read
     cfg, weights, _ = load_weights(path, dev, dt, opened=opened, check_tensors=check_tensors, packed=packed_weights)
