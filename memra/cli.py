@@ -7,8 +7,10 @@ printed as one line, `error: ...`, with exit code 2, never a traceback. (A trace
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
+from pathlib import Path
 
 from memra.cli_common import add_load_args, add_model_args, add_spec_args, load_model, spec_config
 from memra.errors import MemraError
@@ -16,21 +18,26 @@ from memra.errors import MemraError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memra", description="memra: exact LLM inference")
+    parser.add_argument("--version", action="version", version=f"memra {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it as it is produced")
-    gen.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
-                     help="a Hugging Face model directory or .gguf file (default: the bundled demo model), "
-                          "then the prompt text (with --chat: the user message)")
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it as it is produced",
+                         usage="memra generate [options] [MODEL] PROMPT  (or -f FILE, or the prompt on stdin)")
+    gen.add_argument("args", nargs="*", metavar="[MODEL] PROMPT",
+                     help="a Hugging Face model directory, .gguf file or hub name ORG/NAME[:FILE.gguf] (default: "
+                          "the bundled demo model), then the prompt text (with --chat: the user message)")
+    gen.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-': standard input)")
     add_load_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (the stream depends only on seed and step)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest (0 = off)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed (the stream depends only on seed and step); default: a random one, "
+                          "printed in the stats line so the run can be repeated")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
     add_spec_args(gen)
@@ -141,12 +148,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from memra.sampling import SamplingParams
     from memra.tokenizer import TextStream
 
+    seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty)
-    if len(args.args) > 2:
-        raise MemraError(f"generate takes [MODEL] PROMPT, got {len(args.args)} arguments (quote the prompt)")
-    model_path, prompt = (args.args if len(args.args) == 2 else ("demo", args.args[0]))
+    model_path, prompt = _model_and_prompt(args.args, args.file)
     from memra.spec import check_model
 
     spec = spec_config(args)
@@ -183,11 +189,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.write("\n")
     out.flush()
     warm = f"warm-up {warm_s:.2f}s (kernels, decode plan check, graphs); " if spec is None else ""
+    seeded = f", seed {seed}" if not params.greedy else ""  # --seed N repeats this run
     print(f"[{warm}{stats.prompt_tokens} prompt tokens in {stats.prefill_seconds:.2f}s, {stats.generated_tokens} "
-          f"generated at {stats.decode_tokens_per_second:.1f} tok/s, finish: {stats.finish_reason}]", file=sys.stderr)
+          f"generated at {stats.decode_tokens_per_second:.1f} tok/s, finish: {stats.finish_reason}{seeded}]",
+          file=sys.stderr)
     if stats.spec is not None:
         print(f"[{stats.spec.summary()}]", file=sys.stderr)
     return 0
+
+
+def _model_and_prompt(words: list[str], file: str | None) -> tuple[str, str]:
+    """generate's [MODEL] PROMPT: two words are both; one word is the prompt to the demo model, unless it
+    names a model on disk (then the prompt comes from -f or standard input, or it is an error); the prompt
+    comes from -f FILE, or from standard input when it is not a terminal."""
+    if len(words) > 2 or (file is not None and len(words) > 1):
+        raise MemraError(f"generate takes [MODEL] PROMPT, got {len(words)} arguments (quote the prompt)")
+    piped = file is not None or not sys.stdin.isatty()  # a prompt can come from elsewhere
+    is_model = len(words) == 1 and (words[0].startswith("random:") or Path(words[0]).is_dir()
+                                    or (Path(words[0]).is_file() and words[0].endswith(".gguf"))
+                                    or (words[0] == "demo" and piped))
+    if len(words) == 2:
+        return words[0], words[1]
+    if len(words) == 1 and not is_model and file is None:
+        return "demo", words[0]
+    model = words[0] if words else "demo"
+    if file is not None and file != "-":
+        try:
+            with open(file, encoding="utf-8") as f:
+                return model, f.read()
+        except OSError as e:
+            raise MemraError(f"cannot read the prompt file {file}: {e.strerror or e}") from None
+    if file == "-" or not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+        if prompt:
+            return model, prompt[:-1] if prompt.endswith("\n") else prompt  # echo's newline is not the prompt's
+    raise MemraError(f"generate got the model {model!r} but no prompt; usage: memra generate [MODEL] PROMPT "
+                     "(or -f FILE, or the prompt on standard input)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memra")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

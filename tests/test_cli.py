@@ -85,3 +85,33 @@ def test_chat_repl_reads_turns_until_exit():
     assert r.returncode == 0, r.stderr
     assert "[conversation cleared]" in r.stderr
     assert len(r.stdout.strip().splitlines()) >= 2  # two replies
+
+
+def test_version_and_the_usage_line():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("memra ")
+    r = run("generate", "--help")
+    assert "usage: memra generate [options] [MODEL] PROMPT" in r.stdout
+
+
+def test_a_model_without_a_prompt_is_an_error_and_a_prompt_can_come_from_a_file_or_stdin(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "memra", "generate", str(hf_dir("llama")), "--max-tokens", "3"],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and r.stderr.startswith("error: generate got the model") and "no prompt" in r.stderr
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("ROMEO:", encoding="utf-8")
+    from_file = run("generate", str(hf_dir("llama")), "-f", str(prompt), "--max-tokens", "4")
+    from_stdin = subprocess.run([sys.executable, "-m", "memra", "generate", str(hf_dir("llama")), "--max-tokens", "4"],
+                                input="ROMEO:\n", capture_output=True, text=True, timeout=120)
+    said = run("generate", str(hf_dir("llama")), "ROMEO:", "--max-tokens", "4")
+    assert from_file.returncode == from_stdin.returncode == said.returncode == 0, from_file.stderr + from_stdin.stderr
+    assert from_file.stdout == from_stdin.stdout == said.stdout and said.stdout.startswith("ROMEO:")
+
+
+def test_sampling_without_a_seed_prints_the_seed_it_drew_and_that_seed_repeats_the_run():
+    args = ("generate", str(hf_dir("llama")), "Hello", "--max-tokens", "8", "--temperature", "1.0")
+    first = run(*args)
+    assert first.returncode == 0, first.stderr
+    seed = int(first.stderr.rsplit("seed ", 1)[1].split("]")[0])
+    again = run(*args, "--seed", str(seed))
+    assert again.stdout == first.stdout and f"seed {seed}]" in again.stderr

@@ -78,7 +78,7 @@ def open_checkpoint(path: str | Path):
     """-> (ModelConfig, names mapper, tokenizer factory, kind). Understands an HF dir or a .gguf file."""
     p = resolve_model_path(path)
     if not p.exists():
-        raise MemraError(f"no such model: {path!r} (expected a Hugging Face model directory, a .gguf file, "
+        raise MemraError(f"no such model: {str(path)!r} (expected a Hugging Face model directory, a .gguf file, "
                          "or a Hugging Face name ORG/NAME[:FILE.gguf])")
     if p.is_dir():
         return _open_hf(p)
