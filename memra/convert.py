@@ -253,6 +253,10 @@ def convert(model_path: str | Path, out_path: str | Path, qtype: str = "f16") ->
     partial = _claim(out)
     try:
         cfg, weights, _ = load_weights(src, torch.device("cpu"), torch.float32)
+        if cfg.arch not in GGUF_NAME or cfg.windows:  # llama.cpp's llama arch, say, has no sliding window
+            raise MemraError(f"{src}: memra convert does not write {cfg.arch}"
+                             + (" with a sliding window" if cfg.windows else "")
+                             + f"; it writes {', '.join(sorted(GGUF_NAME))} (full attention)")
         arch = GGUF_NAME[cfg.arch]
         writer = gguf.GGUFWriter(str(partial), arch)
         file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,

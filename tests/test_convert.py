@@ -16,7 +16,16 @@ CPU = torch.device("cpu")
 TEXT = "ROMEO: <|im_start|>What light through yonder window breaks? 1234 ĀāĂ\n\n  Thou art"
 
 
-@pytest.mark.parametrize("arch", HF_ARCHS)
+CONVERTIBLE = [a for a in HF_ARCHS if a != "mistral"]  # sliding windows have no GGUF form memra writes
+
+
+def test_sliding_window_models_are_refused_in_one_line(tmp_path):
+    with pytest.raises(MemraError, match="does not write mistral with a sliding window"):
+        convert(hf_dir("mistral"), tmp_path / "m.gguf", "f32")
+    assert not list(tmp_path.iterdir())  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("arch", CONVERTIBLE)
 def test_f32_round_trip_gives_the_same_weights_and_tokenizer(arch, tmp_path):
     out = convert(hf_dir(arch), tmp_path / f"{arch}.gguf", "f32")
     reader = gguf.GGUFReader(str(out))  # the gguf package accepts it

@@ -313,6 +313,53 @@ def test_prefill_attention_matches_twin_and_does_not_depend_on_the_piece(dtype, 
         close(piece, reference.prefill_attention(q[a:b], k_pool, v_pool, rows[:b], a, d ** -0.5), dtype)
 
 
+@pytest.mark.parametrize("window", [5, 40, 64])
+def test_sliding_window_prefill_is_the_twins_and_does_not_depend_on_the_piece(window):
+    """Sliding-window prefill (a query at p sees p-W+1..p) across the window edge: pieces of any length
+    and alignment give each query the bits of the one-shot call, near the twin's masked definition;
+    a window wider than the prompt is full attention's bits. Several sequences in one launch too."""
+    from memra.kernels.pieces import AttentionPieces
+
+    dtype, d, n_blocks, block, hkv, hq, n = torch.float32, 32, 12, 16, 2, 4, 150
+    k_pool, v_pool = rnd(n_blocks, block, hkv, d, dtype=dtype, seed=50), rnd(n_blocks, block, hkv, d, dtype=dtype, seed=51)
+    table = torch.tensor([9, 2, 7, 0, 3, 11, 5, 1, 10, 4], device=DEVICE)
+    pos = torch.arange(n, device=DEVICE)
+    rows = table[pos // block] * block + pos % block
+    q = rnd(n, hq, d, dtype=dtype, seed=52)
+    whole = tk.prefill_attention(q, k_pool, v_pool, rows, 0, 0.3, window)
+    close(whole, reference.prefill_attention(q, k_pool, v_pool, rows, 0, 0.3, window), dtype)
+    full = tk.prefill_attention(q, k_pool, v_pool, rows, 0, 0.3)
+    assert not torch.equal(whole[window:], full[window:])  # the window is applied past its edge...
+    same_bits(whole[:window], full[:window])  # ... and nowhere before it
+    for a, b in ((0, 64), (64, 100), (100, 150), (37, 38), (70, 141)):
+        same_bits(tk.prefill_attention(q[a:b].clone(), k_pool, v_pool, rows[:b], a, 0.3, window), whole[a:b])
+    spans = ((0, 70), (100, 150))
+    read = [rows[:b] for _, b in spans]
+    sizes = [b - a for a, b in spans]
+    pieces = AttentionPieces.of([0, sizes[0]], [a for a, _ in spans], read)
+    out = tk.prefill_attention_pieces(torch.cat([q[a:b] for a, b in spans]), k_pool, v_pool, pieces, 0.3, window)
+    same_bits(out[: sizes[0]], whole[:70])
+    same_bits(out[sizes[0]:], whole[100:])
+
+
+def test_sliding_window_decode_rows_read_the_windows_last_positions():
+    """A decode row cut to its window (reference.window_rows) reads its prefix's last W positions: the
+    twin's masked prefill value for that query, and each row the bits of its own call."""
+    dtype, d, block, hkv, hq, w = torch.float32, 32, 16, 2, 4, 20
+    k_pool, v_pool = rnd(8, block, hkv, d, dtype=dtype, seed=60), rnd(8, block, hkv, d, dtype=dtype, seed=61)
+    rows = torch.arange(8 * block, device=DEVICE).flip(0)
+    lens = torch.tensor([7, 20, 21, 90], device=DEVICE)
+    q = rnd(4, hq, d, dtype=dtype, seed=62)
+    starts, cut = reference.window_rows(torch.zeros_like(lens), lens, w)
+    assert cut.tolist() == [7, 20, 20, 20] and starts.tolist() == [0, 0, 1, 70]
+    out = tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, cut, 0.3)
+    for r, n in enumerate(lens.tolist()):
+        prefill = reference.prefill_attention(q[r : r + 1], k_pool, v_pool, rows[:n], n - 1, 0.3, w)[0]
+        close(out[r], prefill, dtype)
+        same_bits(out[r : r + 1], tk.paged_attention_rows(q[r : r + 1], k_pool, v_pool, rows, starts[r : r + 1],
+                                                          cut[r : r + 1], 0.3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pieces_of_several_sequences_in_one_launch_keep_their_solo_bits(dtype):
     """Cross-request prefill: pieces of three sequences (different pools' pages, positions and lengths,

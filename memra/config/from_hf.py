@@ -15,6 +15,7 @@ from memra.errors import ConfigError
 
 _HF_MODEL_TYPES = {
     "llama": "llama",
+    "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
@@ -25,7 +26,7 @@ _HF_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
 
-_MIXER_NAMES = {"full_attention": "attention", "linear_attention": "gdn"}
+_MIXER_NAMES = {"full_attention": "attention", "sliding_attention": "attention", "linear_attention": "gdn"}
 _FIX = "fix the file or re-download the model"
 
 
@@ -51,18 +52,18 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
     head_dim = f.int("head_dim", hidden // n_heads, hi=MAX_DIM)
     hybrid = arch in HYBRID
 
-    if hybrid:
-        layer_types = f.list("layer_types", None, item=str_item)
-        if layer_types is None:
-            interval = f.int("full_attention_interval", 4)
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    layer_types = f.list("layer_types", None, item=str_item)
+    if layer_types is None and hybrid:
+        interval = f.int("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+    if layer_types is not None:
         f.require(len(layer_types) == n_layers,
                   f"layer_types has {len(layer_types)} entries for num_hidden_layers = {n_layers}")
-        if unknown := sorted(set(layer_types) - set(_MIXER_NAMES)):
+        known = set(_MIXER_NAMES) if hybrid else {"full_attention", "sliding_attention"}
+        if unknown := sorted(set(layer_types) - known):
             raise f.error(f"unknown layer_types entries {unknown}")
-        mixers = tuple(_MIXER_NAMES[t] for t in layer_types)
-    else:
-        mixers = ("attention",) * n_layers
+    mixers = tuple(_MIXER_NAMES[t] for t in layer_types) if hybrid else ("attention",) * n_layers
+    windows = _windows(f, arch, n_layers, layer_types)
 
     n_experts = f.int("num_experts", 0, "num_local_experts", lo=0)
     moe = None
@@ -126,7 +127,7 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
                  n_kv_heads=n_kv,
                  head_dim=head_dim,
                  qkv_bias=arch == "qwen2" or f.bool("attention_bias", False),
-                 qk_norm=arch not in ("llama", "qwen2"),
+                 qk_norm=arch not in ("llama", "mistral", "qwen2"),
                  output_gate=hybrid and f.bool("attn_output_gate", True))
     n_mtp = f.int("mtp_num_hidden_layers", 0, "num_nextn_predict_layers", lo=0) if hybrid else 0
     tie = Fields(source, ("", raw), text, fix=_FIX).bool("tie_word_embeddings", False)
@@ -147,4 +148,21 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
                  gdn=gdn,
                  moe=moe,
                  n_mtp=n_mtp,
+                 windows=windows,
                  extra={"eos_token_id": token_ids(f, "eos_token_id"), "bos_token_id": token_ids(f, "bos_token_id")})
+
+
+def _windows(f: Fields, arch: str, n_layers: int, layer_types: list[str] | None) -> tuple[int | None, ...]:
+    """Per layer: its sliding window, or None. Mistral slides on every layer when `sliding_window` is set;
+    elsewhere the layers `layer_types` calls "sliding_attention" do (Qwen2-style configs that only say
+    `use_sliding_window` slide from layer `max_window_layers` on, as transformers reads them)."""
+    if arch == "mistral":
+        window = f.int("sliding_window", None, hi=MAX_POSITION)
+        return () if window is None else (window,) * n_layers
+    if layer_types is None and f.bool("use_sliding_window", False):
+        first = f.int("max_window_layers", n_layers, lo=0)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if layer_types is None or "sliding_attention" not in layer_types:
+        return ()
+    window = f.int("sliding_window", hi=MAX_POSITION)
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)

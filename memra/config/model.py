@@ -15,7 +15,7 @@ from typing import Any
 from memra.errors import ConfigError
 
 # Canonical architecture names (HF model_type spelling) and what each one is made of.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # GDN + gated attention, (1+w) norms
 
@@ -117,6 +117,9 @@ class ModelConfig:
     gdn: GdnConfig | None = None
     moe: MoeConfig | None = None
     n_mtp: int = 0  # MTP (NextN) blocks after the trunk; each is a full-attention block
+    # per layer: the sliding window W of an attention layer (a query at p sees p-W+1..p), or None (global);
+    # () = every layer global
+    windows: tuple[int | None, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +138,10 @@ class ModelConfig:
             raise ConfigError("layers of type 'gdn' need the linear-attention (GDN) geometry")
         if "moe" in self.ffns and self.moe is None:
             raise ConfigError("layers of type 'moe' need the expert geometry (num_experts, experts per token, width)")
+        if self.windows and len(self.windows) != self.n_layers:
+            raise ConfigError(f"per-layer sliding windows have {len(self.windows)} entries for {self.n_layers} layers")
+        if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in self.windows):
+            raise ConfigError(f"a sliding window must be a positive number of positions or None, got {self.windows}")
         if self.rope.dim > self.attn.head_dim:
             raise ConfigError(f"rotary dims ({self.rope.dim}) exceed head_dim ({self.attn.head_dim})")
 
@@ -142,14 +149,21 @@ class ModelConfig:
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.mixers) if m == "attention")
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None (global attention; MTP blocks past the trunk too)."""
+        return self.windows[layer] if self.windows and layer < self.n_layers else None
+
     @property
     def gdn_layers(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.mixers) if m == "gdn")
 
     def describe(self) -> str:
         kinds = "".join("A" if m == "attention" else "G" for m in self.mixers)
+        windows = sorted({w for w in self.windows if w is not None})
         lines = [
             f"architecture   {self.arch}",
+            *([f"sliding window {', '.join(map(str, windows))} positions on "
+               f"{sum(w is not None for w in self.windows)} of {self.n_layers} layers"] if windows else []),
             f"layers         {self.n_layers}  [{kinds}]  (A = full attention, G = Gated DeltaNet)"
             + (f"  + {self.n_mtp} MTP block(s)" if self.n_mtp else ""),
             f"hidden         {self.hidden_size}   vocab {self.vocab_size}   max positions {self.max_position}",

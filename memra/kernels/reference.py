@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra.kernels.cuts import aligned_cuts
+from memra.kernels.cuts import aligned_cuts, window_rows, window_start  # noqa: F401 (window_rows: the decode rows' cut)
 
 # --- dense algebra ---------------------------------------------------------------------------
 
@@ -86,12 +86,15 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 # --- attention ---------------------------------------------------------------------------------
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Softmax attention of T new queries over S cached keys (the new tokens included, at the end).
 
     q [T, Hq, D], k/v [S, Hkv, D] with S = pos0 + T; query t sits at position pos0 + t and sees keys
-    0..pos0+t. GQA: query head h reads KV head h // (Hq / Hkv). Scores and softmax in fp32, the
-    probabilities cast back to the model dtype before the value matmul. Returns [T, Hq, D].
+    0..pos0+t, or with a sliding `window` W only the last W of them, pos0+t-W+1..pos0+t (Mistral,
+    Gemma, Step: HF's `kv_idx > q_idx - sliding_window`). GQA: query head h reads KV head h // (Hq / Hkv).
+    Scores and softmax in fp32, the probabilities cast back to the model dtype before the value matmul.
+    Returns [T, Hq, D].
     """
     t, hq, _ = q.shape
     s, hkv, _ = k.shape
@@ -102,26 +105,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: in
     scores = torch.matmul(qh, kh.transpose(1, 2)).float() * scale  # [Hq, T, S]
     key_pos = torch.arange(s, device=q.device)
     query_pos = pos0 + torch.arange(t, device=q.device)
-    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if window is not None:
+        hidden = hidden | (key_pos[None, :] <= query_pos[:, None] - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, vh).transpose(0, 1)  # [T, Hq, D]
 
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, pos0: int,
-                      scale: float) -> torch.Tensor:
-    """causal_attention over a paged prefix: rows [pos0 + T] flat pool rows of positions 0.. in order."""
+                      scale: float, window: int | None = None) -> torch.Tensor:
+    """causal_attention over a paged prefix: rows [pos0 + T] flat pool rows of positions 0.. in order.
+    With a window, only the positions the first query can see onwards are read (the same keys whatever
+    the chunk, since the start depends on pos0 alone: a chunked prime reads what a one-shot one does)."""
     hkv, d = k_pool.shape[-2:]
-    return causal_attention(q, k_pool.view(-1, hkv, d)[rows], v_pool.view(-1, hkv, d)[rows], pos0, scale)
+    lo = window_start(pos0, window)
+    rows = rows[lo:]
+    return causal_attention(q, k_pool.view(-1, hkv, d)[rows], v_pool.view(-1, hkv, d)[rows], pos0 - lo, scale, window)
 
 
 def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces,
-                             scale: float) -> torch.Tensor:
+                             scale: float, window: int | None = None) -> torch.Tensor:
     """prefill_attention for each of several sequences' pieces (memra.kernels.pieces.AttentionPieces),
     piece by piece (the definition). q [N, Hq, D] -> [N, Hq, D]; rows in no piece are left unset."""
     o = torch.empty_like(q)
     for first, t, pos0, at in pieces.spans:
         o[first : first + t] = prefill_attention(q[first : first + t], k_pool, v_pool, pieces.rows[at : at + pos0 + t],
-                                                 pos0, scale)
+                                                 pos0, scale, window)
     return o
 
 

@@ -270,12 +270,12 @@ class KernelTable:
             return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
         return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len)
 
-    def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale):
-        return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale)
+    def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale, window=None):
+        return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale, window)
 
-    def prefill_attention_pieces(self, q, k_pool, v_pool, pieces, scale):
+    def prefill_attention_pieces(self, q, k_pool, v_pool, pieces, scale, window=None):
         """prefill_attention of several sequences' pieces (memra.kernels.pieces.AttentionPieces): one launch."""
-        return self._impl(q).prefill_attention_pieces(q, k_pool, v_pool, pieces, scale)
+        return self._impl(q).prefill_attention_pieces(q, k_pool, v_pool, pieces, scale, window)
 
     def paged_decode_attention(self, q, k_pool, v_pool, rows, scale):
         return self._impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
+from memra.kernels.cuts import window_rows
 from memra.kernels.table import KernelTable
 from memra.model.context import Segments, StackedStep, StepContext, joined
 
@@ -24,6 +25,7 @@ class Attention:
         self.scale = a.head_dim ** -0.5
         self.wqkv, self.bqkv, self.wo = w["wqkv"], w.get("bqkv"), w["wo"]
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.window = cfg.window(layer)  # sliding window (positions), or None: global
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q, k, v, gate = self._project(x)
@@ -59,7 +61,7 @@ class Attention:
         if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
             return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
         kv = wave.kv
-        o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale)
+        o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale, self.window)
         for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
             (a, b), c = pieces[i]
             o[a:b] = self._attend(q[a:b], c).view(b - a, self.n_heads, self.head_dim)
@@ -81,14 +83,22 @@ class Attention:
         if len(step.groups) == 1 and isinstance(step.groups[0].sel, slice):  # one pool (the engine's): no gathers
             g = step.groups[0]
             qr = self._rope_write(q, k, v, step.cos, step.sin, g.kv, g.write_rows)
-            return self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows, g.starts,
-                                                 g.lens, self.scale, g.max_len).reshape(b, self.n_heads * d)
+            return self._rows(qr, g).reshape(b, self.n_heads * d)
         o = q.new_empty(q.shape)
         for g in step.groups:
             qr = self._rope_write(q[g.sel], k[g.sel], v[g.sel], step.cos[g.sel], step.sin[g.sel], g.kv, g.write_rows)
-            o[g.sel] = self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows,
-                                                     g.starts, g.lens, self.scale, g.max_len)
+            o[g.sel] = self._rows(qr, g)
         return o.reshape(b, self.n_heads * d)
+
+    def _rows(self, qr: torch.Tensor, g) -> torch.Tensor:
+        """qr [n, Hq, D] (rotated) of a RowGroup's rows, each over its prefix -- with a sliding window, over
+        the prefix's last W positions (the same cut a B=1 decode makes, so a row's bits stay its own)."""
+        starts, lens, max_len = g.starts, g.lens, g.max_len
+        if self.window is not None:
+            starts, lens = window_rows(starts, lens, self.window)
+            max_len = min(max_len, self.window)
+        return self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows, starts, lens,
+                                             self.scale, max_len)
 
     def _project(self, x: torch.Tensor):
         """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (q and k normed, not yet rotated), gate [T, Hq, D] | None
@@ -115,10 +125,12 @@ class Attention:
         """Attend over this sequence's whole prefix in order (its new K/V already written)."""
         t, d = q.shape[0], self.head_dim
         kv = ctx.cache.kv
-        if t == 1:  # decode: the paged kernel reads the prefix in position order, whatever the batch
-            o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, self.scale)
+        if t == 1:  # decode: the paged kernel reads the prefix (its last W positions) in order, whatever the batch
+            rows = ctx.kv_read_rows if self.window is None else ctx.kv_read_rows[-self.window:]
+            o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], rows, self.scale)
         else:
-            o = self.ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale)
+            o = self.ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale,
+                                           self.window)
         return o.reshape(t, self.n_heads * d)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
