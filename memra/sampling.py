@@ -63,7 +63,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh random seed, drawn when the request is submitted
     max_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     repetition_penalty: float = 1.0
@@ -96,8 +96,8 @@ class SamplingParams:
             raise MemraError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise MemraError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise MemraError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise MemraError(f"seed must be a non-negative integer or None (a fresh random one), got {self.seed!r}")
         stops = tuple(self.stop)
         if len(stops) > MAX_STOP_STRINGS or not all(isinstance(x, str) and x for x in stops):
             raise MemraError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings, got {self.stop!r}")

@@ -51,7 +51,7 @@ from memra.engine.step_mix import StepMix
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
 from memra.errors import MemraError
-from memra.sampling import SamplingParams
+from memra.sampling import SamplingParams, fresh_seed
 from memra.step import EXACT_PIECE, mixed_step
 from memra.upload import upload_values
 
@@ -116,6 +116,8 @@ class Engine:
             self._check_open()
             if self.scheduler.num_waiting() + self._commands.qsize() + n > self.cfg.max_waiting:
                 raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
+            if params.seed is None:  # SamplingParams(seed=None): a fresh seed (memra.LLM draws and reports its own)
+                params = dataclasses.replace(params, seed=fresh_seed())
             seqs = []
             for i in range(n):
                 p = params if n == 1 else dataclasses.replace(params, seed=params.seed + i)

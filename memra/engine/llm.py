@@ -11,6 +11,9 @@ promise (batched rows = B=1 rows, chunked prefill = one-shot prefill, seeded sam
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import secrets
 import sys
 import time
 from collections import deque
@@ -23,6 +26,7 @@ from memra.engine.scoring import ScoreJob, TokenScore
 from memra.engine.types import EngineConfig, TokenEvent
 from memra.errors import MemraError
 from memra.generate import GenerationStats
+from memra.pools import KvBudget
 from memra.sampling import SamplingParams
 from memra.settings import show_progress
 from memra.spec import SpecConfig
@@ -37,6 +41,7 @@ class CompletionOutput:
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens)
     logprobs: list[float] | None = None  # each generated token's logprob, where asked
     top_logprobs: list[dict[int, float]] | None = None  # the top n of each position, where asked
+    seed: int | None = None  # the sampling seed this choice used (choice i: the request's seed + i)
 
 
 @dataclass(frozen=True)
@@ -89,11 +94,23 @@ class LLM:
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
                  max_ctx: int | None = None, warm_up: bool = True,
                  prefill_wait_steps: int | None = None, prefill_group: int | None = None,
-                 speculative: str | SpecConfig | None = None, **load_options):
+                 speculative: str | SpecConfig | None = None, max_model_len: int | None = None,
+                 seed: int | None = None, gpu_memory_utilization: float | None = None, **load_options):
+        max_ctx = _one_of("max_ctx", max_ctx, "max_model_len", max_model_len)
+        if seed is not None and not (isinstance(seed, int) and seed >= 0):
+            raise MemraError(f"seed must be a non-negative integer or None, got {seed!r}")
+        # Where a request leaves its seed to us (SamplingParams(seed=None)): drawn from this stream, so
+        # LLM(seed=S) repeats a run and LLM() gives fresh draws; each output says which seed it used.
+        self._seeds = random.Random(seed if seed is not None else secrets.randbits(64))
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load
 
+            if gpu_memory_utilization is not None:
+                load_options["kv_budget"] = KvBudget(fraction=gpu_memory_utilization)
             model = load(model, device=device, dtype=dtype, **load_options)
+        elif gpu_memory_utilization is not None or load_options:
+            named = "gpu_memory_utilization" if gpu_memory_utilization is not None else next(iter(load_options))
+            raise MemraError(f"memra.LLM: {named} applies when LLM loads the model; pass it to memra.load instead")
         if model.tokenizer is None:
             raise MemraError("memra.LLM needs a model with its tokenizer (load it with tokenizer=True)")
         self.model, self.tokenizer = model, model.tokenizer
@@ -105,16 +122,22 @@ class LLM:
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
             self.engine.warm_up()
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, *, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is text (encoded with the model's special tokens,
-        e.g. bos) or a list of token ids; `params` is one SamplingParams for all or one per prompt.
+        e.g. bos), a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": [...]}; `params`
+        (or vLLM's name, `sampling_params`) is one SamplingParams for all or one per prompt. A seed of None
+        is drawn here (LLM's seed stream), and the output's `seed` says which.
         use_tqdm: a bar of finished prompts on an interactive terminal (never when piped or under CI)."""
-        batch = _prompt_list(prompts)
+        params = _one_of("params", params, "sampling_params", sampling_params)
+        batch = [_prompt_text_or_ids(p, k) for k, p in enumerate(_prompt_list(prompts))]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise MemraError(f"generate got {len(plist)} SamplingParams for {len(batch)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise MemraError("generate's sampling_params must be a memra.SamplingParams or a list of them")
+        plist = [p if p.seed is not None else dataclasses.replace(p, seed=self._seeds.randrange(1 << 31)) for p in plist]
         ids = [self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p) for p in batch]
         for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
             self.engine.check_request(prompt_ids, p)
@@ -136,9 +159,10 @@ class LLM:
         failed = next((c.error for choices in runs for c in choices if c.error), None)
         if failed:
             raise MemraError(failed)
-        return [RequestOutput(p if isinstance(p, str) else None, i, [_output(k, c) for k, c in enumerate(choices)],
+        return [RequestOutput(p if isinstance(p, str) else None, i,
+                              [_output(k, c, sp.seed + k) for k, c in enumerate(choices)],
                               None if f is None else [_as_dict(i[k], t) for k, t in enumerate(f.result())])
-                for p, i, choices, f in zip(batch, ids, runs, scored)]
+                for p, i, choices, f, sp in zip(batch, ids, runs, scored, plist)]
 
     def score(self, prompts: Sequence[str] | Sequence[Sequence[int]],
               continuations: Sequence[str] | Sequence[Sequence[int]], top_logprobs: int = 0) -> list[ScoreOutput]:
@@ -169,6 +193,8 @@ class LLM:
         p = params or SamplingParams()
         if p.n != 1:
             raise MemraError("stream() runs one choice; use generate() for n > 1")
+        if p.seed is None:
+            p = dataclasses.replace(p, seed=self._seeds.randrange(1 << 31))
         ids = self.tokenizer.encode(prompt, add_special=True) if isinstance(prompt, str) else list(prompt)
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(ids)
@@ -205,12 +231,23 @@ class LLM:
             self.engine.run_until_idle()
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """generate() over conversations ([{"role", "content"}, ...]) rendered with the chat template."""
+             params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """generate() over conversations ([{"role", "content"}, ...]) rendered with the chat template;
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` reach the template."""
+        params = _one_of("params", params, "sampling_params", sampling_params)
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)
-        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True))
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, **extra))
                for c in convs]
-        return self.generate(ids, params)
+        return self.generate(ids, params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
 
     def _eos_ids(self, p: SamplingParams):
         return () if p.ignore_eos else self.tokenizer.eos_ids
@@ -255,6 +292,31 @@ def _progress_bar(total: int):
     return tqdm(total=total, desc="generate", unit="seq", file=sys.stderr, leave=False)
 
 
+def _one_of(name: str, value, alias: str, alias_value):
+    """memra's name and vLLM's for one argument: either, not both."""
+    if value is not None and alias_value is not None and value != alias_value:
+        raise MemraError(f"give {name} or {alias}, not both")
+    return value if value is not None else alias_value
+
+
+def _prompt_text_or_ids(p, k: int):
+    """One prompt as text or token ids; vLLM's dict forms unwrapped; anything else refused by position."""
+    if isinstance(p, dict):
+        if set(p) == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if set(p) == {"prompt_token_ids"} and isinstance(p["prompt_token_ids"], (list, tuple)):
+            p = p["prompt_token_ids"]
+        else:
+            raise MemraError(f"prompt {k}: a dict prompt holds exactly one of 'prompt' (text) or 'prompt_token_ids', "
+                             f"got keys {sorted(p)}")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return list(p)
+    raise MemraError(f"prompt {k} must be text, a non-empty list of token ids, or a {{'prompt': ...}} / "
+                     f"{{'prompt_token_ids': [...]}} dict; got {type(p).__name__}")
+
+
 def _prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
@@ -270,7 +332,7 @@ def _as_dict(token: int, t: TokenScore | None) -> dict[int, float] | None:
     return None if t is None else {token: t.logprob, **dict(t.top)}
 
 
-def _output(index: int, c: _Choice) -> CompletionOutput:
+def _output(index: int, c: _Choice, seed: int | None = None) -> CompletionOutput:
     asked = bool(c.logprobs)
     return CompletionOutput(index, "".join(c.pieces), c.tokens, c.finish or "length",
-                            c.logprobs if asked else None, c.tops if asked else None)
+                            c.logprobs if asked else None, c.tops if asked else None, seed)
