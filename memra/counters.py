@@ -21,7 +21,9 @@ _counts = {
     "mixed_steps": 0,  # decode steps that carried a prefill wave in their forward (step.mixed_step)
     "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
     "graph_replays": 0,  # decode steps replayed from them
-    "kernel_compiles": 0,  # Triton kernels compiled or loaded from its disk cache (after warm-up: a stalled step)
+    "kernel_compiles": 0,
+    "fp8_block_weights_loaded": 0,  # FP8 block-scaled weights dequantized at load (memra.loading.fp_source)
+    "nvfp4_weights_loaded": 0,  # NVFP4 weights (modelopt or compressed-tensors) dequantized at load  # Triton kernels compiled or loaded from its disk cache (after warm-up: a stalled step)
     # speculative decoding (memra.spec)
     "spec_verify_forwards": 0,  # decode_step_t calls (T-token verify forwards)
     "spec_verify_columns": 0,  # tokens they fed (sum of T)

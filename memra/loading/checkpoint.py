@@ -93,7 +93,9 @@ def open_checkpoint(path: str | Path):
 
 
 def _open_hf(d: Path):
+    from memra.loading.fp_source import QuantizedSource
     from memra.loading.hf import HfNames
+    from memra.loading.hf_quant import weight_format
     from memra.loading.json_file import read_json_object
     from memra.loading.sources import SafetensorsSource
 
@@ -103,6 +105,8 @@ def _open_hf(d: Path):
     raw = read_json_object(cfg_path, ConfigError, "fix config.json or re-download the model")
     cfg = from_hf_config(raw, str(cfg_path))
     src = SafetensorsSource(d)
+    if (fmt := weight_format(raw, d, str(cfg_path))) is not None:  # FP8 block / NVFP4: dequantized as read
+        src = QuantizedSource(src, fmt)
     if cfg.n_mtp and not src.has("mtp.fc.weight"):
         cfg = dataclasses.replace(cfg, n_mtp=0)  # config names MTP blocks the export dropped
     if not cfg.tie_embeddings and not src.has("lm_head.weight"):

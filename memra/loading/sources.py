@@ -129,11 +129,15 @@ class SafetensorsSource(TensorSource):
     def type_name(self, name: str) -> str:
         return str(self._handles[self._where[name]].get_slice(name).get_dtype())
 
-    def _read(self, name: str) -> torch.Tensor:
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor as stored, any dtype (quantized formats read their parts this way)."""
         try:
-            t = self._handles[self._where[name]].get_tensor(name)
+            return self._handles[self._where[name]].get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{self.file_of(name)}: cannot read tensor {name!r} ({_one_line(e)})") from None
+
+    def _read(self, name: str) -> torch.Tensor:
+        t = self.stored(name)
         if t.dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{self.file_of(name)}: tensor {name!r} is stored as {self.type_name(name)}; memra "
                                   "reads float weights (F32, F16, BF16, F64): the file is corrupt or quantized in a "
