@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from memra.errors import ContextOverflowError, MemraError
+from memra.server.access import install_cors, install_request_log
 from memra.server.auth import install_api_key
 from memra.server.bodies import read_json, validate
 from memra.server.choices import ReplyHeader, RequestOutputs, TextWorker, reply_body
@@ -69,6 +70,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     app.state.engine, app.state.options = engine, options
     install_error_handlers(app)
     install_api_key(app, options.api_key)
+    install_cors(app, options.allowed_origins)  # after the key check is added: outside it, so preflights pass
+    install_request_log(app, options.log_requests)  # outermost: it times the whole response
 
     async def body_of(request: Request, schema, route: str | None = None):
         raw = await read_json(request, options.max_body_bytes, options.max_json_depth)

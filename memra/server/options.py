@@ -24,6 +24,8 @@ class ServerOptions:
     max_json_depth: int = 32  # our request bodies nest 4 deep (messages -> content parts); 32 is ample
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     tokenizer_threads: int = 2
+    allowed_origins: tuple[str, ...] = ()  # CORS (memra.server.access): browser origins allowed, "*" = any
+    log_requests: bool = False  # one access-log line per request (memra serve turns it on)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

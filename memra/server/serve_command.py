@@ -37,6 +37,10 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on SIGTERM before they are ended with an "
                           "error (default 30)")
+    srv.add_argument("--allowed-origins", default=None,
+                     help="browser origins allowed to call the API (CORS), comma-separated; '*' = any (default: none)")
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="no access-log line per request on stderr")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
     add_spec_args(srv)
     srv.add_argument("--pp-size", type=int, default=None,
@@ -90,7 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.max_body_mb <= 1024:
         raise MemraError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb:g}")
     options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, memra_settings.api_key()),
-                            max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout)
+                            max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout,
+                            allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
+                            log_requests=not args.disable_log_requests)
     # The port before the model: a port in use is a one-line error now, not after minutes of loading.
     # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.
     sock = bind(args.host, args.port) if launcher_rank() in (None, 0) else None
