@@ -70,19 +70,38 @@ def reference_twin(src: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_the_dequantized_twin(name, quant_dirs, tmp_path):
-    """Dequantized at load, a quantized checkpoint IS its float twin: logits equal bit for bit (tolerance 0),
-    fp32 and bf16 alike, and the liveness counter shows the quantized path ran."""
+    """A quantized checkpoint IS its float twin: packed (the CPU default: decoded a tile at a time inside
+    each linear) and dequantized at load, its logits equal the twin's bit for bit (tolerance 0), fp32 and
+    bf16 alike; the liveness counter shows the quantized path ran."""
     twin = reference_twin(quant_dirs[name], tmp_path / "twin")
     prompt = reference("llama")["prompt0"]
     kind = "fp8_block_weights_loaded" if "fp8" in name else "nvfp4_weights_loaded"
     for dtype in ("float32", "bfloat16"):
-        before = counters.snapshot()[kind]
-        q = memra.load(quant_dirs[name], dtype=dtype, tokenizer=False)
-        assert counters.snapshot()[kind] > before
         p = memra.load(twin, dtype=dtype, tokenizer=False)
-        lq = q.prime(prompt, q.new_cache(64), all_logits=True)
-        lp = p.prime(prompt, p.new_cache(64), all_logits=True)
-        assert torch.equal(lq, lp), dtype
+        want = p.prime(prompt, p.new_cache(64), all_logits=True)
+        for packed in (None, False):
+            before = counters.snapshot()[kind]
+            q = memra.load(quant_dirs[name], dtype=dtype, tokenizer=False, packed_weights=packed)
+            assert counters.snapshot()[kind] > before
+            assert torch.equal(q.prime(prompt, q.new_cache(64), all_logits=True), want), (dtype, packed)
+
+
+def test_packed_on_cpu_by_default_and_refused_packed_on_a_gpu(quant_dirs):
+    from memra.errors import MemraError
+    from memra.kernels.split import Fp8BlockSplit, Nvfp4Split
+    from memra.loading.checkpoint import load_weights
+
+    cpu = torch.device("cpu")
+    _, w, _ = load_weights(quant_dirs["qwen3_5_nvfp4"], cpu, torch.float32, packed=None)
+    assert isinstance(w["layers.0.gdn.w_in"], Nvfp4Split) and isinstance(w["layers.2.attn.wqkv"], Nvfp4Split)
+    assert isinstance(w["layers.0.mlp.w_down"], Nvfp4Split) and isinstance(w["embed"], torch.Tensor)
+    _, w, _ = load_weights(quant_dirs["qwen3_5_fp8"], cpu, torch.bfloat16, packed=None)
+    assert isinstance(w["layers.0.gdn.wo"], Fp8BlockSplit) and w["layers.0.gdn.wo"].dtype == torch.bfloat16
+    assert isinstance(w["layers.0.gdn.w_in"], torch.Tensor)  # in_proj_a / _b kept bf16: a mixed fused weight decodes
+    _, w, _ = load_weights(quant_dirs["llama_fp8"], cpu, torch.float32, packed=False)
+    assert all(isinstance(t, torch.Tensor) for t in w.values())
+    with pytest.raises(MemraError, match=r"FP8 e4m3, 128x128 blocks weights stay packed on CPU only"):
+        load_weights(quant_dirs["llama_fp8"], torch.device("cuda"), torch.bfloat16, packed=True)
 
 
 SLOW = pytest.mark.slow  # the same batch-invariant dense path as the two in the default suite

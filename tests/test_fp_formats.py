@@ -156,3 +156,29 @@ def test_refused_formats_name_the_field(qc, match, tmp_path):
     with pytest.raises(ConfigError, match=match) as e:
         fmt(qc, tmp_path)
     assert "\n" not in str(e.value) and str(e.value).startswith("config.json")
+
+
+def test_packed_layouts_decode_the_reference_values():
+    """The CPU's packed layouts (memra.kernels.split): any row range, and rows concatenated across blocks
+    (q, k, v of 40 + 24 + 24 rows in 32-row blocks), decode to the reference's bits."""
+    from memra.kernels.split import Fp8BlockSplit, Nvfp4Split, fp_cat_rows
+    from memra.loading.fp_formats import nvfp4_block_scales
+
+    gen = torch.Generator().manual_seed(5)
+    parts, refs = [], []
+    for rows in (40, 24, 24):
+        w, s = random_fp8((rows, 72), gen), torch.rand(-(-rows // 32), 2, generator=gen)
+        w.view(torch.uint8)[(w.view(torch.uint8) & 0x7F) == 0x7F] = 0  # NaN codes are refused at load
+        parts.append(Fp8BlockSplit(w, s.repeat_interleave(32, 0)[:rows], 48, torch.float32))
+        refs.append(fp8_block_reference(w, s, (32, 48)))
+    joined, ref = fp_cat_rows(parts), torch.cat(refs)
+    assert joined.shape == (88, 72) and same_bits(joined.dequantize(), ref)
+    assert same_bits(joined.decode(37, 70), ref[37:70]) and same_bits(joined[torch.tensor([3, 87])], ref[[3, 87]])
+    packed = torch.randint(0, 256, (9, 20), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(9, 3, generator=gen).to(torch.float8_e4m3fn)
+    for inv in (False, True):
+        layout = Nvfp4Split(packed, nvfp4_block_scales(scale, torch.tensor(0.37), inv), torch.float32)
+        ref = nvfp4_reference(packed, scale, torch.tensor(0.37), inv)
+        assert same_bits(layout.dequantize(), ref) and same_bits(layout.decode(2, 7), ref[2:7])
+    assert fp_cat_rows([parts[0], layout]) is None  # different formats do not join
+

@@ -1,7 +1,7 @@
 """Make tiny FP8 block-scaled and NVFP4 checkpoints by quantizing the repo's tiny HF fixtures.
 
-How they are made: every 2-D `*_proj.weight` of tests/fixtures/hf/<arch>/model.safetensors (attention,
-MLP, GDN and MTP projections; per-expert MoE projections too) is quantized with memra's reference
+How they are made: every 2-D `*proj*.weight` of tests/fixtures/hf/<arch>/model.safetensors (attention,
+MLP, GDN and MTP projections; per-expert MoE projections too), less the set's exclusions, is quantized with memra's reference
 quantizers (memra.loading.fp_reference, written after transformers' Fp8Quantize and modelopt's
 NVFP4QTensor.quantize) and stored under the names and dtypes its writer uses; every other tensor
 (embeddings, LM head, norms, GDN gates and conv, routers) is kept, cast to bf16 as real FP8/NVFP4
@@ -41,14 +41,15 @@ from memra.loading.fp_reference import fp8_block_quantize, nvfp4_quantize  # noq
 HF = ROOT / "tests" / "fixtures" / "hf"
 COPY = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 FORMATS = ("fp8", "nvfp4-modelopt", "nvfp4-ct")
-# name -> (source fixture, format, FP8 block): Llama / Qwen3 / Qwen3.5 in each format family; one FP8 with
-# blocks smaller than the matrices and ragged at the edges (128 x 64 in 32 x 48 blocks), one at 128 x 128.
+# name -> (source fixture, format, FP8 block, projections kept bf16): Llama / Qwen3 / Qwen3.5 in each format
+# family; one FP8 with blocks smaller than the matrices and ragged at the edges (128 x 64 in 32 x 48 blocks),
+# one at 128 x 128; one keeping GDN's small in_proj_a / in_proj_b unquantized (a fused weight of mixed parts).
 SET = {
-    "llama_fp8": ("llama", "fp8", (128, 128)),
-    "qwen3_5_fp8": ("qwen3_5", "fp8", (32, 48)),
-    "qwen3_nvfp4": ("qwen3", "nvfp4-modelopt", None),
-    "qwen3_5_nvfp4": ("qwen3_5", "nvfp4-ct", None),
-    "llama_nvfp4": ("llama", "nvfp4-ct", None),
+    "llama_fp8": ("llama", "fp8", (128, 128), ()),
+    "qwen3_5_fp8": ("qwen3_5", "fp8", (32, 48), ("in_proj_a.", "in_proj_b.")),
+    "qwen3_nvfp4": ("qwen3", "nvfp4-modelopt", None, ()),
+    "qwen3_5_nvfp4": ("qwen3_5", "nvfp4-ct", None, ()),
+    "llama_nvfp4": ("llama", "nvfp4-ct", None, ()),
 }
 
 
@@ -68,10 +69,16 @@ def quant_config(fmt: str, block: tuple[int, int] | None) -> dict:
             "config_groups": {"group_0": group}, "ignore": ["lm_head"], "quantization_status": "compressed"}
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, block: tuple[int, int] | None) -> dict:
+def quantized(name: str, t: torch.Tensor, skip: tuple[str, ...]) -> bool:
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return name.endswith(".weight") and "proj" in module and t.dim() == 2 and not any(s in name for s in skip)
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, block: tuple[int, int] | None,
+                     skip: tuple[str, ...] = ()) -> dict:
     out = {}
     for name, t in tensors.items():
-        if not (name.endswith("_proj.weight") and t.dim() == 2):
+        if not quantized(name, t, skip):
             out[name] = t.to(torch.bfloat16)
             continue
         base = name.removesuffix("weight")
@@ -89,13 +96,13 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, block: tuple[in
     return out
 
 
-def make(src: Path, out: Path, fmt: str, block: tuple[int, int] | None = (128, 128)) -> Path:
+def make(src: Path, out: Path, fmt: str, block: tuple[int, int] | None = (128, 128), skip: tuple[str, ...] = ()) -> Path:
     if fmt not in FORMATS:
         raise SystemExit(f"--format must be one of {', '.join(FORMATS)}")
     out.mkdir(parents=True, exist_ok=True)
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    save_file({k: v.contiguous() for k, v in quantize_tensors(tensors, fmt, block).items()},
+    save_file({k: v.contiguous() for k, v in quantize_tensors(tensors, fmt, block, skip).items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quant_config(fmt, block)
@@ -112,7 +119,7 @@ def make(src: Path, out: Path, fmt: str, block: tuple[int, int] | None = (128, 1
 
 
 def make_set(root: Path) -> dict[str, Path]:
-    return {name: make(HF / arch, root / name, fmt, block) for name, (arch, fmt, block) in SET.items()}
+    return {name: make(HF / arch, root / name, fmt, block, skip) for name, (arch, fmt, block, skip) in SET.items()}
 
 
 def main() -> None:

@@ -39,7 +39,8 @@ class _Split:
     indexed by output row first) and the activation `dtype`, with `shape` and `decode(a, b, out)`."""
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dtype"}
+        fields = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {k: v for k, v in fields if isinstance(v, torch.Tensor)}  # not dtype, not a block size
 
     @property
     def device(self) -> torch.device:
@@ -258,8 +259,72 @@ class SplitRows:
         return SplitRows(tuple(p.to(device) for p in self.parts))
 
 
+@dataclass(frozen=True, eq=False)
+class Fp8BlockSplit(_Split):
+    """An FP8 block-scaled weight [N, K] (memra.loading.fp_formats): the file's e4m3 bytes, and each row's
+    block scales (its row block's, so rows concatenate and index freely; 1/32 byte a value more).
+    value = float(q) * scale_inv of its block: one fp32 product, as the loader's dequantizer computes it."""
+
+    q: torch.Tensor  # float8_e4m3fn [N, K]
+    s: torch.Tensor  # fp32 [N, ceil(K / cols)], row i = scale_inv[i // rows of the file's grid]
+    cols: int  # values per block along K
+    dtype: torch.dtype
+
+    qtype = None  # not a GGML type
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
+        k = self.q.shape[1]
+        out = torch.empty(b - a, k, device=self.q.device) if out is None else out
+        return torch.mul(self.q[a:b].float(), self.s[a:b].repeat_interleave(self.cols, dim=1)[:, :k], out=out)
+
+
+@dataclass(frozen=True, eq=False)
+class Nvfp4Split(_Split):
+    """An NVFP4 weight [N, K]: the file's bytes (two e2m1 values each, the even column in the low nibble)
+    and each 16-value group's fp32 scale, computed once at load with the per-tensor scale folded in (the
+    same fp32 operation the dequantizer does per group). value = e2m1 * scale: 0.5 + 0.25 bytes a value."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2]
+    s: torch.Tensor  # fp32 [N, ceil(K / 16)]
+    dtype: torch.dtype
+
+    qtype = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], 2 * self.packed.shape[1]
+
+    def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
+        from memra.loading.fp_formats import E2M1_VALUES, NVFP4_GROUP
+
+        n, k = b - a, self.shape[1]
+        out = torch.empty(n, k, device=self.packed.device) if out is None else out
+        p = self.packed[a:b]
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=p.device)
+        nibbles = torch.stack((p & 0x0F, p >> 4), dim=-1).reshape(n, k)
+        return torch.mul(lut[nibbles.long()], self.s[a:b].repeat_interleave(NVFP4_GROUP, dim=1)[:, :k], out=out)
+
+
+FP_SPLITS = (Fp8BlockSplit, Nvfp4Split)  # HF FP8 / NVFP4 checkpoints, CPU only (memra.loading.fp_source)
+
+
+def fp_cat_rows(parts: list):
+    """Row-concatenation of FP8 / NVFP4 layouts of one kind, width (and FP8 block width); None if they differ."""
+    first = parts[0]
+    if any(type(p) is not type(first) or p.shape[1] != first.shape[1] or getattr(p, "cols", 0) != getattr(first, "cols", 0)
+           for p in parts):
+        return None
+    return dataclasses.replace(first, **{k: torch.cat([p._tensors()[k] for p in parts]) for k in first._tensors()})
+
+
 SPLITS = {QType.Q8_0: Q8Split, QType.Q4_K: Q4KSplit, QType.Q5_K: Q5KSplit, QType.Q6_K: Q6KSplit}
-SPLIT_TYPES = (*SPLITS.values(), SplitRows)
+SPLIT_TYPES = (*SPLITS.values(), SplitRows, *FP_SPLITS)
 
 
 def split_layout(qw: QuantWeight | MixedRows):

@@ -1,4 +1,4 @@
-"""An HF checkpoint of FP8 block-scaled or NVFP4 weights, read as float weights: dequantized at load.
+"""An HF checkpoint of FP8 block-scaled or NVFP4 weights, read as float weights, or packed.
 
 `QuantizedSource` wraps the directory's SafetensorsSource. Each quantized linear shows under its plain
 name (`X.weight`, the logical [rows, columns] shape) and reads as float32: the format's bytes and scales,
@@ -6,7 +6,9 @@ dequantized by memra.loading.fp_formats, whose values equal the format's definit
 (memra.loading.fp_reference) bit for bit. The loader then rounds them to the model dtype like any other
 weight, so a quantized checkpoint and its dequantized float32 twin load to the same bits. The scale
 tensors are hidden; everything not quantized (embeddings, norms, the LM head where the checkpoint keeps
-them in bf16) reads as before.
+them in bf16) reads as before. `packed(name)` instead keeps a quantized weight as the file's bytes beside
+fp32 scales (memra.kernels.split.Fp8BlockSplit / Nvfp4Split: what a CPU load holds by default), whose
+tiles decode to exactly the values `get(name)` returns.
 
 Checked on every read, each failure one line naming the stored tensor: the parts' dtypes and shapes, the
 scales finite (a NaN scale poisons its whole block), and the dequantized values finite (FP8's NaN codes,
@@ -19,7 +21,7 @@ import torch
 
 from memra import counters
 from memra.errors import CheckpointError
-from memra.loading.fp_formats import NVFP4_GROUP, fp8_block_dequant, nvfp4_dequant
+from memra.loading.fp_formats import NVFP4_GROUP, fp8_block_dequant, nvfp4_block_scales, nvfp4_dequant
 from memra.loading.hf_quant import FP8_BLOCK, NVFP4_CT, NVFP4_MODELOPT, WeightFormat
 from memra.loading.sources import SafetensorsSource, TensorSource
 
@@ -83,30 +85,61 @@ class QuantizedSource(TensorSource):
     def type_name(self, name: str) -> str:
         return self.fmt.describe() if name in self._parts else self.inner.type_name(name)
 
+    def is_quantized(self, name: str) -> bool:
+        return name in self._parts
+
+    def packed(self, name: str, shape: tuple[int, int], why: str = ""):
+        """Quantized weight `name` kept packed (memra.kernels.split.Fp8BlockSplit / Nvfp4Split, activation
+        dtype fp32 until the loader places it), with every check _read makes; its values are _read's."""
+        from memra.kernels.split import Fp8BlockSplit, Nvfp4Split
+
+        self._check(name, shape, why)
+        data, scale, glob = self._checked_parts(name)
+        rows, cols = shape
+        if self.fmt.kind == FP8_BLOCK:
+            br, bc = self.fmt.block
+            s = scale.float().repeat_interleave(br, dim=0)[:rows].contiguous()  # each row its block's scales
+            layout = Fp8BlockSplit(data, s, bc, torch.float32)
+        else:
+            layout = Nvfp4Split(data, nvfp4_block_scales(scale, glob, self.fmt.kind == NVFP4_CT), torch.float32)
+        self._check_values(name, layout.dequantize(torch.float32))
+        return layout
+
     def _read(self, name: str) -> torch.Tensor:
         if name not in self._parts:
             return self.inner._read(name)
+        data, scale, glob = self._checked_parts(name)
+        if self.fmt.kind == FP8_BLOCK:
+            out = fp8_block_dequant(data, scale, self.fmt.block)
+        else:
+            out = nvfp4_dequant(data, scale, glob, inverted_global=self.fmt.kind == NVFP4_CT)
+        self._check_values(name, out)
+        return out
+
+    def _checked_parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(data, block scales, per-tensor scale or None) of quantized weight `name`, each checked."""
         parts = self._parts[name]
         data = self._part(parts[0], ("F8_E4M3",) if self.fmt.kind == FP8_BLOCK else ("U8",), 2)
         rows, cols = self.shape(name)
         if self.fmt.kind == FP8_BLOCK:
             (br, bc) = self.fmt.block
-            scale = self._scale(parts[1], _SCALE_DTYPES, (-(-rows // br), -(-cols // bc)))
-            out = fp8_block_dequant(data, scale, self.fmt.block)
-        else:
-            self._check_weight_shape(parts[0], rows, cols)
-            scale = self._scale(parts[1], ("F8_E4M3",), (rows, -(-cols // NVFP4_GROUP)))
-            glob = self._scale(parts[2], _SCALE_DTYPES, None)
-            if self.fmt.kind == NVFP4_CT and float(glob) == 0.0:  # it divides
-                raise CheckpointError(f"{self.file_of(name)}: tensor {parts[2]!r} is 0, which divides every "
-                                      f"scale; {_FIX}")
-            out = nvfp4_dequant(data, scale, glob, inverted_global=self.fmt.kind == NVFP4_CT)
+            return data, self._scale(parts[1], _SCALE_DTYPES, (-(-rows // br), -(-cols // bc))), None
+        self._check_weight_shape(parts[0], rows, cols)
+        scale = self._scale(parts[1], ("F8_E4M3",), (rows, -(-cols // NVFP4_GROUP)))
+        glob = self._scale(parts[2], _SCALE_DTYPES, None)
+        if self.fmt.kind == NVFP4_CT and float(glob) == 0.0:  # it divides
+            raise CheckpointError(f"{self.file_of(name)}: tensor {parts[2]!r} is 0, which divides every "
+                                  f"scale; {_FIX}")
+        return data, scale, glob
+
+    def _check_values(self, name: str, out: torch.Tensor) -> None:
+        """The dequantized values finite (FP8 NaN codes, fp32 overflow refused), and the liveness count."""
+        parts = self._parts[name]
         if not torch.isfinite(torch.stack(torch.aminmax(out.reshape(-1)))).all():
             bad = int((~torch.isfinite(out)).sum())
             raise CheckpointError(f"{self.file_of(name)}: tensor {parts[0]!r} ({self.fmt.describe()}) dequantizes "
                                   f"to {bad} non-finite value{'s' * (bad > 1)} (NaN/Inf) of {out.numel()}; {_FIX}")
         counters.bump("fp8_block_weights_loaded" if self.fmt.kind == FP8_BLOCK else "nvfp4_weights_loaded")
-        return out
 
     def _part(self, n: str, dtypes: tuple[str, ...], ndim: int | None) -> torch.Tensor:
         found = self.inner.type_name(n)

@@ -23,10 +23,18 @@ class HfNames:
         self.cfg, self.src = cfg, src
         wrapped = any(n.startswith("model.language_model.") for n in src.names())
         self.root = "model.language_model." if wrapped else "model."
+        self.pack = False  # set by the loader: keep FP8 / NVFP4 projections packed (memra.loading.fp_source)
 
     # --- helpers ---
     def get(self, name: str, shape: tuple[int, ...], why: str) -> torch.Tensor:
         return self.src.get(name, shape, why)
+
+    def proj(self, name: str, shape: tuple[int, int], why: str, pack: bool):
+        """A linear's weight: packed (memra.kernels.split.Fp8BlockSplit / Nvfp4Split) where `pack` and the
+        checkpoint stores it FP8 / NVFP4, else floats."""
+        if pack and getattr(self.src, "is_quantized", lambda _: False)(name):
+            return self.src.packed(name, shape, why)
+        return self.get(name, shape, why)
 
     def norm(self, name: str, dim: int, why: str) -> torch.Tensor:
         w = self.get(name, (dim,), why).float()
@@ -45,7 +53,7 @@ class HfNames:
         return out
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}")
+        return self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}", self.pack)
 
     def mtp(self, j: int) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
@@ -61,26 +69,26 @@ class HfNames:
             out["block." + k] = v
         return out
 
-    def _block(self, p: str, mixer: str, ffn: str, why: str) -> dict[str, torch.Tensor]:
+    def _block(self, p: str, mixer: str, ffn: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
         out = {
             "attn_norm": self.norm(p + "input_layernorm.weight", e, why),
             "ffn_norm": self.norm(p + "post_attention_layernorm.weight", e, why),
         }
-        mix = self._attention(p + "self_attn.", why) if mixer == "attention" else self._gdn(p + "linear_attn.", why)
+        mix = self._attention(p + "self_attn.", why, pack) if mixer == "attention" else self._gdn(p + "linear_attn.", why, pack)
         out.update({("attn." if mixer == "attention" else "gdn.") + k: v for k, v in mix.items()})
-        f = self._moe(p + "mlp.", why) if ffn == "moe" else self._mlp(p + "mlp.", self.cfg.intermediate_size, why)
+        f = self._moe(p + "mlp.", why) if ffn == "moe" else self._mlp(p + "mlp.", self.cfg.intermediate_size, why, pack)
         out.update({("moe." if ffn == "moe" else "mlp.") + k: v for k, v in f.items()})
         return out
 
-    def _attention(self, p: str, why: str) -> dict[str, torch.Tensor]:
+    def _attention(self, p: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
         a, e = self.cfg.attn, self.cfg.hidden_size
         q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
         kv_rows = a.n_kv_heads * a.head_dim
-        q = self.get(p + "q_proj.weight", (q_rows, e), why)
-        k = self.get(p + "k_proj.weight", (kv_rows, e), why)
-        v = self.get(p + "v_proj.weight", (kv_rows, e), why)
-        out = {"wqkv": torch.cat((q, k, v)), "wo": self.get(p + "o_proj.weight", (e, a.n_heads * a.head_dim), why)}
+        q = self.proj(p + "q_proj.weight", (q_rows, e), why, pack)
+        k = self.proj(p + "k_proj.weight", (kv_rows, e), why, pack)
+        v = self.proj(p + "v_proj.weight", (kv_rows, e), why, pack)
+        out = {"wqkv": cat_rows((q, k, v)), "wo": self.proj(p + "o_proj.weight", (e, a.n_heads * a.head_dim), why, pack)}
         if a.qkv_bias:
             out["bqkv"] = torch.cat([self.get(p + f"{x}_proj.bias", (r,), why) for x, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
         if a.qk_norm:
@@ -88,7 +96,7 @@ class HfNames:
             out["k_norm"] = self.norm(p + "k_norm.weight", a.head_dim, why)
         return out
 
-    def _gdn(self, p: str, why: str) -> dict[str, torch.Tensor]:
+    def _gdn(self, p: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
         g, e = self.cfg.gdn, self.cfg.hidden_size
         nk, nv, r = g.n_k_heads, g.n_v_heads, g.n_v_heads // g.n_k_heads
         if self.src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: rows grouped per key head
@@ -98,17 +106,17 @@ class HfNames:
             b, a = ba[:, :r].reshape(nv, e), ba[:, r:].reshape(nv, e)
             qkv = torch.cat((q, k, v))
         else:  # Qwen3.5: already flat
-            qkv = self.get(p + "in_proj_qkv.weight", (g.conv_dim, e), why)
-            z = self.get(p + "in_proj_z.weight", (g.value_dim, e), why)
-            b = self.get(p + "in_proj_b.weight", (nv, e), why)
-            a = self.get(p + "in_proj_a.weight", (nv, e), why)
+            qkv = self.proj(p + "in_proj_qkv.weight", (g.conv_dim, e), why, pack)
+            z = self.proj(p + "in_proj_z.weight", (g.value_dim, e), why, pack)
+            b = self.proj(p + "in_proj_b.weight", (nv, e), why, pack)
+            a = self.proj(p + "in_proj_a.weight", (nv, e), why, pack)
         return {
-            "w_in": torch.cat((qkv, z, b, a)),
+            "w_in": cat_rows((qkv, z, b, a)),
             "conv": self.get(p + "conv1d.weight", (g.conv_dim, 1, g.conv_kernel), why)[:, 0, :],
             "a_neg": self._a_neg(p + "A_log", nv, why),
             "dt_bias": self.get(p + "dt_bias", (nv,), why).float(),
             "norm": self.get(p + "norm.weight", (g.v_head_dim,), why).float(),  # gated norm: plain weight
-            "wo": self.get(p + "out_proj.weight", (e, g.value_dim), why),
+            "wo": self.proj(p + "out_proj.weight", (e, g.value_dim), why, pack),
         }
 
     def _a_neg(self, name: str, nv: int, why: str) -> torch.Tensor:
@@ -124,11 +132,11 @@ class HfNames:
             )
         return a_neg
 
-    def _mlp(self, p: str, width: int, why: str) -> dict[str, torch.Tensor]:
+    def _mlp(self, p: str, width: int, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
-        gate = self.get(p + "gate_proj.weight", (width, e), why)
-        up = self.get(p + "up_proj.weight", (width, e), why)
-        return {"w_gate_up": torch.cat((gate, up)), "w_down": self.get(p + "down_proj.weight", (e, width), why)}
+        gate = self.proj(p + "gate_proj.weight", (width, e), why, pack)
+        up = self.proj(p + "up_proj.weight", (width, e), why, pack)
+        return {"w_gate_up": cat_rows((gate, up)), "w_down": self.proj(p + "down_proj.weight", (e, width), why, pack)}
 
     def _moe(self, p: str, why: str) -> dict[str, torch.Tensor]:
         m, e = self.cfg.moe, self.cfg.hidden_size
@@ -147,6 +155,18 @@ class HfNames:
             if m.shared_gate:
                 out["shared_gate"] = self.get(p + "shared_expert_gate.weight", (1, e), why)
         return out
+
+
+def cat_rows(parts):
+    """Row-concatenation of float weights, or of packed FP8 / NVFP4 ones of one kind and width (kept
+    packed); a mix decodes the packed parts to fp32, the values an unpacked load reads."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    from memra.kernels.split import fp_cat_rows
+
+    if not any(isinstance(p, torch.Tensor) for p in parts) and (joined := fp_cat_rows(list(parts))) is not None:
+        return joined
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(torch.float32) for p in parts])
 
 
 def ungroup_qkvz(qkvz: torch.Tensor, nk: int, dk: int, vz_per_group: int):
