@@ -155,7 +155,7 @@ class Settings:
         return Settings.from_env(env)
 
 
-# (variable, default, meaning): the README's table of doors is this list.
+# (variable, default, meaning): docs/SETTINGS.md's table of doors is this list.
 DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_EXACT", "1", "the exact path; 0 = the fast path, whose bits may depend on the batch and the chunking"),
     ("MEMRA_TRITON", "1", "the batch-invariant Triton kernels on CUDA; 0 = torch ops (not batch-invariant)"),
