@@ -200,7 +200,7 @@ def test_cli(capsys):
     assert "unknown model shape 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench"])
-    assert "{serve,model}" in capsys.readouterr().err
+    assert "{serve,model,throughput}" in capsys.readouterr().err
     from memra.bench.command import config_from_args, parse_layers
     from memra.cli import build_parser
 
