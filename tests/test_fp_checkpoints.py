@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import memra
 from conftest import reference
+from cuda_marks import cuda_only
 from memra import counters
 from memra.errors import CheckpointError
 from memra.gate import run_battery
@@ -86,8 +87,28 @@ def test_logits_equal_the_dequantized_twin(name, quant_dirs, tmp_path):
             assert torch.equal(q.prime(prompt, q.new_cache(64), all_logits=True), want), (dtype, packed)
 
 
-def test_packed_on_cpu_by_default_and_refused_packed_on_a_gpu(quant_dirs):
-    from memra.errors import MemraError
+@cuda_only
+@pytest.mark.parametrize("name", ["qwen3_5_fp8", "qwen3_5_nvfp4"])
+def test_cuda_bf16_twin_and_gate(name, quant_dirs, tmp_path):
+    """On a GPU (bf16, the Triton kernels): dequantized at load (the default), logits equal the twin's; packed
+    (packed_weights=True), within bf16 summation-order error of them; gate strict ALL GREEN on both."""
+    twin = reference_twin(quant_dirs[name], tmp_path / "twin")
+    prompt = reference("llama")["prompt2"]
+    q, p = (memra.load(d, device="cuda", dtype="bfloat16", tokenizer=False) for d in (quant_dirs[name], twin))
+    want = p.prime(prompt, p.new_cache(128), all_logits=True)
+    assert torch.equal(q.prime(prompt, q.new_cache(128), all_logits=True), want)
+    lines = []
+    assert run_battery(q, steps=6, batch=4, mode="strict", plen=12, out=lines.append), "\n".join(lines)
+    # packed on the GPU (the door: packed_weights=True; memra.kernels.triton.quant): its weight values are the
+    # same bits (tests/test_fp_kernel.py), its sums run in another order than the dense kernel's
+    k = memra.load(quant_dirs[name], device="cuda", dtype="bfloat16", tokenizer=False, packed_weights=True)
+    got = k.prime(prompt, k.new_cache(128), all_logits=True)
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() <= 5e-2
+    lines = []
+    assert run_battery(k, steps=6, batch=4, mode="strict", plen=12, out=lines.append), "\n".join(lines)
+
+
+def test_packed_on_cpu_by_default(quant_dirs):
     from memra.kernels.split import Fp8BlockSplit, Nvfp4Split
     from memra.loading.checkpoint import load_weights
 
@@ -100,8 +121,6 @@ def test_packed_on_cpu_by_default_and_refused_packed_on_a_gpu(quant_dirs):
     assert isinstance(w["layers.0.gdn.w_in"], torch.Tensor)  # in_proj_a / _b kept bf16: a mixed fused weight decodes
     _, w, _ = load_weights(quant_dirs["llama_fp8"], cpu, torch.float32, packed=False)
     assert all(isinstance(t, torch.Tensor) for t in w.values())
-    with pytest.raises(MemraError, match=r"FP8 e4m3, 128x128 blocks weights stay packed on CPU only"):
-        load_weights(quant_dirs["llama_fp8"], torch.device("cuda"), torch.bfloat16, packed=True)
 
 
 SLOW = pytest.mark.slow  # the same batch-invariant dense path as the two in the default suite

@@ -149,7 +149,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     `opened` is open_checkpoint(path)'s result when the caller already has it. The fp32 weights (and GGUF
     block scales) are always checked for NaN / Inf; `check_tensors` scans every weight, on `device`, after
     it is placed. A bad one raises CheckpointError naming the stored tensor (memra.loading.tensor_checks).
-    `packed` (an HF FP8 / NVFP4 checkpoint: its projections, CPU only, None = packed there): keep a GGUF's quantized projections packed (memra.loading.gguf) -- Q8_0, Q4_K, Q5_K and
+    `packed` (an HF FP8 / NVFP4 checkpoint: its projections, the same defaults): keep a GGUF's quantized projections packed (memra.loading.gguf) -- Q8_0, Q4_K, Q5_K and
     Q6_K, split into quants and scales by memra.kernels.split -- decoded a tile at a time inside each
     linear, with the same bits: True for all of them, False for none, None for what pays off here: all
     of them on CPU (about the file's size instead of fp32's four bytes a value), nothing on a GPU (whose
@@ -164,11 +164,8 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     src = names.src
     if isinstance(names, GgufNames):
         names.packed = frozenset(SPLITS) if packed or (packed is None and device.type == "cpu") else frozenset()
-    elif isinstance(src, QuantizedSource):  # FP8 / NVFP4: packed on CPU (no GPU kernel reads them yet)
-        if packed and device.type != "cpu":
-            raise MemraError(f"packed weights (--packed-weights / packed_weights=True): {src.fmt.describe()} weights "
-                             "stay packed on CPU only; on a GPU they are dequantized at load (leave it unset)")
-        names.pack = packed is not False and device.type == "cpu"
+    elif isinstance(src, QuantizedSource):  # FP8 / NVFP4: packed on CPU by default; on a GPU only when asked
+        names.pack = bool(packed) or (packed is None and device.type == "cpu")
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}

@@ -19,6 +19,10 @@ activation dtype exactly as the twin (memra.kernels.quant.reference_linear) roun
   Q4_K  (d * scale) * q - dmin * min   nibbles [N, K/2], fp32 d, dmin [N, K/256], bytes scale, min [N, K/32]
   Q5_K  the same, with a byte per q    uint8 q [N, K]
   Q6_K  (d * scale) * q                int8 q - 32 [N, K], fp32 d [N, K/256], int8 scale [N, K/16]
+  FP8   e4m3(q) * s                    e4m3 bytes [N, K], fp32 s [N, cdiv(K, block)] (HF FP8 block-scaled)
+  NVFP4 e2m1(q) * s                    two nibbles a byte [N, K/2], fp32 s [N, cdiv(K, 16)] (modelopt / c-t)
+  (FP8 / NVFP4 decode their codes exactly in integer arithmetic, then one fp32 product; on a GPU only with
+  --packed-weights / packed_weights=True: by default they are dequantized at load there.)
 
 Why the weight bits hold on the GPU and in the interpreter alike:
   * the compiler may contract a multiply and an add into one FMA, but here that cannot change a bit:
@@ -39,7 +43,7 @@ import triton.language as tl
 
 from memra.errors import MemraError
 from memra.kernels.quant import _check_linear
-from memra.kernels.split import SPLIT_TYPES, Q4KSplit, Q5KSplit, Q6KSplit, Q8Split, SplitRows
+from memra.kernels.split import SPLIT_TYPES, Fp8BlockSplit, Nvfp4Split, Q4KSplit, Q5KSplit, Q6KSplit, Q8Split, SplitRows
 from memra.kernels.triton.common import _interpreting, round_to_bf16
 from memra.kernels.triton.launch import lean
 from memra.kernels.triton.linear import _mma
@@ -66,7 +70,33 @@ QUANT_CHUNK_K = 1024
 SPLIT_ROWS = 64  # the decode bucket's rows
 CHUNK_SUM_BLOCK = 1024
 
-Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3  # the kernel's FORMAT
+Q8_0, Q4_K, Q5_K, Q6_K, FP8_BLOCK, NVFP4 = 0, 1, 2, 3, 4, 5  # the kernel's FORMAT
+
+
+@triton.jit
+def _signed(negative, magnitude):
+    return tl.where(negative != 0, -magnitude, magnitude)  # a negation is exact; -0.0 where the code says so
+
+
+@triton.jit
+def _e4m3_values(byte):
+    """float8_e4m3fn codes (int32 0..255) -> their fp32 values, exactly: sign | exponent (bias 7) | 3-bit
+    mantissa; exponent 0 is subnormal (m * 2^-9), S.1111.111 is NaN."""
+    e = (byte >> 3) & 0xF
+    m = byte & 0x7
+    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)  # 2^(e-7) * (1 + m/8), fp32 bits
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    mag = tl.where((e == 0xF) & (m == 0x7), float("nan"), mag)
+    return _signed(byte >> 7, mag)
+
+
+@triton.jit
+def _e2m1_values(nibble):
+    """e2m1 codes (int32 0..15) -> fp32, exactly: sign (bit 3) | exponent (bias 1) | 1-bit mantissa."""
+    e = (nibble >> 1) & 0x3
+    m = (nibble & 0x1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
+    return _signed(nibble >> 3, mag)
 
 
 @triton.jit
@@ -87,7 +117,7 @@ def _group_scales(ptr, rows, cols, k0, K, G: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K, FORMAT: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, G: tl.constexpr):
     """The fp32 values of weight tile [BLOCK_K, BLOCK_N] over K positions kk = k0 + arange(BLOCK_K):
     element (i, j) is W[rn[j], kk[i]]. The quants are one wide load; the scales of a group of G positions
     are one load per column, broadcast over the group (a [BLOCK_K // G, BLOCK_N] tile), not a load per
@@ -95,7 +125,16 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
     lies in one K-quant super-block."""
     rows = rn[None, :]
     cols = rn < N
-    if FORMAT == 0:  # Q8_0
+    if FORMAT == 4 or FORMAT == 5:  # FP8 block / NVFP4 (split.Fp8BlockSplit / Nvfp4Split): per-row scales
+        # of G positions [N, cdiv(K, G)], read per value (G may exceed BLOCK_K, and K need not divide by it)
+        s = tl.load(d_ptr + rows * tl.cdiv(K, G) + (kk // G)[:, None], mask=mask, other=0.0)
+        if FORMAT == 4:  # the file's e4m3 bytes [N, K]
+            v = _e4m3_values(tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.int32))
+        else:  # two e2m1 per byte [N, K / 2], the even position in the low nibble
+            byte = tl.load(q_ptr + rows * (K // 2) + (kk // 2)[:, None], mask=mask, other=0).to(tl.int32)
+            v = _e2m1_values((byte >> (4 * (kk % 2))[:, None]) & 0xF)
+        return v * s  # one fp32 product, the split's (exact decoding, then one rounding)
+    elif FORMAT == 0:  # Q8_0
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
         return q * _spread(_group_scales(d_ptr, rows, cols, k0, K, 32, BLOCK_K), 32, BLOCK_K)
     elif FORMAT == 3:  # Q6_K: groups of 16
@@ -122,7 +161,7 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
 def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y_ptr, part_ptr, M, N, K, stride_xm,
                          stride_ym, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                          ROUND_IN_INTEGERS: tl.constexpr, PARTIAL: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr):
     # M is not specialised: an M == 1 call must compile to the same instructions as M == 64.
     # K is summed in chunks of CHUNK positions (QUANT_CHUNK_K), each from zero, then the chunks' sums in order.
     # PARTIAL: program (., ., c) sums chunk c alone into part [chunks, M, N] (_chunk_sum_kernel adds
@@ -142,7 +181,7 @@ def _split_linear_kernel(x_ptr, q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, b_ptr, y
             a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)
             w = _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn64, k0, kk,
-                             (rn[None, :] < N) & (kk[:, None] < K), N, K, FORMAT, BLOCK_K)  # [BK, BN] fp32
+                             (rn[None, :] < N) & (kk[:, None] < K), N, K, FORMAT, BLOCK_K, G)  # [BK, BN] fp32
             if ROUND_IN_INTEGERS:  # == w.dequantize(bf16) where a cast truncates (the interpreter)
                 w = round_to_bf16(w)
             # the cast rounds to nearest-even on the GPU: w.dequantize(x's dtype), the twin's weight
@@ -173,16 +212,22 @@ def _chunk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, CHUNKS, stride_ym, HAS_BIAS:
     tl.store(y_ptr + (at // N) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=live)
 
 
-def _planes(w) -> tuple[int, tuple[torch.Tensor, ...]]:
-    """The kernel's FORMAT and (q, d, dmin, scale, min) planes of one split layout (unused ones repeat d)."""
+def _planes(w) -> tuple[int, tuple[torch.Tensor, ...], int]:
+    """The kernel's FORMAT, (q, d, dmin, scale, min) planes of one split layout (unused ones repeat d), and
+    G, the positions per scale of the FP8 / NVFP4 layouts (32, unused, for the GGUF ones)."""
     if isinstance(w, Q8Split):
-        return Q8_0, (w.q, w.d, w.d, w.d, w.d)
+        return Q8_0, (w.q, w.d, w.d, w.d, w.d), 32
     if isinstance(w, Q4KSplit):
-        return Q4_K, (w.qs, w.d, w.dmin, w.scale, w.mins)
+        return Q4_K, (w.qs, w.d, w.dmin, w.scale, w.mins), 32
     if isinstance(w, Q5KSplit):
-        return Q5_K, (w.q, w.d, w.dmin, w.scale, w.mins)
+        return Q5_K, (w.q, w.d, w.dmin, w.scale, w.mins), 32
     if isinstance(w, Q6KSplit):
-        return Q6_K, (w.q, w.d, w.d, w.scale, w.scale)
+        return Q6_K, (w.q, w.d, w.d, w.scale, w.scale), 32
+    if isinstance(w, Fp8BlockSplit):
+        q = w.q.view(torch.uint8)
+        return FP8_BLOCK, (q, w.s, w.s, w.s, w.s), w.cols
+    if isinstance(w, Nvfp4Split):
+        return NVFP4, (w.packed, w.s, w.s, w.s, w.s), 16
     raise MemraError(f"no packed GPU kernel reads a {type(w).__name__}")
 
 
@@ -209,7 +254,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     for part in (w.parts if isinstance(w, SplitRows) else (w,)):
         hi = lo + part.shape[0]
         if m:
-            fmt, planes = _planes(part)
+            fmt, planes, group = _planes(part)
             b = bias[lo:hi] if bias is not None else y
             bm, bn, bk, warps, stages = quant_config(m)
             n_part, chunks = hi - lo, triton.cdiv(k, QUANT_CHUNK_K)
@@ -219,7 +264,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
                 x2, *planes, b, y[:, lo:hi], sums, m, n_part, k, x2.stride(0), y.stride(0), FORMAT=fmt,
                 HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
                 ROUND_IN_INTEGERS=x.dtype == torch.bfloat16 and _interpreting(), PARTIAL=split,
-                CHUNK=QUANT_CHUNK_K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                CHUNK=QUANT_CHUNK_K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, G=group, num_warps=warps,
+                num_stages=stages)
             if split:
                 _chunk_sum_kernel[(triton.cdiv(m * n_part, CHUNK_SUM_BLOCK),)](
                     sums, b, y[:, lo:hi], m, n_part, chunks, y.stride(0), HAS_BIAS=bias is not None,
