@@ -9,8 +9,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep a GGUF's Q8_0 and Q4_K weights packed in memory, decoded a tile at a time (the same "
-                        "output); --no-packed-weights decodes all at load; default: both packed on CPU, decoded at load on a GPU")
+                   help="keep a GGUF's Q8_0 / Q4_K / Q5_K / Q6_K weights, or an FP8 / NVFP4 checkpoint's, packed in memory, "
+                        "decoded a tile at a time (the same output); --no-packed-weights decodes all at load; "
+                        "default: packed on CPU, decoded at load on a GPU")
     p.add_argument("--check-tensors", action="store_true",
                    help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "
                         "quantization scales are always checked)")
