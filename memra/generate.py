@@ -59,7 +59,7 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
     prompt = list(prompt_ids)
     try:
         for step in range(params.max_tokens):
-            token = sample(apply_penalties(logits, params, prompt, stats.token_ids), params, ctr=step)
+            token = sample(apply_penalties(logits, params, prompt, stats.token_ids, stop), params, ctr=step)
             stats.token_ids.append(token)
             stats.generated_tokens += 1
             yield token
@@ -93,7 +93,7 @@ def _speculative_tokens(model, prompt: list[int], params: SamplingParams, stats:
 
     def emit(logits_row, virtual_pos: int) -> tuple[int, bool]:
         """Choose the next token as the plain loop would; -> (token, finished)."""
-        token = sample(apply_penalties(logits_row, params, prompt, out), params, ctr=len(out))
+        token = sample(apply_penalties(logits_row, params, prompt, out, stop), params, ctr=len(out))
         out.append(token)
         stats.generated_tokens += 1
         if token in stop:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memra import counters
 from memra.errors import MemraError
 
 _MASK64 = (1 << 64) - 1
@@ -74,10 +75,24 @@ class SamplingParams:
     logprobs: int | None = None  # the chosen token's logprob and this many top ones (0: the chosen only)
     ignore_eos: bool = False  # run to max_tokens through end-of-sequence tokens (vLLM's name; benchmarks)
     prompt_logprobs: int | None = None  # score the prompt too (memra.LLM.generate): each token's logprob + top n
+    # vLLM's: more ids that end the sequence (they stop it even with ignore_eos; its token_ids keep the id)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's: EOS and stop_token_ids are masked (logit -inf) until this many tokens came out; the mask reads
+    # only the row's own output count, so a row's tokens stay the same whatever runs beside it (E1, E3)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # the stop string (or the stop token's text) ends the text
+    skip_special_tokens: bool = True  # the text leaves control tokens (<|im_end|>, ...) out
+    spaces_between_special_tokens: bool = True  # with skip_special_tokens=False: " " around their text (HF's)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's length)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop_token_ids, tuple):
+            try:
+                object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            except TypeError:
+                raise MemraError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from None
         if isinstance(self.logit_bias, dict):
             try:
                 object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))
@@ -116,14 +131,36 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not (type(self.prompt_logprobs) is int
                                                      and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise MemraError(f"prompt_logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
+        self._validate_vllm_fields()
         for tok, bias in self.logit_bias:
             if tok < 0 or not -100.0 <= bias <= 100.0 or not math.isfinite(bias):
                 raise MemraError(f"logit_bias entry {tok}: {bias} invalid; ids must be >= 0 and biases in [-100, 100]")
 
+    def _validate_vllm_fields(self) -> None:
+        if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
+            raise MemraError(f"stop_token_ids must be non-negative token ids, got {list(self.stop_token_ids)!r}")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise MemraError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise MemraError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (type(k) is int and (k >= 1 or k == -1)):
+            raise MemraError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (the context's length), got {k!r}")
+
     @property
     def penalized(self) -> bool:
+        """Whether a row's logits are changed before sampling (penalties, logit_bias, the min_tokens mask)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    def stop_ids(self, eos_ids) -> frozenset[int]:
+        """The ids that end this request's sequences: the model's EOS (unless ignore_eos) and stop_token_ids."""
+        return frozenset(() if self.ignore_eos else eos_ids) | frozenset(self.stop_token_ids)
+
+    def truncate(self, ids: list[int], max_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens ids (-1: max_len), or all of them."""
+        return truncate_prompt(ids, self.truncate_prompt_tokens, max_len)
 
     def dev_samp(self, ctr: int) -> "DevSamp":
         return DevSamp(self.temperature, self.seed, ctr, self.top_k, self.top_p, self.min_p)
@@ -144,8 +181,17 @@ class DevSamp:
     min_p: float = 0.0
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
-    """Logits [V] adjusted for repetition/presence/frequency penalties and logit_bias (a new tensor)."""
+def truncate_prompt(ids: list[int], k: int | None, max_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last k ids (-1: max_len; None: all), cut from the left."""
+    if k is not None and k != -1 and k < 1:
+        raise MemraError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (the context's length), got {k!r}")
+    k = max_len if k == -1 else k
+    return ids if k is None or len(ids) <= k else ids[len(ids) - k :]
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids, stop_ids=()) -> torch.Tensor:
+    """Logits [V] adjusted for repetition/presence/frequency penalties and logit_bias (a new tensor), and
+    `stop_ids` (the ids that would end the sequence) set to -inf while fewer than min_tokens came out."""
     if not p.penalized:
         return logits
     out = logits.clone()
@@ -162,6 +208,9 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_
         if tok >= v:
             raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{v - 1})")
         out[tok] += bias
+    if len(output_ids) < p.min_tokens and stop_ids:
+        out[torch.tensor(sorted(stop_ids), dtype=torch.long, device=out.device)] = float("-inf")
+        counters.bump("min_tokens_masked_rows")
     return out
 
 

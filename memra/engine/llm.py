@@ -138,7 +138,8 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise MemraError("generate's sampling_params must be a memra.SamplingParams or a list of them")
         plist = [p if p.seed is not None else dataclasses.replace(p, seed=self._seeds.randrange(1 << 31)) for p in plist]
-        ids = [self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p) for p in batch]
+        ids = [sp.truncate(self.tokenizer.encode(p, add_special=True) if isinstance(p, str) else list(p),
+                           self.engine.max_len) for p, sp in zip(batch, plist)]
         for prompt_ids, p in zip(ids, plist):  # every refusal before anything is queued
             self.engine.check_request(prompt_ids, p)
         jobs = self.engine.score_jobs  # prompt_logprobs: each prompt scored as a prompt (memra.engine.scoring)
@@ -147,7 +148,7 @@ class LLM:
         runs = []
         bar = _progress_bar(sum(p.n for p in plist)) if use_tqdm else None
         for prompt_ids, p in zip(ids, plist):
-            choices, rids = [_Choice(TextStream(self.tokenizer, p.stop)) for _ in range(p.n)], []
+            choices, rids = [_Choice(TextStream.for_params(self.tokenizer, p)) for _ in range(p.n)], []
             rids += self.engine.submit(prompt_ids, p, self._sink(choices, rids, bar), n=p.n, logprobs=p.logprobs,
                                        eos_ids=self._eos_ids(p))
             runs.append(choices)
@@ -196,10 +197,11 @@ class LLM:
         if p.seed is None:
             p = dataclasses.replace(p, seed=self._seeds.randrange(1 << 31))
         ids = self.tokenizer.encode(prompt, add_special=True) if isinstance(prompt, str) else list(prompt)
+        ids = p.truncate(ids, self.engine.max_len)
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(ids)
         events: deque[TokenEvent] = deque()
-        text = TextStream(self.tokenizer, p.stop)
+        text = TextStream.for_params(self.tokenizer, p)
         start = time.perf_counter()
         rids = self.engine.submit(ids, p, events.append, logprobs=p.logprobs, eos_ids=self._eos_ids(p))
         first = last = None
@@ -216,7 +218,7 @@ class LLM:
                         first = first or last
                         stats.token_ids.append(ev.token_id)
                         stats.generated_tokens += 1
-                        piece = text.push(ev.token_id)
+                        piece = text.push(ev.token_id, stop_token=ev.finish_reason == "stop")
                         if text.stopped:
                             stats.finish_reason = "stop"
                         if piece:
@@ -250,7 +252,7 @@ class LLM:
         return self.tokenizer
 
     def _eos_ids(self, p: SamplingParams):
-        return () if p.ignore_eos else self.tokenizer.eos_ids
+        return p.stop_ids(self.tokenizer.eos_ids)
 
     def _sink(self, choices: list[_Choice], rids: list[str], bar=None):
         """Events of one prompt's choices -> their text; runs on this thread inside run_until_idle, after
@@ -261,7 +263,7 @@ class LLM:
                 return
             if ev.token_id is not None:
                 c.tokens.append(ev.token_id)
-                c.pieces.append(c.text.push(ev.token_id))
+                c.pieces.append(c.text.push(ev.token_id, stop_token=ev.finish_reason == "stop"))
                 if ev.logprob is not None:
                     c.logprobs.append(ev.logprob)
                     c.tops.append(dict(ev.top_logprobs))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memra import counters
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.upload import Download, start_download, upload_values
@@ -32,10 +33,12 @@ class PenaltyState:
     counts: torch.Tensor  # [V] fp32 (whole numbers: exact)
     bias_ids: torch.Tensor | None = None  # [n] int64
     bias_vals: torch.Tensor | None = None  # [n] fp32
+    stop_ids: torch.Tensor | None = None  # [s] int64: masked to -inf while fewer than min_tokens came out
     produced: int = 0  # output tokens already counted
 
     @classmethod
-    def start(cls, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> "PenaltyState":
+    def start(cls, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device,
+              stop_ids: frozenset[int] = frozenset()) -> "PenaltyState":
         seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         seen.index_fill_(0, upload_values(prompt, torch.long, device), True)
         state = cls(seen, torch.zeros(vocab, dtype=torch.float32, device=device))
@@ -44,6 +47,8 @@ class PenaltyState:
                 raise MemraError(f"logit_bias names a token outside the vocabulary (0..{vocab - 1})")
             state.bias_ids = upload_values([t for t, _ in params.logit_bias], torch.long, device)
             state.bias_vals = upload_values([b for _, b in params.logit_bias], torch.float32, device)
+        if params.min_tokens and stop_ids:
+            state.stop_ids = upload_values(sorted(stop_ids), torch.long, device)
         return state
 
     def observe(self, out: list[int]) -> None:
@@ -64,6 +69,9 @@ class PenaltyState:
             out -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).to(out.dtype)
         if self.bias_ids is not None:
             out[self.bias_ids] += self.bias_vals
+        if self.stop_ids is not None and self.produced < p.min_tokens:  # a function of this row's own count
+            out.index_fill_(0, self.stop_ids, float("-inf"))
+            counters.bump("min_tokens_masked_rows")
         return out
 
 
@@ -76,6 +84,7 @@ class RowSpec:
     out: list[int]
     logprobs: int | None  # top-n asked for (0 = the chosen token's only), None = off
     penalty: PenaltyState | None = field(default=None)
+    stop_ids: frozenset[int] = frozenset()  # the ids that end it: what min_tokens masks
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
         for i in penalized:
             r = rows[i]
             if r.penalty is None:
-                r.penalty = PenaltyState.start(r.params, r.prompt, vocab, logits.device)
+                r.penalty = PenaltyState.start(r.params, r.prompt, vocab, logits.device, r.stop_ids)
             r.penalty.observe(r.out)
             chosen_from[i] = r.penalty.apply(logits[i], r.params)
     tokens = chosen_from.argmax(-1)  # [B] int64 on the device: every greedy row's token (device_sample's rule)

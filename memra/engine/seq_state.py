@@ -33,7 +33,7 @@ class SeqState:
     spec: object | None = None  # its drafter state when it speculates (memra.engine.speculation.SpecSeq)
 
     def __post_init__(self) -> None:
-        self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs)
+        self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs, stop_ids=self.eos)
 
     def swap_out(self, backend) -> bool:
         """Preempted: its cache to host copies (the backend's, byte for byte), freed on the device.

@@ -99,6 +99,9 @@ def refuse_request(prompt: list[int], params: SamplingParams, limit: int, vocab:
     if not 0 <= min(prompt) <= max(prompt) < vocab:
         bad = next(t for t in prompt if not 0 <= t < vocab)
         raise MemraError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    for tok in params.stop_token_ids:
+        if tok >= vocab:
+            raise MemraError(f"stop_token_ids names token {tok}, outside the vocabulary (0..{vocab - 1})")
     for tok, _ in params.logit_bias:
         if tok >= vocab:
             raise MemraError(f"logit_bias names token {tok}, outside the vocabulary (0..{vocab - 1})")

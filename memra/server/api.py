@@ -35,7 +35,7 @@ from memra.engine.engine import Engine, QueueFull, Unavailable
 from memra.engine.scoring import ScoreJob
 from memra.server.errors import ApiError, error_response, install_error_handlers, model_not_found, too_many_requests
 from memra.server.options import ServerOptions
-from memra.sampling import fresh_seed
+from memra.sampling import fresh_seed, truncate_prompt
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from memra.server.scored import Scored, ScoredReply
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
@@ -158,6 +158,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             if isinstance(p, str):
                 check_chars(len(p))
         ids = [p if isinstance(p, list) else await encode(p, body.add_special_tokens) for p in prompts]
+        ids = [truncated(body, p) for p in ids]
         texts = [p if isinstance(p, str) else None for p in prompts]
         scored = await scored_reply(body, ids, texts, body.echo, body.logprobs if body.echo else None)
         if not max_tokens:
@@ -174,12 +175,16 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         if want is not None:
             body.sampling(want, 0)
         check_chars(sum(len(m.text()) for m in body.messages))
-        ids = await off_loop(chat_ids, body.messages, body.add_special_tokens)
+        ids = truncated(body, await off_loop(chat_ids, body.messages, body.add_special_tokens))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         scored = await scored_reply(body, [ids], [None], False, None)
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
                            max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival,
                            scored=scored)
+
+    def truncated(body, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the context's length)."""
+        return truncate_prompt(ids, body.truncate_prompt_tokens, max_len)
 
     async def scored_reply(body, ids: list[list[int]], texts: list, echo: bool, echo_top: int | None):
         """The prompts' scores where the body asks for them (memra.engine.scoring, on the engine thread
@@ -217,11 +222,11 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         if body.speculative and not engine.spec.enabled:
             raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
                                 "or leave the field out", param="speculative")
-        out = RequestOutputs(engine, tok, params.stop, len(prompts) * body.n, text_worker)
+        out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker)
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,
-                                          eos_ids=tok.eos_ids, speculative=body.speculative is not False)
+                                          eos_ids=params.stop_ids(tok.eos_ids), speculative=body.speculative is not False)
         except QueueFull as err:
             engine.cancel(out.rids)
             raise too_many_requests(str(err)) from None

@@ -34,6 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from memra.engine.engine import TokenEvent
+from memra.sampling import SamplingParams
 from memra.server.errors import error_response
 from memra.server.scored import ScoredReply, text_offsets, token_text
 from memra.tokenizer import TextStream
@@ -128,11 +129,11 @@ class RequestOutputs:
     """Events from the engine thread in, per-choice deltas out on the request's event loop; the text is
     made on the TextWorker's thread (`process`)."""
 
-    def __init__(self, engine, tok, stops: tuple[str, ...], choices: int, worker: TextWorker):
+    def __init__(self, engine, tok, params: SamplingParams, choices: int, worker: TextWorker):
         self.engine, self.tok, self.worker = engine, tok, worker
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.streams = [TextStream(tok, stops) for _ in range(choices)]
+        self.streams = [TextStream.for_params(tok, params) for _ in range(choices)]
         self.ended = [False] * choices  # the text thread's view: no more deltas for this choice
         self.tokens = [0] * choices  # completion tokens each choice delivered
         self.rids: list[str] = []  # the engine's sequence of choice i is rids[i]
@@ -154,7 +155,7 @@ class RequestOutputs:
             self.ended[i] = True
             return Delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
         self.tokens[i] += 1
-        text, finish = stream.push(ev.token_id), ev.finish_reason
+        text, finish = stream.push(ev.token_id, stop_token=ev.finish_reason == "stop"), ev.finish_reason
         if stream.stopped:
             if finish is None:
                 self.engine.cancel([self.rids[i]], finish_reason="stop")

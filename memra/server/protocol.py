@@ -78,6 +78,14 @@ class _Sampling(BaseModel):
     prompt_logprobs: _integer(0, MAX_LOGPROBS) | None = None  # vLLM's: score the prompt (memra.server.scored)
     continuation_start: _integer(1, INT32) | None = None  # memra's: the first generated position of the prompt (E9)
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: tokens as "token_id:<id>"
+    # vLLM's sampling fields (memra.SamplingParams says what each does); null = the default
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: _integer(0, INT32) | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    truncate_prompt_tokens: _integer(-1, INT32) | None = None
 
     def check_scoring(self, echo_logprobs: bool) -> None:
         """The refusals of the scoring fields; echo_logprobs: the completions route's echo with logprobs."""
@@ -108,7 +116,14 @@ class _Sampling(BaseModel):
             min_p=float(self.min_p or 0.0), seed=seed, max_tokens=max_tokens, stop=self.stops(),
             repetition_penalty=float(1.0 if self.repetition_penalty is None else self.repetition_penalty),
             presence_penalty=float(self.presence_penalty or 0.0), frequency_penalty=float(self.frequency_penalty or 0.0),
-            logit_bias=bias)
+            logit_bias=bias, **self._vllm_fields())
+
+    def _vllm_fields(self) -> dict:
+        given = {"stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
+                 "min_tokens": self.min_tokens, "include_stop_str_in_output": self.include_stop_str_in_output,
+                 "skip_special_tokens": self.skip_special_tokens, "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                 "spaces_between_special_tokens": self.spaces_between_special_tokens}
+        return {k: v for k, v in given.items() if v is not None}
 
     @property
     def include_usage(self) -> bool:

@@ -3,7 +3,7 @@ with a 400 naming it, so that no client believes it got what it asked for.
 
 The rule: a field in the table below is refused when the request carries it with any value other than
 null or one of its no-op values (the value that asks for what memra does anyway: `store: false`,
-`ignore_eos: false`, `tools: []`, `response_format: {"type": "text"}`, ...). Fields the protocols do not
+`use_beam_search: false`, `tools: []`, `response_format: {"type": "text"}`, ...). Fields the protocols do not
 define (vendor extras) stay ignored, and the fields memra honours (`n`, `logprobs`, `echo` on
 completions, `prompt_logprobs`, `return_tokens_as_token_ids`, `add_special_tokens`, ...) are validated by
 memra.server.protocol. Where a field has a no-op value only because another field is refused
@@ -38,7 +38,7 @@ class Unhonoured:
 
 
 def _is(*values) -> Callable[[object, dict], bool]:
-    # `False == 0` in Python: compare types too, so `ignore_eos: 0` is not taken for false
+    # `False == 0` in Python: compare types too, so `store: 0` is not taken for false
     return lambda v, body: any(type(v) is type(x) and v == x or (type(x) is float and type(v) is int and v == x)
                                for x in values)
 
@@ -85,13 +85,6 @@ TABLE: tuple[Unhonoured, ...] = (
     # vLLM's sampling params
     R("use_beam_search", BOTH, "vllm-samp", _is(False), "memra has no beam search"),
     R("length_penalty", BOTH, "vllm-samp", _is(1.0), "memra has no beam search"),
-    R("stop_token_ids", BOTH, "vllm-samp", _empty, "memra stops on the model's EOS ids and stop strings"),
-    R("include_stop_str_in_output", BOTH, "vllm-samp", _is(False), "memra leaves the stop string out"),
-    R("ignore_eos", BOTH, "vllm-samp", _is(False), "memra always stops at EOS"),
-    R("min_tokens", BOTH, "vllm-samp", _is(0), "memra has no minimum length"),
-    R("skip_special_tokens", BOTH, "vllm-samp", _is(True), "memra's text always skips special tokens"),
-    R("spaces_between_special_tokens", BOTH, "vllm-samp", _is(True), "memra's text always skips special tokens"),
-    R("truncate_prompt_tokens", BOTH, "vllm-samp", _never, "memra never truncates a prompt"),
     R("allowed_token_ids", BOTH, "vllm-samp", _never, "memra has no allow-list; use logit_bias"),
     R("bad_words", BOTH, "vllm-samp", _empty, "memra has no bad-word filter"),
     # vLLM's extra params
@@ -122,6 +115,11 @@ TABLE: tuple[Unhonoured, ...] = (
     R("vllm_xargs", BOTH, "vllm-extra", _empty, "memra has no request extensions"),
     R("repetition_detection", BOTH, "vllm-extra", _never, "memra has no repetition detector"),
 )
+# Fields of those protocols that memra honours (memra.server.protocol validates them); the table's test
+# holds TABLE and HONOURED together against every field the protocols name.
+HONOURED = frozenset({"n", "logprobs", "top_logprobs", "prompt_logprobs", "return_tokens_as_token_ids",
+                      "add_special_tokens", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                      "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens"})
 _BY_ROUTE = {route: tuple(r for r in TABLE if route in r.routes) for route in BOTH}
 
 

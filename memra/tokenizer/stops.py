@@ -14,7 +14,7 @@ beginning of the text on every piece) and the grammar libraries on our list do n
 
 Semantics (OpenAI's, made independent of how the text was cut into pieces): the text stops at the first
 position where any stop string is complete; what precedes that occurrence is released and the stop
-string itself is not. When several stop strings end at the same character, the longest one (the one
+string itself is not (with `include`, vLLM's include_stop_str_in_output, it is, and nothing after it). When several stop strings end at the same character, the longest one (the one
 that starts first) wins. Because the automaton consumes characters one at a time, the output is the same
 whether the text came as one piece or one character at a time.
 """
@@ -39,8 +39,9 @@ class StopStringFilter:
     """Streams text but holds back any tail that could still grow into a stop string; on a match,
     emits the text before it and stops (the stop string itself is not printed, as in OpenAI's API)."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.include = include
         self._fail = [_failure(s) for s in self.stops]
         self._matched = [0] * len(self.stops)  # per stop: chars of it that end the text seen so far
         self.pending = ""  # held back: exactly the longest of those partial matches
@@ -59,7 +60,7 @@ class StopStringFilter:
             if length is not None:  # a stop string of this length ends at this character
                 self.stopped = True
                 self.pending = ""
-                return held[: offset + i + 1 - length]
+                return held[: offset + i + 1 - (0 if self.include else length)]
         keep = max(self._matched)
         self.pending = held[len(held) - keep :] if keep else ""
         return held[: len(held) - keep]
