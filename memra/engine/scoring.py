@@ -169,7 +169,7 @@ class ScoreJobs:
                 continue
             cache = None
             try:
-                cache = e.backend.new_cache(len(job.ids))
+                cache = e.backend.new_cache(e.cache_ctx)  # as wide as every engine cache; blocks come as used
                 fut.set_result(score(e.model, job, cache))
             except MemraError as err:
                 fut.set_exception(err)
