@@ -33,12 +33,13 @@ class KvPool:
 
     def __init__(self, layers: tuple[int, ...], n_blocks: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, layer_devices: dict[int, torch.device] | None = None,
-                 max_blocks: int | None = None):
-        shape = (n_blocks, BLOCK_SIZE, n_kv_heads, head_dim)
+                 max_blocks: int | None = None, shapes: dict[int, tuple[int, int]] | None = None):
+        # shapes: (KV heads, head dim) of the layers whose geometry differs from the model's (Gemma 4)
+        shape = lambda i: (n_blocks, BLOCK_SIZE, *(shapes or {}).get(i, (n_kv_heads, head_dim)))  # noqa: E731
         self.layers = layers
         dev = lambda i: (layer_devices or {}).get(i, device)  # a pipeline stage owns its layers' KV
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=dev(i)) for i in layers}
+        self.k = {i: torch.zeros(shape(i), dtype=dtype, device=dev(i)) for i in layers}
+        self.v = {i: torch.zeros(shape(i), dtype=dtype, device=dev(i)) for i in layers}
         self.n_blocks = n_blocks
         self.max_blocks = max(n_blocks, max_blocks or n_blocks)
         self.free: list[int] = list(range(n_blocks))
@@ -303,9 +304,13 @@ class Cache:
 
 def kv_pool(cfg: ModelConfig, n_blocks: int, dtype: torch.dtype, device: torch.device | str,
             layer_devices: dict[int, torch.device] | None = None, max_blocks: int | None = None) -> KvPool:
-    """A KV pool for every attention layer of the model, the MTP blocks' included."""
-    layers = cfg.attention_layers + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
-    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks)
+    """A KV pool for every attention layer of the model that keeps K/V of its own (not one that reads an
+    earlier layer's: Gemma 4's shared KV), the MTP blocks' included."""
+    own = tuple(i for i in cfg.attention_layers if cfg.attn_of(i).kv_from is None)
+    layers = own + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
+    shapes = {i: (cfg.attn_of(i).n_kv_heads, cfg.attn_of(i).head_dim) for i in own}
+    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks,
+                  shapes)
 
 
 def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str,

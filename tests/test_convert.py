@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 TEXT = "ROMEO: <|im_start|>What light through yonder window breaks? 1234 ĀāĂ\n\n  Thou art"
 
 
-CONVERTIBLE = [a for a in HF_ARCHS if a != "mistral"]  # sliding windows have no GGUF form memra writes
+CONVERTIBLE = [a for a in HF_ARCHS if a not in ("mistral", "gemma4", "step3p5")]  # sliding windows have no GGUF form memra writes
 
 
 def test_sliding_window_models_are_refused_in_one_line(tmp_path):

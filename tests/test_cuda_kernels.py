@@ -19,6 +19,7 @@ import torch
 
 from cuda_marks import needs_cuda
 from memra.kernels import reference
+from memra.kernels.exact import gdn_prefill_inputs
 from memra.kernels.table import KernelTable
 from memra.sampling import DevSamp, device_sample
 from memra.settings import Settings
@@ -44,7 +45,7 @@ def test_gdn_prefill_kernel_at_the_9b_layer_shape():
     ops = table()
     assert ops.gdn_kernel, "the kernel table did not pick the GDN Triton kernel on CUDA"
     t, h, dk, dv = 4096, 32, 128, 128
-    q, k, v, beta, decay, s0 = reference.gdn_prefill_inputs(t, h, dk, dv)
+    q, k, v, beta, decay, s0 = gdn_prefill_inputs(t, h, dk, dv)
     o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 0)
     o, s = ops.gdn_prefill(q, k, v, beta, decay, s0, 0)
     # fp32 noise only (the tf32x3 products are fp32-level): a wrong kernel is off by O(1)

@@ -66,7 +66,7 @@ def test_every_batch_size_1_to_64_and_every_row_position(load_model):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma4", "step3p5", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_prime_at_64_aligned_cuts_leaves_identical_caches(arch, dtype, load_model):
     """E5: a 150-token prompt primed in one shot, in 64-token chunks, and in 128-token chunks: the same
     logits, KV and recurrent state, bit for bit."""

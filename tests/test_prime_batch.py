@@ -36,7 +36,7 @@ def _alone(model, prompts, ctx: int = 256):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", *HYBRID_ARCHS])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma4", "step3p5", *HYBRID_ARCHS])
 def test_fast_path_batches_the_prompts_and_keeps_each_sequence_its_own(load_model, arch):
     model = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0")
     prompts = _prompts(model)
@@ -130,7 +130,7 @@ def test_gate_arm_skips_where_not_live_and_fails_on_the_fast_path(load_model):
 
 
 @cuda_only
-@pytest.mark.parametrize("arch", ["llama", "mistral", *HYBRID_ARCHS])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma4", "step3p5", *HYBRID_ARCHS])
 def test_cuda_batched_prime_is_bit_identical_to_alone_and_the_canary_fails(load_model, arch):
     model = load_model(hf_dir(arch), dtype="bfloat16", device=DEVICE)
     assert step.batching_prime(model, True), "prime batching should be live on the invariant kernels"

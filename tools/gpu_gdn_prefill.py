@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from memra.kernels import reference  # noqa: E402
+from memra.kernels.exact import gdn_prefill_inputs  # noqa: E402
 from memra.kernels.triton import gdn as gdn_triton  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time the launch configs around the frozen one")
     a = ap.parse_args()
     t, h, dk, dv = a.tokens, a.heads, a.dk, a.dv
-    q, k, v, beta, decay, s0 = reference.gdn_prefill_inputs(t, h, dk, dv)
+    q, k, v, beta, decay, s0 = gdn_prefill_inputs(t, h, dk, dv)
     o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 0)
     o, s = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 0)
     rel = lambda x, y: ((x - y).abs().max() / y.abs().max()).item()  # noqa: E731

@@ -10,12 +10,18 @@ from memra.config.fields import (
     EPSILON, FRACTION, MAX_DIM, MAX_POSITION, MAX_VOCAB, ROPE_FACTOR, ROPE_THETA, Fields, built, int_item, kind,
     str_item, token_ids,
 )
+from memra.config.from_hf_gemma4 import gemma4_fields
+from memra.config.from_hf_step import step_fields
 from memra.config.model import HYBRID, AttentionConfig, GdnConfig, ModelConfig, MoeConfig, RopeConfig
 from memra.errors import ConfigError
 
 _HF_MODEL_TYPES = {
     "llama": "llama",
     "mistral": "mistral",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
+    "step3p5": "step3p5",
+    "step3p7": "step3p5",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
@@ -52,7 +58,8 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
     head_dim = f.int("head_dim", hidden // n_heads, hi=MAX_DIM)
     hybrid = arch in HYBRID
 
-    layer_types = f.list("layer_types", None, item=str_item)
+    # (Step's layer_types may be padded with its MTP layers' entries: from_hf_step reads them)
+    layer_types = None if arch == "step3p5" else f.list("layer_types", None, item=str_item)
     if layer_types is None and hybrid:
         interval = f.int("full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
@@ -130,8 +137,8 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
                  qk_norm=arch not in ("llama", "mistral", "qwen2"),
                  output_gate=hybrid and f.bool("attn_output_gate", True))
     n_mtp = f.int("mtp_num_hidden_layers", 0, "num_nextn_predict_layers", lo=0) if hybrid else 0
-    tie = Fields(source, ("", raw), text, fix=_FIX).bool("tie_word_embeddings", False)
-    return built(source, ModelConfig,
+    tie = Fields(source, ("", raw), text, fix=_FIX).bool("tie_word_embeddings", arch == "gemma4")
+    fields = dict(
                  arch=arch,
                  vocab_size=f.int("vocab_size", hi=MAX_VOCAB),
                  hidden_size=hidden,
@@ -150,6 +157,11 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
                  n_mtp=n_mtp,
                  windows=windows,
                  extra={"eos_token_id": token_ids(f, "eos_token_id"), "bos_token_id": token_ids(f, "bos_token_id")})
+    if arch == "gemma4":
+        fields.update(gemma4_fields(f, source, n_layers, hidden, n_heads))
+    if arch == "step3p5":
+        fields.update(step_fields(f, source, n_layers, n_heads, head_dim))
+    return built(source, ModelConfig, **fields)
 
 
 def _windows(f: Fields, arch: str, n_layers: int, layer_types: list[str] | None) -> tuple[int | None, ...]:

@@ -15,14 +15,16 @@ from typing import Any
 from memra.errors import ConfigError
 
 # Canonical architecture names (HF model_type spelling) and what each one is made of.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4",
+                 "step3p5")
 
 HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # GDN + gated attention, (1+w) norms
 
 # Canonical weights kept in fp32 whatever the model dtype: norm multipliers and the GDN gate parameters
 # (the reference implementations compute all of these in fp32).
 FP32_WEIGHTS = frozenset({"attn_norm", "ffn_norm", "final_norm", "q_norm", "k_norm", "norm", "enorm", "hnorm",
-                          "a_neg", "dt_bias", "rope_freqs"})
+                          "a_neg", "dt_bias", "rope_freqs", "v_norm", "post_attn_norm", "post_ffn_norm", "ple_norm",
+                          "ple_proj_norm", "router_bias"})
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class RopeConfig:
     theta: float
     dim: int  # rotated channels per head (R); the rest of the head passes through
     scaling: str | None = None  # None | "linear" | "llama3"
+    # Gemma 4's "proportional" RoPE: the last `zero_pairs` of the dim/2 frequencies are 0 (those channel pairs
+    # pass unrotated), the others theta^(-2i/dim) with dim the whole head
+    zero_pairs: int = 0
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -38,6 +43,8 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.dim <= 0 or self.dim % 2:
             raise ConfigError(f"rotary dimension must be a positive even number, got {self.dim}")
+        if not 0 <= self.zero_pairs < self.dim // 2:
+            raise ConfigError(f"unrotated frequency pairs ({self.zero_pairs}) must be fewer than dim / 2 ({self.dim // 2})")
         if self.scaling not in (None, "linear", "llama3"):
             raise ConfigError(
                 f"unsupported RoPE scaling type {self.scaling!r}; memra supports none, 'linear' and 'llama3'"
@@ -52,6 +59,12 @@ class AttentionConfig:
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3 family: RMSNorm over each q/k head
     output_gate: bool = False  # hybrids: q_proj also yields a per-head sigmoid gate
+    head_gate: bool = False  # Step: a separate projection gives one sigmoid gate per head (rows after q, k, v)
+    scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma 4: 1.0)
+    v_norm: bool = False  # Gemma 4: V RMS-normalised per head, no weight
+    k_eq_v: bool = False  # Gemma 4 global layers: V is the K projection (before K's norm); no V rows
+    kv_from: int | None = None  # Gemma 4 shared KV: this layer reads layer kv_from's K/V, projects none
+    rope: int = 0  # which RoPE: 0 = ModelConfig.rope, j > 0 = ModelConfig.ropes[j - 1]
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -120,6 +133,17 @@ class ModelConfig:
     # per layer: the sliding window W of an attention layer (a query at p sees p-W+1..p), or None (global);
     # () = every layer global
     windows: tuple[int | None, ...] = ()
+    layer_attn: tuple[AttentionConfig, ...] = ()  # per layer, where layers differ (Gemma 4, Step); () = attn
+    ropes: tuple[RopeConfig, ...] = ()  # further RoPEs some layers use (AttentionConfig.rope)
+    ffn_act: str = "silu"  # the gated FFN's activation: "silu" | "gelu_tanh"
+    ffn_widths: tuple[int, ...] = ()  # per layer dense FFN width, where layers differ (Gemma 4 double-wide)
+    sandwich_norm: bool = False  # Gemma: norms after the mixer and after the FFN too, before each residual add
+    embed_scale: float | None = None  # Gemma: token embeddings times this (in the model dtype)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    ple_dim: int = 0  # Gemma 4 E-variants: per-layer input width (per-layer embeddings); 0 = none
+    moe_scale: float = 1.0  # routed experts' sum times this (Step's moe_router_scaling_factor)
+    swiglu_limits: tuple[float | None, ...] = ()  # Step: per layer clamp of the experts' gate/up (None: none)
+    shared_limits: tuple[float | None, ...] = ()  # ... and of the shared expert's
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -142,12 +166,48 @@ class ModelConfig:
             raise ConfigError(f"per-layer sliding windows have {len(self.windows)} entries for {self.n_layers} layers")
         if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in self.windows):
             raise ConfigError(f"a sliding window must be a positive number of positions or None, got {self.windows}")
+        if self.layer_attn and len(self.layer_attn) != self.n_layers:
+            raise ConfigError(f"per-layer attention has {len(self.layer_attn)} entries for {self.n_layers} layers")
+        if self.ffn_act not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"unsupported FFN activation {self.ffn_act!r}; memra supports silu and gelu_tanh")
+        for i in self.attention_layers:
+            a = self.attn_of(i)
+            if not 0 <= a.rope <= len(self.ropes):
+                raise ConfigError(f"layer {i} names RoPE {a.rope}; the model has {len(self.ropes) + 1}")
+            if (self.rope, *self.ropes)[a.rope].dim > a.head_dim:
+                raise ConfigError(f"layer {i}: rotary dims exceed head_dim ({a.head_dim})")
+            if a.kv_from is not None and not (0 <= a.kv_from < i and self.mixers[a.kv_from] == "attention"
+                                              and self.attn_of(a.kv_from).kv_from is None
+                                              and (self.attn_of(a.kv_from).n_kv_heads, self.attn_of(a.kv_from).head_dim)
+                                              == (a.n_kv_heads, a.head_dim)):
+                raise ConfigError(f"layer {i} shares the K/V of layer {a.kv_from}, which is not an earlier "
+                                  "attention layer of its shape with K/V of its own")
         if self.rope.dim > self.attn.head_dim:
             raise ConfigError(f"rotary dims ({self.rope.dim}) exceed head_dim ({self.attn.head_dim})")
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.mixers) if m == "attention")
+
+    def attn_of(self, layer: int) -> AttentionConfig:
+        """Layer `layer`'s attention geometry (MTP blocks past the trunk: the model's)."""
+        return self.layer_attn[layer] if self.layer_attn and layer < self.n_layers else self.attn
+
+    def rope_slot(self, layer: int) -> tuple[int, int, int]:
+        """Where layer `layer`'s RoPE frequencies sit in the model's joined table (every RoPE's inverse
+        frequencies, in order): (first, count, total), in frequencies (half the rotary channels)."""
+        dims = [r.dim // 2 for r in (self.rope, *self.ropes)]
+        j = self.attn_of(layer).rope
+        return sum(dims[:j]), dims[j], sum(dims)
+
+    @property
+    def stream_width(self) -> int:
+        """Width of the hidden state the layers pass on: hidden_size, plus every layer's per-layer input
+        (Gemma 4's per-layer embeddings ride along, so a pipeline boundary carries them unchanged)."""
+        return self.hidden_size + self.n_layers * self.ple_dim
+
+    def ffn_width(self, layer: int) -> int:
+        return self.ffn_widths[layer] if self.ffn_widths else self.intermediate_size
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, or None (global attention; MTP blocks past the trunk too)."""
@@ -189,7 +249,8 @@ class ModelConfig:
         if "dense" in self.ffns:
             lines.append(f"dense mlp      width {self.intermediate_size}")
         lines.append(
-            f"norm           eps {self.norm_eps:g}  {'(1+w) zero-centred' if self.zero_centered_norm else 'plain'}"
+            f"norm           eps {self.norm_eps:g}  "
+            f"{('plain w, in fp32' if self.arch == 'gemma4' else '(1+w) zero-centred') if self.zero_centered_norm else 'plain'}"
             f"   tied embeddings: {'yes' if self.tie_embeddings else 'no'}"
         )
         return "\n".join(lines)

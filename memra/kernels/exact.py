@@ -184,3 +184,16 @@ def require_exact(dtype: torch.dtype, device: torch.device | str) -> None:
             f"{', '.join(failed[:4])}{' ...' if len(failed) > 4 else ''}, so no run can be reproduced here; "
             "set MEMRA_EXACT=0 to run the non-exact path knowingly."
         )
+
+
+def gdn_prefill_inputs(t: int, h: int, dk: int, dv: int, device: str = "cuda", seed: int = 0):
+    """Seeded, well-conditioned arguments for gdn_prefill at T=t, h heads (unit-norm keys, queries
+    scaled by dk^-1/2, a small state, betas in (0, 1), mild decays): what its kernel's checks and timers
+    feed it. -> (q, k, v, beta, decay, state)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1)
+    v, s0 = rnd(t, h, dv), rnd(h, dk, dv) * 0.1
+    beta, decay = torch.sigmoid(rnd(t, h)), -torch.nn.functional.softplus(rnd(t, h)) * 0.2
+    return q, k, v, beta, decay, s0

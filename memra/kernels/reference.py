@@ -49,6 +49,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation (Gemma's gelu_pytorch_tanh): [..., 2F] (gate | up) -> [..., F]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_silu_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Step's clamped SwiGLU: silu(gate) capped at `limit`, up clamped to [-limit, limit], then the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+
+
 # --- rotary embedding --------------------------------------------------------------------------
 
 
@@ -339,19 +351,6 @@ def gdn_prefill_pieces(q, k, v, beta, g, pool: torch.Tensor, pieces) -> torch.Te
     return torch.cat(outs)
 
 
-def gdn_prefill_inputs(t: int, h: int, dk: int, dv: int, device: str = "cuda", seed: int = 0):
-    """Seeded, well-conditioned arguments for gdn_prefill at T=t, h heads (unit-norm keys, queries
-    scaled by dk^-1/2, a small state, betas in (0, 1), mild decays): what its kernel's checks and timers
-    feed it. -> (q, k, v, beta, decay, state)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
-    q = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(rnd(t, h, dk), dim=-1)
-    v, s0 = rnd(t, h, dv), rnd(h, dk, dv) * 0.1
-    beta, decay = torch.sigmoid(rnd(t, h)), -torch.nn.functional.softplus(rnd(t, h)) * 0.2
-    return q, k, v, beta, decay, s0
-
-
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """GDN output norm: RMSNorm(o) * w * SiLU(z) per value head; plain weight (not 1+w).
 
@@ -368,10 +367,14 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 # --- mixture of experts ------------------------------------------------------------------------
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype):
-    """Softmax over all experts in fp32, keep the top k, optionally renormalise. -> (weights [T, k], ids [T, k])."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype, bias=None):
+    """Softmax over all experts in fp32, keep the top k, optionally renormalise. -> (weights [T, k], ids [T, k]).
+    With `bias` [X] (Step): sigmoid scores in fp32, the k best of score + bias chosen, their scores kept."""
+    if bias is None:
+        weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    else:
+        probs = torch.sigmoid(router_logits.float())
+        weights = probs.gather(1, ids := torch.topk(probs + bias, top_k, dim=-1).indices)
     if normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(dtype), ids

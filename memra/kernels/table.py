@@ -289,21 +289,28 @@ class KernelTable:
             return _sample_triton().sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
-    def moe_route(self, router_logits, top_k, normalize, dtype):
+    def moe_route(self, router_logits, top_k, normalize, dtype, bias=None):
         """(weights, ids) of each token's experts: where the grouped MoE runs, two launches that also
-        order each row's ids as moe_experts sums them (triton.moe.moe_route), else the reference."""
+        order each row's ids as moe_experts sums them (triton.moe.moe_route), else the reference. With a
+        choice bias (Step's sigmoid routing) the reference's row-wise ops, each row's ids then sorted."""
+        if bias is not None:
+            weights, ids = reference.moe_route(router_logits, top_k, normalize, dtype, bias)
+            ids, order = ids.sort(dim=-1)  # ascending, as the grouped kernels sum them
+            return weights.gather(1, order), ids
         if self.invariant and self._gpu(router_logits):
             return _moe_triton().moe_route(router_logits, top_k, normalize, dtype)
         return reference.moe_route(router_logits, top_k, normalize, dtype)
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None):
-        """residual + (the routed experts' weighted sum + shared), each add where given: in the grouped
-        kernels' combine where they run (the adds' bits; ids from moe_route above, ascending), else
-        torch's adds."""
-        if self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor):
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None, act=None, scale=1.0):
+        """residual + (the routed experts' weighted sum (times `scale`) + shared), each add where given: in
+        the grouped kernels' combine where they run (the adds' bits; ids from moe_route above, ascending),
+        else torch's adds. `act` (Step's clamped SwiGLU) runs the experts through the M-invariant linear."""
+        if (self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor) and act is None
+                and scale == 1.0):
             return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
                                              ascending=True)
         out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
-                                     silu_mul_fn=self.silu_mul)
+                                     silu_mul_fn=act or self.silu_mul)
+        out = out if scale == 1.0 else out * scale
         out = out if shared is None else out + shared
         return out if residual is None else residual + out

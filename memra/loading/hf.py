@@ -38,7 +38,7 @@ class HfNames:
 
     def norm(self, name: str, dim: int, why: str) -> torch.Tensor:
         w = self.get(name, (dim,), why).float()
-        return 1.0 + w if self.cfg.zero_centered_norm else w
+        return 1.0 + w if self.cfg.zero_centered_norm and self.cfg.arch != "gemma4" else w  # Gemma 4: plain w
 
     # --- the pieces ---
     def globals(self) -> dict[str, torch.Tensor]:
@@ -50,10 +50,31 @@ class HfNames:
         }
         if self.src.has("lm_head.weight") and not c.tie_embeddings:
             out["lm_head"] = self.get("lm_head.weight", ve, "the LM head")
+        if c.ple_dim:  # Gemma 4 E-variants: per-layer embeddings
+            lp, why = c.n_layers * c.ple_dim, "the per-layer embeddings"
+            out["ple_embed"] = self.get(self.root + "embed_tokens_per_layer.weight", (c.vocab_size, lp), why)
+            out["ple_model_proj"] = self.get(self.root + "per_layer_model_projection.weight", (lp, c.hidden_size), why)
+            out["ple_proj_norm"] = self.norm(self.root + "per_layer_projection_norm.weight", c.ple_dim, why)
         return out
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        return self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}", self.pack)
+        out = self._block(f"{self.root}layers.{i}.", self.cfg.mixers[i], self.cfg.ffns[i], f"layer {i}", self.pack, i)
+        if self.cfg.sandwich_norm:
+            out.update(self._sandwich(f"{self.root}layers.{i}.", f"layer {i}"))
+        return out
+
+    def _sandwich(self, p: str, why: str) -> dict[str, torch.Tensor]:
+        """Gemma's extra norms, its per-layer scalar and (E-variants) the per-layer input's path."""
+        c, e = self.cfg, self.cfg.hidden_size
+        out = {"post_attn_norm": self.norm(p + "post_attention_layernorm.weight", e, why),
+               "post_ffn_norm": self.norm(p + "post_feedforward_layernorm.weight", e, why)}
+        if self.src.has(p + "layer_scalar"):
+            out["layer_scalar"] = self.get(p + "layer_scalar", (1,), why)
+        if c.ple_dim:
+            out["ple_gate"] = self.get(p + "per_layer_input_gate.weight", (c.ple_dim, e), why)
+            out["ple_proj"] = self.get(p + "per_layer_projection.weight", (e, c.ple_dim), why)
+            out["ple_norm"] = self.norm(p + "post_per_layer_input_norm.weight", e, why)
+        return out
 
     def mtp(self, j: int) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
@@ -69,31 +90,47 @@ class HfNames:
             out["block." + k] = v
         return out
 
-    def _block(self, p: str, mixer: str, ffn: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
-        e = self.cfg.hidden_size
+    def _block(self, p: str, mixer: str, ffn: str, why: str, pack: bool = False,
+               layer: int | None = None) -> dict[str, torch.Tensor]:
+        e, c = self.cfg.hidden_size, self.cfg
         out = {
             "attn_norm": self.norm(p + "input_layernorm.weight", e, why),
-            "ffn_norm": self.norm(p + "post_attention_layernorm.weight", e, why),
+            # Gemma: the FFN's pre-norm has its own name (post_attention_layernorm norms the mixer's output)
+            "ffn_norm": self.norm(p + ("pre_feedforward_layernorm.weight" if c.sandwich_norm
+                                       else "post_attention_layernorm.weight"), e, why),
         }
-        mix = self._attention(p + "self_attn.", why, pack) if mixer == "attention" else self._gdn(p + "linear_attn.", why, pack)
+        a = c.attn if layer is None else c.attn_of(layer)
+        mix = (self._attention(p + "self_attn.", why, pack, a) if mixer == "attention"
+               else self._gdn(p + "linear_attn.", why, pack))
         out.update({("attn." if mixer == "attention" else "gdn.") + k: v for k, v in mix.items()})
-        f = self._moe(p + "mlp.", why) if ffn == "moe" else self._mlp(p + "mlp.", self.cfg.intermediate_size, why, pack)
+        width = c.intermediate_size if layer is None else c.ffn_width(layer)
+        if ffn == "moe" and c.arch == "step3p5":
+            f = self._step_moe(p, why)
+        else:
+            f = self._moe(p + "mlp.", why) if ffn == "moe" else self._mlp(p + "mlp.", width, why, pack)
         out.update({("moe." if ffn == "moe" else "mlp.") + k: v for k, v in f.items()})
         return out
 
-    def _attention(self, p: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
-        a, e = self.cfg.attn, self.cfg.hidden_size
+    def _attention(self, p: str, why: str, pack: bool = False, a=None) -> dict[str, torch.Tensor]:
+        """q | k | v (| Step's head gate) rows as one matrix; no K/V rows where the layer shares an earlier
+        layer's KV, no V rows where K is V (Gemma 4). `a`: the layer's geometry (default the model's)."""
+        a, e = a or self.cfg.attn, self.cfg.hidden_size
         q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
         kv_rows = a.n_kv_heads * a.head_dim
-        q = self.proj(p + "q_proj.weight", (q_rows, e), why, pack)
-        k = self.proj(p + "k_proj.weight", (kv_rows, e), why, pack)
-        v = self.proj(p + "v_proj.weight", (kv_rows, e), why, pack)
-        out = {"wqkv": cat_rows((q, k, v)), "wo": self.proj(p + "o_proj.weight", (e, a.n_heads * a.head_dim), why, pack)}
+        names = ["q"] + ([] if a.kv_from is not None else ["k"] if a.k_eq_v else ["k", "v"])
+        rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+        parts = [self.proj(p + f"{x}_proj.weight", (rows[x], e), why, pack) for x in names]
+        if a.head_gate:
+            parts.append(self.proj(p + "g_proj.weight", (a.n_heads, e), why, pack))
+        out = {"wqkv": cat_rows(parts), "wo": self.proj(p + "o_proj.weight", (e, a.n_heads * a.head_dim), why, pack)}
         if a.qkv_bias:
-            out["bqkv"] = torch.cat([self.get(p + f"{x}_proj.bias", (r,), why) for x, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
+            out["bqkv"] = torch.cat([self.get(p + f"{x}_proj.bias", (rows[x],), why) for x in names])
         if a.qk_norm:
             out["q_norm"] = self.norm(p + "q_norm.weight", a.head_dim, why)
-            out["k_norm"] = self.norm(p + "k_norm.weight", a.head_dim, why)
+            if a.kv_from is None:
+                out["k_norm"] = self.norm(p + "k_norm.weight", a.head_dim, why)
+        if a.v_norm and a.kv_from is None:
+            out["v_norm"] = torch.ones(a.head_dim)  # RMS only: the reference's norm has no weight
         return out
 
     def _gdn(self, p: str, why: str, pack: bool = False) -> dict[str, torch.Tensor]:
@@ -156,6 +193,25 @@ class HfNames:
                 out["shared_gate"] = self.get(p + "shared_expert_gate.weight", (1, e), why)
         return out
 
+
+    def _step_moe(self, p: str, why: str) -> dict[str, torch.Tensor]:
+        """Step's MoE as its checkpoints store it (`moe.gate`, `moe.router_bias`, per-projection expert stacks,
+        `share_expert`), or as transformers' modules name it (`mlp.gate`, `mlp.experts.*`, `mlp.shared_experts`)."""
+        m, e = self.cfg.moe, self.cfg.hidden_size
+        x, f = m.n_experts, m.expert_ffn
+        if not self.src.has(p + "moe.gate.weight"):  # transformers' module names
+            out = self._moe(p + "mlp.", why)
+            out["router_bias"] = self.get(p + "mlp.gate.e_score_correction_bias", (x,), why).float()
+            shared = self._mlp(p + "mlp.shared_experts.", m.shared_ffn, why)
+        else:
+            gate = self.get(p + "moe.gate_proj.weight", (x, f, e), why)
+            up = self.get(p + "moe.up_proj.weight", (x, f, e), why)
+            out = {"router": self.get(p + "moe.gate.weight", (x, e), why), "w_gate_up": torch.cat((gate, up), dim=1),
+                   "w_down": self.get(p + "moe.down_proj.weight", (x, e, f), why),
+                   "router_bias": self.get(p + "moe.router_bias", (x,), why).float()}
+            shared = self._mlp(p + "share_expert.", m.shared_ffn, why)
+        out["shared_gate_up"], out["shared_down"] = shared["w_gate_up"], shared["w_down"]
+        return out
 
 def cat_rows(parts):
     """Row-concatenation of float weights, or of packed FP8 / NVFP4 ones of one kind and width (kept

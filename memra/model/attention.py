@@ -1,4 +1,6 @@
-"""Full (softmax) attention with paged KV: GQA, optional q/k RMSNorm, partial RoPE, optional output gate."""
+"""Full (softmax) attention with paged KV: GQA, optional q/k RMSNorm, partial RoPE, optional output gate,
+sliding window; per layer where layers differ (Gemma 4: head size, KV heads, K as V, V norm, KV shared
+with an earlier layer, its own RoPE; Step: head count, a sigmoid gate per head)."""
 
 from __future__ import annotations
 
@@ -12,20 +14,27 @@ from memra.model.context import Segments, StackedStep, StepContext, joined
 
 class Attention:
     """Weights (canonical layout):
-    wqkv [Qrows + 2*Hkv*D, E]  Qrows = Hq*D, or 2*Hq*D with an output gate (per head: D query rows, then D gate rows)
-    bqkv [same rows] | None     wo [E, Hq*D]     q_norm, k_norm [D] fp32 | None
+    wqkv [Qrows + 2*Hkv*D (+ Hq), E]  Qrows = Hq*D, or 2*Hq*D with an output gate (per head: D query rows,
+         then D gate rows); no V rows where K is V, no K/V rows where the KV is shared; Hq head-gate rows last
+    bqkv [same rows] | None     wo [E, Hq*D]     q_norm, k_norm [D] fp32 | None     v_norm [D] fp32 ones | None
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, w: dict[str, torch.Tensor], ops: KernelTable):
-        a = cfg.attn
+        a = cfg.attn_of(layer)
         self.layer, self.cfg, self.ops = layer, cfg, ops
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         self.q_rows = a.n_heads * a.head_dim * (2 if a.output_gate else 1)
-        self.gated = a.output_gate
-        self.scale = a.head_dim ** -0.5
+        self.gated, self.head_gate, self.k_eq_v = a.output_gate, a.head_gate, a.k_eq_v
+        self.scale = a.head_dim ** -0.5 if a.scale is None else a.scale
         self.wqkv, self.bqkv, self.wo = w["wqkv"], w.get("bqkv"), w["wo"]
-        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.q_norm, self.k_norm, self.v_norm = w.get("q_norm"), w.get("k_norm"), w.get("v_norm")
         self.window = cfg.window(layer)  # sliding window (positions), or None: global
+        self.kv_layer = layer if a.kv_from is None else a.kv_from  # whose K/V this layer reads
+        self.shared_kv = a.kv_from is not None  # reads an earlier layer's K/V, writes none
+        first, count, total = cfg.rope_slot(layer)
+        # this layer's columns of the step's rotary tables (every RoPE joined; None: the whole table)
+        self.rope_cols = None if count == total else torch.cat(
+            (torch.arange(first, first + count), torch.arange(total + first, total + first + count)))
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q, k, v, gate = self._project(x)
@@ -61,7 +70,7 @@ class Attention:
         if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
             return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
         kv = wave.kv
-        o = self.ops.prefill_attention_pieces(q, kv.k[self.layer], kv.v[self.layer], wave.attn, self.scale, self.window)
+        o = self.ops.prefill_attention_pieces(q, kv.k[self.kv_layer], kv.v[self.kv_layer], wave.attn, self.scale, self.window)
         for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
             (a, b), c = pieces[i]
             o[a:b] = self._attend(q[a:b], c).view(b - a, self.n_heads, self.head_dim)
@@ -97,29 +106,45 @@ class Attention:
         if self.window is not None:
             starts, lens = window_rows(starts, lens, self.window)
             max_len = min(max_len, self.window)
-        return self.ops.paged_attention_rows(qr, g.kv.k[self.layer], g.kv.v[self.layer], g.read_rows, starts, lens,
+        return self.ops.paged_attention_rows(qr, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer], g.read_rows, starts, lens,
                                              self.scale, max_len)
 
     def _project(self, x: torch.Tensor):
-        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (q and k normed, not yet rotated), gate [T, Hq, D] | None
-        (a view into the projection's output: read where it lies, never copied)."""
+        """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (normed, not yet rotated; empty where the KV is shared),
+        gate [T, Hq, D] or [T, Hq, 1] (Step's head gate) | None (a view into the projection's output: read
+        where it lies, never copied)."""
         t, d = x.shape[0], self.head_dim
-        qkv = self.ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + 2*Hkv*D]
-        q, k, v = qkv.split([self.q_rows, self.n_kv * d, self.n_kv * d], dim=-1)
-        gate = None
+        qkv = self.ops.linear(x, self.wqkv, self.bqkv)  # [T, Qrows + K rows + V rows (+ Hq)]
+        kv_rows = 0 if self.shared_kv else self.n_kv * d
+        parts = [self.q_rows, kv_rows, 0 if self.k_eq_v else kv_rows] + ([self.n_heads] if self.head_gate else [])
+        q, k, v, *head_gate = qkv.split(parts, dim=-1)
+        gate = head_gate[0].view(t, self.n_heads, 1) if head_gate else None
         if self.gated:
             q, gate = q.view(t, self.n_heads, 2 * d).split([d, d], dim=-1)  # gate interleaved per head
         q = q.reshape(t, self.n_heads, d)
-        k = k.reshape(t, self.n_kv, d)
-        v = v.reshape(t, self.n_kv, d)
+        norm = lambda y, w: self.ops.rms_norm(y, w, self.cfg.norm_eps, self.cfg.zero_centered_norm)  # noqa: E731
         if self.q_norm is not None:
-            q = self.ops.rms_norm(q, self.q_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
-            k = self.ops.rms_norm(k, self.k_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
+            q = norm(q, self.q_norm)
+        if self.shared_kv:  # nothing to write: empty stand-ins, sliced by row like real K/V and never read
+            return q, q.new_empty(t, 0), q.new_empty(t, 0), gate
+        k = k.reshape(t, self.n_kv, d)
+        v = k if self.k_eq_v else v.reshape(t, self.n_kv, d)  # Gemma 4: V is K's projection, before K's norm
+        if self.k_norm is not None:
+            k = norm(k, self.k_norm)
+        if self.v_norm is not None:
+            v = norm(v, self.v_norm)
         return q, k, v, gate
 
     def _rope_write(self, q, k, v, cos, sin, kv, rows) -> torch.Tensor:
-        """Rotate q and k, write k and v to the pool rows `rows` [T] -> the rotated q (one launch on the GPU)."""
-        return self.ops.rope_write_kv(q, k, v, cos, sin, kv.k[self.layer], kv.v[self.layer], rows)
+        """Rotate q and k, write k and v to the pool rows `rows` [T] -> the rotated q (one launch on the GPU).
+        A layer that shares an earlier layer's KV only rotates q."""
+        if self.rope_cols is not None:  # this layer's RoPE: its columns of the joined tables
+            if self.rope_cols.device != cos.device:
+                self.rope_cols = self.rope_cols.to(cos.device)
+            cos, sin = cos.index_select(-1, self.rope_cols), sin.index_select(-1, self.rope_cols)
+        if self.shared_kv:
+            return self.ops.apply_rope(q, cos, sin)
+        return self.ops.rope_write_kv(q, k, v, cos, sin, kv.k[self.kv_layer], kv.v[self.kv_layer], rows)
 
     def _attend(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Attend over this sequence's whole prefix in order (its new K/V already written)."""
@@ -127,9 +152,9 @@ class Attention:
         kv = ctx.cache.kv
         if t == 1:  # decode: the paged kernel reads the prefix (its last W positions) in order, whatever the batch
             rows = ctx.kv_read_rows if self.window is None else ctx.kv_read_rows[-self.window:]
-            o = self.ops.paged_decode_attention(q[0], kv.k[self.layer], kv.v[self.layer], rows, self.scale)
+            o = self.ops.paged_decode_attention(q[0], kv.k[self.kv_layer], kv.v[self.kv_layer], rows, self.scale)
         else:
-            o = self.ops.prefill_attention(q, kv.k[self.layer], kv.v[self.layer], ctx.kv_read_rows, ctx.pos0, self.scale,
+            o = self.ops.prefill_attention(q, kv.k[self.kv_layer], kv.v[self.kv_layer], ctx.kv_read_rows, ctx.pos0, self.scale,
                                            self.window)
         return o.reshape(t, self.n_heads * d)
 

@@ -31,6 +31,8 @@ def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) ->
     """Inverse frequencies [R/2] fp32, computed the way the reference implementations do (fp32 torch),
     with Llama-3 / linear scaling, or GGUF's per-frequency divisors (`rope_freqs.weight`)."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.int64).float() / rope.dim))
+    if rope.zero_pairs:  # proportional: the last pairs unrotated (angle 0: cos 1, sin 0)
+        inv[inv.numel() - rope.zero_pairs:] = 0.0
     if freq_factors is not None:
         return inv / freq_factors.float()
     if rope.scaling == "linear":
@@ -45,6 +47,21 @@ def rope_inv_freq(rope: RopeConfig, freq_factors: torch.Tensor | None = None) ->
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return inv
+
+
+def per_layer_inputs(model, ids: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's per-layer embeddings: ids [T], scaled embeddings e [T, E] -> [T, E + L*P], e then each
+    layer's input: (RMSNorm(e @ proj^T * E^-1/2) + ple_embed[ids] * P^1/2) * 2^-1/2, per layer [P]."""
+    cfg, w = model.cfg, model._ple_weights
+    t, n, p = ids.shape[0], cfg.n_layers, cfg.ple_dim
+    if t > 1 and not model.ops.invariant:  # row by row where a row's bits depend on M (the row plan's
+        # decode embeds one token, and its verify columns must be those bits): torch's CPU matmul and norms
+        return torch.cat([per_layer_inputs(model, ids[j : j + 1], e[j : j + 1]) for j in range(t)])
+    tok = model.ple[ids] * w["ple_embed_scale"]  # [T, L*P]
+    proj = model.ops.linear(e, w["ple_model_proj"]) * cfg.hidden_size ** -0.5
+    proj = model.ops.rms_norm(proj.view(t, n, p), w["ple_proj_norm"], cfg.norm_eps, True)
+    side = (proj + tok.view(t, n, p)) * 2.0 ** -0.5
+    return torch.cat((e, side.reshape(t, n * p)), dim=-1)
 
 
 class HybridModel:
@@ -62,7 +79,17 @@ class HybridModel:
         self.embed = weights["embed"]  # [V, E]
         self.final_norm = weights["final_norm"]  # [E] fp32
         self.lm_head = weights.get("lm_head", self.embed)  # [V, E]; tied models share the embedding
-        self.inv_freq = rope_inv_freq(cfg.rope, weights.get("rope_freqs")).to(device)
+        # [sum R/2] fp32: every RoPE's inverse frequencies joined (one rotary table per step; each layer
+        # takes its own columns, cfg.rope_slot)
+        self.inv_freq = torch.cat([rope_inv_freq(cfg.rope, weights.get("rope_freqs"))]
+                                  + [rope_inv_freq(r) for r in cfg.ropes]).to(device)
+        # Gemma: the embedding scale as the reference multiplies it (a 0-d tensor cast to the model dtype)
+        self.embed_scale = (None if cfg.embed_scale is None
+                            else torch.tensor(cfg.embed_scale).to(device=device, dtype=dtype))
+        self.ple = weights.get("ple_embed")  # [V, L*P] per-layer embeddings (Gemma 4 E-variants) | None
+        self._ple_weights = {} if self.ple is None else {
+            "ple_model_proj": weights["ple_model_proj"], "ple_proj_norm": weights["ple_proj_norm"],
+            "ple_embed_scale": torch.tensor(cfg.ple_dim ** 0.5).to(device=device, dtype=dtype)}
 
         def sub(prefix: str) -> dict[str, torch.Tensor]:
             return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
@@ -134,8 +161,10 @@ class HybridModel:
         return ctxs
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> [T, E] (no scaling)."""
-        return self.embed[ids]
+        """ids [T] -> [T, W] the layers' input: the token embeddings [T, E] (Gemma: scaled), then with
+        per-layer embeddings every layer's input [T, L*P] (W = cfg.stream_width)."""
+        e = self.embed[ids] if self.embed_scale is None else self.embed[ids] * self.embed_scale
+        return e if self.ple is None else per_layer_inputs(self, ids, e)
 
     def forward_layers(self, h: torch.Tensor, ctx: StepContext, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Walk decoder layers [start, stop) — the seam pipeline parallelism cuts along."""
@@ -171,11 +200,18 @@ class HybridModel:
         return h
 
     def norm_out(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, W] (the stream) -> [T, E] final-normed."""
+        if h.shape[-1] != self.cfg.hidden_size:  # the per-layer inputs ride to the end, unread now
+            h = h[:, : self.cfg.hidden_size].contiguous()
         return self.ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
-        """[T, E] -> [T, V] fp32."""
-        return self.ops.linear(h_normed, self.lm_head).float()
+        """[T, E] -> [T, V] fp32 (soft-capped in the model dtype first where the model caps them, as its
+        reference does)."""
+        out = self.ops.linear(h_normed, self.lm_head)
+        if self.cfg.final_softcap is not None:
+            out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
+        return out.float()
 
     # --- the public step API (its front: memra.step) ---
     def pools(self, layer_devices: dict[int, torch.device] | None = None) -> ModelPools:

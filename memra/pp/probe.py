@@ -54,7 +54,7 @@ def probe_boundary(rt: PpRuntime, b: int) -> policy.ProbeDecision:
     _log(probe_line("peer byte-integrity probe", b, src, dst, copies=2, mismatches=fixed,
                     detail=f"bytes={policy.PEER_PROBE_FIXED_BYTES}", started=started))
     started = time.perf_counter()
-    rungs = policy.ladder(rt.model.cfg.hidden_size, _row_bytes(rt) // rt.model.cfg.hidden_size)
+    rungs = policy.ladder(rt.model.cfg.stream_width, _row_bytes(rt) // rt.model.cfg.stream_width)
     ladder = run_ladder(rt, b, widths=None)
     _log(probe_line("production-slot probe", b, src, dst, copies=len(rungs), mismatches=ladder,
                     detail=f"widths_tokens={[r.tokens for r in rungs]}", started=started))
@@ -74,7 +74,7 @@ def _log(line: str) -> None:
 
 
 def _row_bytes(rt: PpRuntime) -> int:
-    return rt.model.cfg.hidden_size * torch.empty((), dtype=rt.model.dtype).element_size()
+    return rt.model.cfg.stream_width * torch.empty((), dtype=rt.model.dtype).element_size()
 
 
 @torch.inference_mode()
@@ -82,7 +82,7 @@ def run_ladder(rt: PpRuntime, b: int, widths: tuple[int, ...] | None) -> int:
     """Send ladder rungs through boundary b's production slots (real tx/rx); count mismatched bytes."""
     src, dst = rt.stages[b], rt.stages[b + 1]
     mismatches = 0
-    for rung in policy.ladder(rt.model.cfg.hidden_size, _row_bytes(rt) // rt.model.cfg.hidden_size):
+    for rung in policy.ladder(rt.model.cfg.stream_width, _row_bytes(rt) // rt.model.cfg.stream_width):
         if widths is not None and rung.width_index not in widths:
             continue
         pattern = policy.peer_probe_pattern(rung.n_bytes, b, src.device.index or 0, dst.device.index or 0)

@@ -208,7 +208,13 @@ class PpRuntime:
         # MEMRA_PP_STREAMS=0 keeps every stage home, so no boundary crosses a device
         kinds = transports or (placement.transports() if doors.streams else
                                (BoundaryTransport.LOCAL,) * (fence.n_stages - 1))
-        row_bytes = model.cfg.hidden_size * torch.empty((), dtype=model.dtype).element_size()
+        cfg = model.cfg
+        for i in range(cfg.n_layers):  # Gemma 4's shared KV is read in place: reader and owner on one device
+            src = cfg.attn_of(i).kv_from
+            if src is not None and devices[fence.stage_of(i)] != devices[fence.stage_of(src)]:
+                raise PipelineError(f"layer {i} reads the K/V of layer {src}, on another device across the stage "
+                                    f"fence {list(fence.bounds)}; choose cuts that keep them together (MEMRA_PP_SPLITS)")
+        row_bytes = cfg.stream_width * torch.empty((), dtype=model.dtype).element_size()  # per-layer inputs ride too
         self.host_capacity = row_bytes * PRIME_CHUNK_MAX_TOKENS
         self.abort = threading.Event()  # set when a stage of a concurrent body fails
         self.boundaries = []
