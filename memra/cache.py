@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from memra import counters
 from memra.config import ModelConfig
 from memra.errors import ContextOverflowError, MemraError
 from memra.upload import upload_values
@@ -44,6 +45,9 @@ class KvPool:
         self.max_blocks = max(n_blocks, max_blocks or n_blocks)
         self.free: list[int] = list(range(n_blocks))
         self.version = 0  # bumped when the tensors are replaced (enlarge): captured graphs hold their addresses
+        # where every layer of the pool slides a window: the widest (a block wholly before a sequence's
+        # pos - window + 1 is read by no later query; Cache.drop_out_of_window gives it back), else None
+        self.window: int | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -61,7 +65,7 @@ class KvPool:
         return taken
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+        self.free.extend(b for b in blocks if b >= 0)  # (-1: a block already given back, out of the window)
 
     @torch.inference_mode(False)  # a pool grown inside a step must not become an inference tensor
     def enlarge(self, n_blocks: int) -> None:
@@ -218,6 +222,22 @@ class Cache:
         blocks = np.asarray(self.blocks[: -(-stop // BLOCK_SIZE)], dtype=np.int64)
         return (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE, dtype=np.int64)).ravel()
 
+    def drop_out_of_window(self) -> int:
+        """Give back the blocks no later query can read: where every layer of the pool slides a window W,
+        the blocks wholly before position pos - W + 1 (the first one a query at pos sees). Their places in
+        `blocks` become -1 (positions keep their block index). Called by decode steps; a sequence only
+        moves forward from there (a verify's rollback stops at its start). -> blocks given back."""
+        w = self.kv.window
+        if w is None:
+            return 0
+        dead = [i for i in range(min(max(0, self.pos - w + 1) // BLOCK_SIZE, len(self.blocks))) if self.blocks[i] >= 0]
+        if dead:
+            self.kv.release([self.blocks[i] for i in dead])
+            for i in dead:
+                self.blocks[i] = -1  # in place: the pool's give-back holds this very list
+            counters.bump("kv_window_released_blocks", len(dead))
+        return len(dead)
+
     def reserve(self, n_tokens: int) -> None:
         """Make room for n_tokens more positions, or refuse before anything is written."""
         need = self.pos + n_tokens
@@ -247,6 +267,9 @@ class Cache:
         """Return to a snapshot: truncate KV to its position, copy its recurrent state back."""
         if snap.pos > self.pos:
             raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the cache has been rolled back to {self.pos} since")
+        if self.kv.window is not None and any(b < 0 for b in self.blocks[: max(0, snap.pos - self.kv.window + 1) // BLOCK_SIZE + 1]):
+            raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the blocks its window reads were given "
+                             "back as the sequence moved past them (sliding window); prime the sequence again")
         self.pos = snap.pos
         keep = max(snap.n_blocks, -(-snap.pos // BLOCK_SIZE))
         if len(self.blocks) > keep:
@@ -272,8 +295,12 @@ class Cache:
         self.last_logits_dev = None
 
     def reset(self) -> None:
-        """Back to an empty sequence (position 0, zero recurrent state), keeping the allocated blocks."""
+        """Back to an empty sequence (position 0, zero recurrent state), keeping the allocated blocks (blocks
+        given back out of the window are taken again)."""
         self.pos = 0
+        gone = [i for i, b in enumerate(self.blocks) if b < 0]
+        for i, b in zip(gone, self.kv.allocate(len(gone)) if gone else ()):
+            self.blocks[i] = b
         if self.rec is not None and self.slot is not None:
             self.rec.zero(self.slot)
         self.last_logits_dev = None
@@ -309,8 +336,12 @@ def kv_pool(cfg: ModelConfig, n_blocks: int, dtype: torch.dtype, device: torch.d
     own = tuple(i for i in cfg.attention_layers if cfg.attn_of(i).kv_from is None)
     layers = own + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
     shapes = {i: (cfg.attn_of(i).n_kv_heads, cfg.attn_of(i).head_dim) for i in own}
-    return KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks,
+    pool = KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks,
                   shapes)
+    windows = [cfg.window(i) for i in layers]
+    if layers and None not in windows:  # every layer slides (no global layer, no MTP block)
+        pool.window = max(windows)
+    return pool
 
 
 def new_cache(cfg: ModelConfig, max_ctx: int, dtype: torch.dtype, device: torch.device | str,

@@ -18,6 +18,7 @@ _counts = {
     "prime_batches": 0,  # prefill forwards that carried pieces of two or more sequences (step.prime_batch)
     "prime_batch_segments": 0,  # ... the pieces they carried
     "prime_batch_splits": 0,  # ... of those forwards, the ones that walked the stage split (PP)
+    "kv_window_released_blocks": 0,  # KV blocks given back as they fell out of every layer's sliding window
     "mixed_steps": 0,  # decode steps that carried a prefill wave in their forward (step.mixed_step)
     "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
     "graph_replays": 0,  # decode steps replayed from them

@@ -255,6 +255,7 @@ def decode_step(model, token: int, cache: Cache) -> torch.Tensor:
     plan = _plan(model, exact)
     model.executor.preflight("decode_step", [cache])
     cache.reserve(1)
+    cache.drop_out_of_window()  # a sliding-window model's blocks behind every layer's window go back
     return model.executor.run_decode(tokens, [cache], plan, batched=False)[0]
 
 
@@ -276,6 +277,7 @@ def _check_batch(model, tokens, caches) -> torch.Tensor:
             raise MemraError(f"row {i}: its cache is full ({c.max_ctx} tokens); grow it or finish the sequence")
     for c in caches:
         c.reserve(1)
+        c.drop_out_of_window()
     return ids
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import gpu_kernel_table, hf_dir, reference
 from memra import counters
 from memra.config import from_hf_config
-from memra.errors import ConfigError
+from memra.errors import ConfigError, MemraError
 from memra.gate import run_battery
 from memra.gate.pp_battery import run_pp_battery
 from memra.model.hybrid import HybridModel
@@ -122,3 +122,42 @@ def test_the_gpu_kernels_window_agrees_with_the_torch_path(monkeypatch):
     solo = [gpu.prime(p, gpu.new_cache(96)) for p in prompts]
     together = gpu.prime_batch(prompts, [gpu.new_cache(96) for _ in prompts])
     assert all(((s - t).abs().max() / s.abs().max()).item() < 2e-5 for s, t in zip(solo, together))
+
+
+def test_blocks_behind_every_layers_window_go_back_to_the_pool(load_model):
+    """Every layer of hf/mistral slides a 16-position window: as decode moves on, the blocks wholly
+    before the window return to the pool, and the logits are the bits of a cache that keeps them.
+    A snapshot whose window reads a given-back block is refused; reset takes blocks again."""
+    from memra.cache import BLOCK_SIZE, new_cache
+
+    model = load_model(hf_dir("mistral"))
+    assert model.cfg.window(0) == WINDOW and all(model.cfg.windows)
+    prompt = reference("mistral")["prompt2"]  # 62 tokens
+    kept, dropped = new_cache(model.cfg, 200, model.dtype, model.device), model.new_cache(200)
+    kept.kv.window = None  # a pool of its own that never gives blocks back: the same arithmetic, every block held
+    assert dropped.kv.window == WINDOW
+    model.prime(prompt, kept)
+    model.prime(prompt, dropped)
+    snap = dropped.snapshot()
+    before = counters.snapshot()
+    for t in range(100):
+        a, b = model.decode_step(5 + t, kept), model.decode_step(5 + t, dropped)
+        assert torch.equal(a, b)
+    held = [b for b in dropped.blocks if b >= 0]
+    assert counters.delta(before)["kv_window_released_blocks"] == len(dropped.blocks) - len(held) > 0
+    assert len(held) <= -(-WINDOW // BLOCK_SIZE) + 2 and not set(held) & set(dropped.kv.free)
+    with pytest.raises(MemraError, match="given back"):
+        dropped.restore(snap)
+    dropped.reset()
+    assert all(b >= 0 for b in dropped.blocks) and len(set(dropped.blocks)) == len(dropped.blocks)
+    assert torch.equal(model.prime(prompt, dropped), model.prime(prompt, model.new_cache(200)))
+
+
+def test_a_model_with_a_global_layer_keeps_every_block(load_model):
+    """Gemma 4 mixes global layers in: no position ever leaves every layer's window."""
+    model = load_model(hf_dir("gemma4"))
+    c = model.new_cache(128)
+    model.prime(reference("gemma4")["prompt2"], c)
+    for t in range(30):
+        model.decode_step(t + 3, c)
+    assert c.kv.window is None and all(b >= 0 for b in c.blocks)

@@ -68,7 +68,8 @@ def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tupl
     # elementwise transcendental ops: a value's result must not depend on its offset in the tensor
     v = rnd(1, 37).float()
     for name, fn in (("exp", torch.exp), ("sigmoid", torch.sigmoid), ("silu", F.silu), ("softplus", F.softplus),
-                     ("rsqrt", lambda t: torch.rsqrt(t.abs() + 1)), ("cos", torch.cos), ("sin", torch.sin)):
+                     ("rsqrt", lambda t: torch.rsqrt(t.abs() + 1)), ("cos", torch.cos), ("sin", torch.sin),
+                     ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")), ("tanh", torch.tanh)):  # Gemma
         alone = fn(v)
         for lead in (1, 3, 8, 13, 64):
             padded = torch.cat((rnd(1, lead).float(), v), dim=1)
