@@ -183,3 +183,18 @@ def test_prompt_logprobs_on_completions_and_chat(demo, url):
 def test_scoring_refusals(url, body, needle):
     r = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and needle in r.json()["error"]["message"] + str(r.json()["error"]["param"]), r.text
+
+
+def test_text_offsets_of_a_stream_and_a_whole_answer_agree(url):
+    body = {"prompt": PROMPT, "max_tokens": 16, "logprobs": 0, "temperature": 0}
+    whole = post(url, body)["choices"][0]
+    offsets, text = [], ""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                offsets += (ch["logprobs"] or {}).get("text_offset", [])
+                text += ch["text"]
+    assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
+    for t, o in zip(whole["logprobs"]["tokens"], offsets):
+        assert whole["text"][o: o + len(t)] == t
