@@ -36,6 +36,7 @@ from memra.engine.scoring import ScoreJob
 from memra.server.errors import ApiError, error_response, install_error_handlers, model_not_found, too_many_requests
 from memra.server.options import ServerOptions
 from memra.sampling import fresh_seed, truncate_prompt
+from memra.server.reasoning import ReasoningFormat
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from memra.server.scored import Scored, ScoredReply
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
@@ -73,10 +74,13 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     install_cors(app, options.allowed_origins)  # after the key check is added: outside it, so preflights pass
     install_request_log(app, options.log_requests)  # outermost: it times the whole response
 
+    reasoning = ReasoningFormat.named(options.reasoning_parser) if options.reasoning_parser else None
+    honoured = frozenset({"include_reasoning"} if reasoning is not None else ())
+
     async def body_of(request: Request, schema, route: str | None = None):
         raw = await read_json(request, options.max_body_bytes, options.max_json_depth)
         if route is not None:
-            refuse_unhonoured(raw, route)
+            refuse_unhonoured(raw, route, honoured)
         body = validate(schema, raw)
         if body.model is not None and body.model != model_name:
             raise model_not_found(body.model, model_name)
@@ -99,12 +103,21 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
                 f"this model's maximum context length is {max_len} tokens; the prompt's {text_chars:,} characters "
                 f"cannot fit in it (no token is longer than {tok.max_piece_chars} characters); shorten the prompt")
 
-    def chat_ids(messages, add_special: bool = False) -> list[int]:  # on the pool
+    def chat_ids(messages, add_special: bool = False, kwargs: dict | None = None) -> list[int]:  # on the pool
+        return chat_prompt(messages, add_special, kwargs)[0]
+
+    def chat_prompt(messages, add_special: bool, kwargs: dict | None) -> tuple[list[int], bool]:  # on the pool
+        """The prompt's ids (kwargs: chat_template_kwargs, as template variables), and whether its generation
+        prompt leaves a reasoning block open (with a reasoning parser: the answer starts inside it)."""
         if not tok.chat_template:
             raise MemraError("this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                       add_generation_prompt=True)
-        return tok.encode(text, add_special=add_special)
+        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, **(kwargs or {}))
+        opened = False
+        if reasoning is not None:  # the generation prompt: what add_generation_prompt adds to the text
+            bare = tok.apply_chat_template(msgs, add_generation_prompt=False, **(kwargs or {}))
+            opened = reasoning.opened_by(text[len(bare):] if text.startswith(bare) else text)
+        return tok.encode(text, add_special=add_special), opened
 
     @app.get("/health")
     async def health():
@@ -175,12 +188,13 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         if want is not None:
             body.sampling(want, 0)
         check_chars(sum(len(m.text()) for m in body.messages))
-        ids = truncated(body, await off_loop(chat_ids, body.messages, body.add_special_tokens))
+        ids, opened = await off_loop(chat_prompt, body.messages, body.add_special_tokens, body.chat_template_kwargs)
+        ids = truncated(body, ids)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         scored = await scored_reply(body, [ids], [None], False, None)
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
                            max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival,
-                           scored=scored)
+                           scored=scored, opened=opened)
 
     def truncated(body, ids: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the context's length)."""
@@ -217,12 +231,14 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         return JSONResponse(reply_body(head, choices, usage))
 
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
-                    max_tokens: int, arrival: float, scored: ScoredReply | None = None):
+                    max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
         if body.speculative and not engine.spec.enabled:
             raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
                                 "or leave the field out", param="speculative")
-        out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker)
+        split = (lambda: reasoning.splitter(opened)) if chat and reasoning is not None else None
+        out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker, split,
+                             getattr(body, "include_reasoning", None) is not False)
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,

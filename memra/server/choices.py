@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from memra.engine.engine import TokenEvent
 from memra.sampling import SamplingParams
+from memra.server.reasoning import ReasoningSplitter
 from memra.server.errors import error_response
 from memra.server.scored import ScoredReply, text_offsets, token_text
 from memra.tokenizer import TextStream
@@ -50,6 +51,7 @@ class Delta:
     text: str
     event: TokenEvent
     finish_reason: str | None  # the event's, or "stop" when the text reached a stop string
+    reasoning: str = ""  # with a reasoning parser: the part of the text that is reasoning (memra.server.reasoning)
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,12 @@ class RequestOutputs:
     """Events from the engine thread in, per-choice deltas out on the request's event loop; the text is
     made on the TextWorker's thread (`process`)."""
 
-    def __init__(self, engine, tok, params: SamplingParams, choices: int, worker: TextWorker):
+    def __init__(self, engine, tok, params: SamplingParams, choices: int, worker: TextWorker,
+                 reasoning: Callable[[], ReasoningSplitter] | None = None, include_reasoning: bool = True):
         self.engine, self.tok, self.worker = engine, tok, worker
+        # with a reasoning parser: each choice's splitter; include_reasoning false drops the reasoning
+        self.splitters = [reasoning() for _ in range(choices)] if reasoning is not None else None
+        self.include_reasoning = include_reasoning
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.streams = [TextStream.for_params(tok, params) for _ in range(choices)]
@@ -153,7 +159,7 @@ class RequestOutputs:
         stream = self.streams[i]
         if ev.token_id is None:  # ended without a token: an abort, with or without an error
             self.ended[i] = True
-            return Delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
+            return self._delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
         self.tokens[i] += 1
         text, finish = stream.push(ev.token_id, stop_token=ev.finish_reason == "stop"), ev.finish_reason
         if stream.stopped:
@@ -163,7 +169,17 @@ class RequestOutputs:
         if finish is not None:
             text += stream.finish()
             self.ended[i] = True
-        return Delta(i, text, ev, finish)
+        return self._delta(i, text, ev, finish)
+
+    def _delta(self, i: int, text: str, ev: TokenEvent, finish: str | None) -> Delta:
+        """The delta of choice i, its text split into reasoning and content where a parser is on."""
+        if self.splitters is None:
+            return Delta(i, text, ev, finish)
+        reasoning, content = self.splitters[i].push(text)
+        if finish is not None:
+            r, c = self.splitters[i].finish()
+            reasoning, content = reasoning + r, content + c
+        return Delta(i, content, ev, finish, reasoning if self.include_reasoning else "")
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:
@@ -201,10 +217,12 @@ class RequestOutputs:
     async def _collect(self, head: ReplyHeader) -> Response:
         n = len(self.streams)
         texts, logs, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        thoughts = [[] for _ in range(n)]
         async for d in self.deltas():
             if d.event.error:
                 return error_response(_ERROR_STATUS.get(d.event.error_kind, 500), d.event.error)
             texts[d.index].append(d.text)
+            thoughts[d.index].append(d.reasoning)
             if d.event.token_id is not None:
                 logs[d.index].append(d.event)
             finish[d.index] = d.finish_reason
@@ -213,8 +231,11 @@ class RequestOutputs:
             text = "".join(texts[i])
             lp = logprobs_body(self.tok, logs[i], head.chat, head.as_ids) if head.logprobs else None
             if head.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                                "finish_reason": finish[i]})
+                message = {"role": "assistant", "content": text}
+                if self.splitters is not None:  # vLLM's shape: null where a part is empty
+                    message = {"role": "assistant", "content": text or None,
+                               "reasoning_content": "".join(thoughts[i]) or None}
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish[i]})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
             if head.scored is not None:
@@ -247,13 +268,15 @@ class RequestOutputs:
                 kind_name = "invalid_request_error" if status < 500 else "server_error"
                 return "data: " + json.dumps({"error": {"message": ev.error, "type": kind_name, "param": None,
                                                         "code": status}}) + "\n\n"
-            if ev.token_id is None and not d.text and d.finish_reason not in ("stop", "length"):
+            if ev.token_id is None and not d.text and not d.reasoning and d.finish_reason not in ("stop", "length"):
                 return ""  # an abort without words: nothing to tell
             lp = (logprobs_body(self.tok, [ev], head.chat, head.as_ids, emitted[d.index])
                   if head.logprobs and ev.token_id is not None else None)
             emitted[d.index] += len(d.text)
             if head.chat:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                delta = {"reasoning_content": d.reasoning} if d.reasoning else {}
+                if d.text or (d.finish_reason is None and not d.reasoning):
+                    delta["content"] = d.text
                 return chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
             return chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memra.errors import MemraError
+from memra.server.reasoning import PARSERS
 
 DEFAULT_MAX_BODY_MB = 4.0  # a 128k-token prompt as text or as ids is ~1 MB of JSON; 4 leaves room for chats
 
@@ -26,6 +27,7 @@ class ServerOptions:
     tokenizer_threads: int = 2
     allowed_origins: tuple[str, ...] = ()  # CORS (memra.server.access): browser origins allowed, "*" = any
     log_requests: bool = False  # one access-log line per request (memra serve turns it on)
+    reasoning_parser: str | None = None  # chat answers' <think>…</think> -> reasoning_content (memra.server.reasoning)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -36,6 +38,8 @@ class ServerOptions:
             raise MemraError(f"max_json_depth must be in 4..1000, got {self.max_json_depth}")
         if not 0 <= self.shutdown_timeout <= 3600:
             raise MemraError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout:g}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise MemraError(f"--reasoning-parser {self.reasoning_parser}: memra knows {', '.join(sorted(PARSERS))}")
         if not 1 <= self.tokenizer_threads <= 64:
             raise MemraError(f"tokenizer_threads must be in 1..64, got {self.tokenizer_threads}")
 

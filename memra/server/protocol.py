@@ -8,7 +8,7 @@ no UTF-8 form and would fail deep in the tokenizer).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
@@ -186,10 +186,15 @@ class ChatRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: _integer(0, MAX_LOGPROBS) | None = None
     add_special_tokens: StrictBool = False  # vLLM's: BOS and kin on top of what the chat template writes
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: variables for the chat template
+    include_reasoning: StrictBool | None = None  # vLLM's: false drops reasoning_content (--reasoning-parser)
 
     def check_supported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise MemraError("top_logprobs needs logprobs: true")
+        fixed = {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or ())
+        if fixed:
+            raise MemraError(f"chat_template_kwargs may not set {sorted(fixed)[0]}: the server sets it")
         self.check_scoring(False)
 
 

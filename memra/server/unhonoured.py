@@ -93,8 +93,7 @@ TABLE: tuple[Unhonoured, ...] = (
     R("continue_final_message", (CHAT,), "vllm-extra", _is(False), "memra always starts a new message"),
     R("documents", (CHAT,), "vllm-extra", _empty, "memra passes no documents to the chat template"),
     R("chat_template", (CHAT,), "vllm-extra", _never, "memra uses the model's chat template"),
-    R("chat_template_kwargs", (CHAT,), "vllm-extra", _empty, "memra passes no arguments to the chat template"),
-    R("include_reasoning", (CHAT,), "vllm-extra", _is(True), "memra does not separate reasoning from the answer"),
+    R("include_reasoning", (CHAT,), "vllm-extra", _is(True), "this server separates no reasoning (start it with --reasoning-parser qwen3)"),
     R("mm_processor_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
     R("media_io_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
     R("prompt_embeds", (CMPL,), "vllm-extra", _never, "memra takes text or token ids"),
@@ -119,7 +118,8 @@ TABLE: tuple[Unhonoured, ...] = (
 # holds TABLE and HONOURED together against every field the protocols name.
 HONOURED = frozenset({"n", "logprobs", "top_logprobs", "prompt_logprobs", "return_tokens_as_token_ids",
                       "add_special_tokens", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                      "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens"})
+                      "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+                      "chat_template_kwargs"})
 _BY_ROUTE = {route: tuple(r for r in TABLE if route in r.routes) for route in BOTH}
 
 
