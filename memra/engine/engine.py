@@ -116,11 +116,9 @@ class Engine:
             self._check_open()
             if self.scheduler.num_waiting() + self._commands.qsize() + n > self.cfg.max_waiting:
                 raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
-            if params.seed is None:  # SamplingParams(seed=None): a fresh seed (memra.LLM draws and reports its own)
-                params = dataclasses.replace(params, seed=fresh_seed())
-            seqs = []
+            seed, seqs = fresh_seed() if params.seed is None else params.seed, []  # seed None: a fresh one
             for i in range(n):
-                p = params if n == 1 else dataclasses.replace(params, seed=params.seed + i)
+                p = params if n == 1 and seed == params.seed else dataclasses.replace(params, seed=seed + i)
                 self._next += 1
                 seqs.append(SeqState(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
                 seqs[-1].spec = self.spec.start(p) if speculative else None
