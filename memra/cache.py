@@ -48,6 +48,10 @@ class KvPool:
         # where every layer of the pool slides a window: the widest (a block wholly before a sequence's
         # pos - window + 1 is read by no later query; Cache.drop_out_of_window gives it back), else None
         self.window: int | None = None
+        # Blocks with more than one holder (the prefix cache and the sequences reading its pages,
+        # memra.prefix) -> how many holders beyond the first; a block is free again when its last goes.
+        self.extra_refs: dict[int, int] = {}
+        self.reclaim = None  # (n) -> None: frees up to n blocks others hold only as a cache (memra.prefix)
 
     @property
     def block_bytes(self) -> int:
@@ -57,6 +61,8 @@ class KvPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free) and self.n_blocks < self.max_blocks:
             self.enlarge(min(self.max_blocks, max(2 * self.n_blocks, self.n_blocks + n - len(self.free))))
+        if n > len(self.free) and self.reclaim is not None:
+            self.reclaim(n - len(self.free))
         if n > len(self.free):
             raise ContextOverflowError(
                 f"KV pool exhausted: need {n} more blocks of {BLOCK_SIZE} tokens, {len(self.free)} free of "
@@ -65,7 +71,28 @@ class KvPool:
         return taken
 
     def release(self, blocks: list[int]) -> None:
-        self.free.extend(b for b in blocks if b >= 0)  # (-1: a block already given back, out of the window)
+        if not self.extra_refs:
+            self.free.extend(b for b in blocks if b >= 0)  # (-1: a block already given back, out of the window)
+            return
+        for b in blocks:
+            extra = self.extra_refs.get(b)
+            if b < 0:
+                continue
+            if extra is None:
+                self.free.append(b)
+            elif extra == 1:
+                del self.extra_refs[b]
+            else:
+                self.extra_refs[b] = extra - 1
+
+    def share(self, blocks) -> None:
+        """One more holder of each block (read-only: a shared block is never written again)."""
+        for b in blocks:
+            self.extra_refs[b] = self.extra_refs.get(b, 0) + 1
+
+    def holders(self, block: int) -> int:
+        """How many hold this allocated block."""
+        return 1 + self.extra_refs.get(block, 0)
 
     @torch.inference_mode(False)  # a pool grown inside a step must not become an inference tensor
     def enlarge(self, n_blocks: int) -> None:
@@ -199,6 +226,7 @@ class Cache:
     pos: int = 0
     blocks: list[int] = field(default_factory=list)
     slot: int | None = None
+    shared: int = 0  # leading blocks shared read-only with the prefix cache (memra.prefix): never written
     last_logits_dev: torch.Tensor | None = None  # parked device logits (lean sampling; later issues)
     _tables: dict = field(default_factory=dict, repr=False)  # device -> (blocks it was made from, block table)
     _on_free: weakref.finalize | None = field(default=None, repr=False)  # a model pool's give-back (once)
@@ -267,9 +295,7 @@ class Cache:
         """Return to a snapshot: truncate KV to its position, copy its recurrent state back."""
         if snap.pos > self.pos:
             raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the cache has been rolled back to {self.pos} since")
-        if self.kv.window is not None and any(b < 0 for b in self.blocks[: max(0, snap.pos - self.kv.window + 1) // BLOCK_SIZE + 1]):
-            raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the blocks its window reads were given "
-                             "back as the sequence moved past them (sliding window); prime the sequence again")
+        self.writable_from(snap.pos)
         self.pos = snap.pos
         keep = max(snap.n_blocks, -(-snap.pos // BLOCK_SIZE))
         if len(self.blocks) > keep:
@@ -287,6 +313,7 @@ class Cache:
         what it was right after token keep-1 (recorded in `trail` by that verify)."""
         if not 1 <= keep <= self.pos - pos0:
             raise MemraError(f"rollback keeps {keep} of the {self.pos - pos0} tokens verified from position {pos0}")
+        self.writable_from(pos0 + keep)
         if keep < self.pos - pos0:
             for i in (self.rec.layers if self.rec else ()):
                 self.conv_state(i).copy_(trail.conv[i][keep - 1])
@@ -294,9 +321,29 @@ class Cache:
         self.pos = pos0 + keep
         self.last_logits_dev = None
 
+    def writable_from(self, pos: int) -> None:
+        """Copy on write: positions from `pos` on are about to be written again, so the shared blocks that
+        hold them become private copies first (the prefix cache's pages stay as they are)."""
+        first = pos // BLOCK_SIZE
+        if first >= self.shared:
+            return
+        old = self.blocks[first : self.shared]
+        new = self.kv.allocate(len(old))
+        src, dst = torch.tensor(old, dtype=torch.long), torch.tensor(new, dtype=torch.long)
+        for table in (self.kv.k, self.kv.v):
+            for t in table.values():
+                t[dst.to(t.device)] = t[src.to(t.device)]
+        self.kv.release(old)
+        self.blocks[first : self.shared] = new
+        self.shared = first
+
     def reset(self) -> None:
-        """Back to an empty sequence (position 0, zero recurrent state), keeping the allocated blocks (blocks
-        given back out of the window are taken again)."""
+        """Back to an empty sequence (position 0, zero recurrent state), keeping the allocated blocks (but
+        for shared ones, which others still read: those go back and are allocated afresh when needed)."""
+        if self.shared:
+            self.kv.release(self.blocks)
+            self.blocks.clear()
+            self.shared = 0
         self.pos = 0
         gone = [i for i, b in enumerate(self.blocks) if b < 0]
         for i, b in zip(gone, self.kv.allocate(len(gone)) if gone else ()):

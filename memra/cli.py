@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from memra.cli_common import add_load_args, add_model_args, add_spec_args, load_model, spec_config
+from memra.cli_common import add_load_args, add_model_args, add_spec_args, fit as _fit, load_model, spec_config
 from memra.errors import MemraError
 
 
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                      help="resume each turn from the conversation's cached prompt pages (exact, E8; default on)")
 
     ins = sub.add_parser("inspect", help="print a checkpoint's config, tensors and tokenizer")
     ins.add_argument("model", help="a Hugging Face model directory or a .gguf file ('demo' = the bundled model)")
@@ -73,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
-    gate.add_argument("--batch", default=None, help="batch width (default 4); pp mode: a list, e.g. 1,4,8 (default)")
-    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec", "score"],
-                      help="score: scored logprobs == sampled ones (E9); --steps tokens per completion")
+    gate.add_argument("--batch", default=None, help="batch width (default 4); pp and prefix modes: a list, e.g. 1,4,8 "
+                                                    "(default; prefix: 1,2,4)")
+    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec", "score", "prefix"],
+                      help="score: scored logprobs == sampled ones (E9); --steps tokens per completion. prefix: a "
+                           "prefix-cache hit == a cold server, bit for bit (E8)")
     gate.add_argument("--stages", type=int, default=2, help="pp/ppspec mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
     gate.add_argument("--reps", type=int, default=2, help="pp/ppspec mode: repetitions of the split arm")
     gate.add_argument("--ts", default="2,5,9", help="ppspec mode: verify widths T = K+1 (default 2,5,9: K = 1, 4, 8)")
@@ -89,13 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_gate(args: argparse.Namespace) -> int:
     from memra.gate import run_battery
 
-    pp = args.mode == "pp"
-    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24}.get(args.mode, 32)
+    pp, prefix = args.mode == "pp", args.mode == "prefix"
+    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24, "prefix": 8}.get(args.mode, 32)
     dist = args.transport == "dist"
     if dist and not pp:
         raise MemraError("--transport dist runs the pp battery across processes; use it with --mode pp")
     try:
-        batches = tuple(int(b) for b in (args.batch or ("1,4" if dist else "1,4,8" if pp else "4")).split(","))
+        batches = tuple(int(b) for b in (args.batch or ("1,4" if dist else "1,4,8" if pp else "1,2,4" if prefix
+                                                        else "4")).split(","))
     except ValueError:
         raise MemraError(f"--batch {args.batch!r} is not a number or a comma-separated list of numbers") from None
     try:
@@ -104,8 +109,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise MemraError(f"--ts {args.ts!r} is not a comma-separated list of verify widths") from None
     if steps <= 0 or args.plen <= 0 or args.reps <= 0 or min(batches) <= 0 or min(ts) <= 0:
         raise MemraError("--steps, --batch, --ts, --plen and --reps must be positive")
-    if not pp and len(batches) != 1:
-        raise MemraError("--batch takes one width outside --mode pp")
+    if not (pp or prefix) and len(batches) != 1:
+        raise MemraError("--batch takes one width outside --mode pp and --mode prefix")
     model = load_model(args, args.model, tokenizer=False)
     out = lambda line: print(line, flush=True)
     if pp and dist:
@@ -122,6 +127,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
         from memra.gate.score_arm import run_score_battery
 
         ok = run_score_battery(model, steps=steps, plen=args.plen, out=out)
+    elif prefix:
+        from memra.gate.prefix_battery import run_prefix_battery
+
+        ok = run_prefix_battery(model, batches=batches, steps=steps, out=out)
     elif args.mode == "ppspec":
         from memra.gate.ppspec_battery import run_ppspec_battery
 
@@ -129,17 +138,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
     else:
         ok = run_battery(model, steps=steps, batch=batches[0], mode=args.mode, plen=args.plen, out=out)
     return 0 if ok else 1
-
-
-def _fit(params, prompt_tokens: int, max_position: int):
-    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops
-    at the end of the context), or a one-line refusal when the prompt alone fills it."""
-    import dataclasses
-
-    room = max_position - prompt_tokens
-    if room < 1:
-        raise MemraError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_position}")
-    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -237,45 +235,13 @@ def _version() -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """A read-eval-print loop over the chat template, each turn a request to the engine. Each turn re-primes
-    the whole conversation (nothing is cached across turns yet)."""
-    from memra.engine.llm import LLM
-    from memra.sampling import SamplingParams
+    """A read-eval-print loop over the chat template, each turn a request to the engine. The engine keeps its
+    prefix cache across turns, so a turn primes only what the last one did not (the previous answer comes
+    back as prompt text and is primed: decode-written state is never reused, E8). Ctrl-C stops the reply
+    (the chat goes on, the partial answer kept in the conversation); at the prompt it ends the chat."""
+    from memra.chat_repl import chat_loop
 
-    model = load_model(args, args.model)
-    tok = model.tokenizer
-    if not tok.chat_template:
-        raise MemraError(f"{args.model}: the model has no chat template; use `memra generate` instead")
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    interactive = sys.stdin.isatty()
-    llm = LLM(model, max_batch=1)  # one engine for the session: its warm-up and graphs serve every turn
-    turn = 0
-    while True:
-        if interactive:
-            print(">>> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
-            return 0
-        text = line.rstrip("\n")
-        if text.strip() == "/reset":
-            history.clear()
-            print("[conversation cleared]", file=sys.stderr)
-            continue
-        if not text.strip():
-            continue
-        history.append({"role": "user", "content": text})
-        prompt = tok.apply_chat_template(system + history, add_generation_prompt=True)
-        ids = tok.encode(prompt)
-        params = _fit(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
-                                     max_tokens=args.max_tokens), len(ids), model.cfg.max_position)
-        reply = []
-        for piece in llm.stream(ids, params):
-            reply.append(piece)
-            print(piece, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply).strip()})
-        turn += 1
+    return chat_loop(args, load_model(args, args.model))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from memra.errors import MemraError
+
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
@@ -55,3 +57,14 @@ def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
 
     return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer, check_tensors=args.check_tensors,
                       kv_budget=KvBudget(args.kv_memory, args.kv_fraction), packed_weights=args.packed_weights)
+
+
+def fit(params, prompt_tokens: int, max_position: int):
+    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops
+    at the end of the context), or a one-line refusal when the prompt alone fills it."""
+    import dataclasses
+
+    room = max_position - prompt_tokens
+    if room < 1:
+        raise MemraError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_position}")
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))

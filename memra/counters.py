@@ -34,6 +34,13 @@ _counts = {
     "spec_drafted_tokens": 0,  # draft tokens proposed to a verify
     "spec_accepted_tokens": 0,  # ... of which the accept walk kept
     "spec_rollbacks": 0,  # verifies whose rejected suffix was dropped (trail or replay)
+    # the prefix cache (memra.prefix)
+    "prefix_queried_tokens": 0,  # prompt tokens of the sequences started with the prefix cache on
+    "prefix_cached_tokens": 0,  # ... of those, served from it (a resumed prime skipped them)
+    "prefix_pages_added": 0,  # 64-token prompt pages added to it
+    "prefix_snapshots": 0,  # recurrent-state snapshots taken at aligned cuts (hybrids)
+    "prefix_evicted_blocks": 0,  # KV blocks it gave back, least recently used first
+    "prefix_forks": 0,  # sequences started as copies of a just-primed identical prompt (n > 1, repeated prompts)
     # pipeline parallelism (memra.pp)
     "pp_split_walks": 0,  # forwards that walked the stage split (any body)
     "pp_boundary_copies": 0,  # boundary payloads handed from one stage to the next

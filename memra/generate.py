@@ -19,6 +19,7 @@ from memra.spec import SpecConfig, SpecStats
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, served from the engine's prefix cache (memra.prefix)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

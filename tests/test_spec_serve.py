@@ -67,8 +67,8 @@ def _answers(url: str, bodies, concurrency: int, **extra) -> list[dict]:
         route, body = item
         r = httpx.post(url + route, json={**body, **extra}, timeout=300)
         assert r.status_code == 200, r.text
-        j = r.json()
-        return {"choices": j["choices"], "usage": j["usage"]}
+        j = r.json()  # cached_tokens says what the prefix cache held when it came, not what the answer is
+        return {"choices": j["choices"], "usage": {k: v for k, v in j["usage"].items() if k != "prompt_tokens_details"}}
 
     with cf.ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(ask, bodies))

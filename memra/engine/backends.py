@@ -18,6 +18,8 @@ from memra.graphs import BUCKETS, bucket_for, full_width_pass, reserve_scratch
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import captures_mixed
 from memra.pp.fence import PipelineError
+from memra.prefix.policy import prefix_cache, snapshot_slots
+from memra.prefix.serving import NoPrefixCache
 from memra.engine.types import EngineConfig
 
 
@@ -39,9 +41,12 @@ class InProcess:
         self.rt = model.executor.runtime  # stage-owned pools when the model was loaded with the PP door open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
         want = cfg.kv_blocks or cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)
-        self.pools = ModelPools(model.cfg, model.dtype, model.device, model.kv_budget.bytes_on(model.device),
-                                layer_devices, max_slots=cfg.max_batch + 1, max_blocks=want + 1)
+        budget = model.kv_budget.bytes_on(model.device)
+        self.snapshots = snapshot_slots(model, cfg, budget)  # the prefix cache's recurrent snapshots (memra.prefix)
+        self.pools = ModelPools(model.cfg, model.dtype, model.device, budget, layer_devices,
+                                max_slots=cfg.max_batch + 1 + self.snapshots, max_blocks=want + 1)
         self.kv, self.rec = self.pools.kv, self.pools.rec
+        self.prefix = prefix_cache(model, self.kv, self.rec, cfg, self.snapshots)
         self.blocks = self.kv.max_blocks - 1
         if self.blocks < -(-cfg.max_ctx // BLOCK_SIZE):
             raise MemraError(f"the KV budget ({self.pools.budget_bytes / (1 << 30):.2f} GiB) holds {self.blocks * BLOCK_SIZE} "
@@ -153,6 +158,7 @@ class ProcessPipeline:
     device_tokens = False
     mixes_graphed = False
     rt = None
+    prefix = NoPrefixCache()  # no shared pools: no prefix cache either (its ranks keep their own caches)
 
     def __init__(self, pipe, cfg: EngineConfig):
         if cfg.kv_blocks is not None:

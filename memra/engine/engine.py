@@ -248,8 +248,8 @@ class Engine:
         while True:
             try:
                 what, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            except queue.Empty:  # then: how much of each request that could start is cached (memra.prefix)
+                return self.backend.prefix.offer(self.scheduler, self.seqs)
             if what == "add":
                 for s in arg:
                     try:
@@ -274,14 +274,14 @@ class Engine:
         for rid in plan.swap_out:  # preemption: to host memory and back, byte for byte (SeqState.swap_out)
             if self.seqs[rid].swap_out(self.backend) and self.metrics is not None:
                 self.metrics.preemptions.inc()
-        for rid in plan.swap_in:
-            self.seqs[rid].swap_in(self.backend, self.cache_ctx)
         prefilled: dict[str, int] = {}
         rows = [self.seqs[rid] for rid in plan.decode]
         chunks = [(self.seqs[rid], start, n) for rid, start, n in plan.prefill]
+        for s, start, _ in chunks:  # before swap_in allocates blocks, which may evict cached pages these resume from
+            s.cache = s.cache or (None if s.swapped else self._new_cache(s))
+        for rid in plan.swap_in:
+            self.seqs[rid].swap_in(self.backend, self.cache_ctx, self._new_cache)
         for s, start, _ in chunks:
-            if s.cache is None:
-                s.cache = self._new_cache(s)
             assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
         # speculating rows draft now and verify after the batch's tokens are launched (memra.engine.speculation)
         rows, chunks, verifying, alone = self.spec.before_step(rows, chunks, self.scheduler, self._inflight, self._land)
@@ -295,12 +295,13 @@ class Engine:
         logits: list[torch.Tensor] = [decoded] if rows else []
         chunks, lasts = self.spec.prime_alone(chunks, lasts, alone)
         for (s, start, n), last in zip(chunks, lasts):
-            prefilled[s.rid] = n
+            prefilled[s.rid] = self.backend.prefix.record(s, start, n)  # n; the cache keeps the pages it primed
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(n)
-            if start + n == len(s.prompt):  # its first token comes from the last prompt position
-                ready.append(s)
-                logits.append(last[None])
+            if start + n == len(s.prompt):  # its first token comes from the last prompt position (so do its forks')
+                for t in self.backend.prefix.forks(s, self.scheduler, self._new_cache):  # memra.prefix
+                    ready.append(t)
+                    logits.append(last[None])
         # The last step's tokens, after this step's kernels are all queued: waiting for them first held a
         # prefilling step's launches back until the GPU had finished the step before (4.4 ms a mixed step
         # in an H200 profile). A sequence that ends as it lands keeps its blocks until here, which the
@@ -327,9 +328,8 @@ class Engine:
         self._publish_gauges(len(plan.decode), kind, seconds)
 
     def _new_cache(self, s: SeqState):
-        # Every cache is as wide as the engine's longest: the decode graphs key on the table width, so one
-        # graph per batch bucket (captured at warm-up). Blocks come as positions do; check_request bounds a sequence.
-        return self.backend.new_cache(self.cache_ctx)
+        # As wide as the longest: the decode graphs key on the table width. Blocks come as positions do.
+        return self.backend.prefix.attach(s, self.backend.new_cache(self.cache_ctx), self.metrics)  # memra.prefix
 
     def _emit(self, s: SeqState, picked: Picked) -> None:
         """Record the token the sampler chose for `s` and send it out."""
@@ -345,7 +345,7 @@ class Engine:
         s.last_token_at = now
         finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
         self._outbox.append((s, TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt),
-                                           len(s.out))))
+                                           len(s.out), cached_tokens=s.cached)))
         if finish is not None:
             s.done = True
             if self.metrics is not None:

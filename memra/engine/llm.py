@@ -15,6 +15,7 @@ import dataclasses
 import random
 import secrets
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,13 +90,17 @@ class LLM:
     start in one prefill (memra.engine.admission; EngineConfig's defaults).
     speculative: draft-and-verify decoding, "mtp" or "ngram" (draft length 4) or a memra.spec.SpecConfig;
     the outputs are the same tokens and logprobs as without it (E4), only the speed changes.
+    enable_prefix_caching: reuse the primed pages of earlier prompts (vLLM's name; memra.prefix, promise E8:
+    the same tokens and logprobs, bit for bit, as without it). Prompts and n > 1 choices that share a prefix
+    prime it once.
     """
 
     def __init__(self, model, device: str | None = None, dtype: str | None = None, *, max_batch: int = 64,
                  max_ctx: int | None = None, warm_up: bool = True,
                  prefill_wait_steps: int | None = None, prefill_group: int | None = None,
                  speculative: str | SpecConfig | None = None, max_model_len: int | None = None,
-                 seed: int | None = None, gpu_memory_utilization: float | None = None, **load_options):
+                 seed: int | None = None, gpu_memory_utilization: float | None = None, enable_prefix_caching: bool = True,
+                 **load_options):
         max_ctx = _one_of("max_ctx", max_ctx, "max_model_len", max_model_len)
         if seed is not None and not (isinstance(seed, int) and seed >= 0):
             raise MemraError(f"seed must be a non-negative integer or None, got {seed!r}")
@@ -118,7 +123,7 @@ class LLM:
         spec = SpecConfig(speculative) if isinstance(speculative, str) else speculative
         self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30,
                                                  prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group,
-                                                 speculative=spec))
+                                                 speculative=spec, prefix_caching=enable_prefix_caching))
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
             self.engine.warm_up()
 
@@ -188,9 +193,10 @@ class LLM:
         return outs
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               stats: GenerationStats | None = None) -> Iterator[str]:
+               stats: GenerationStats | None = None, interrupt: threading.Event | None = None) -> Iterator[str]:
         """One prompt's text as it is generated (what `memra generate` prints), through the same engine.
-        Stops at EOS, max_tokens or a stop string (not printed); `stats` gets the counts and timings."""
+        Stops at EOS, max_tokens or a stop string (not printed), or between two engine steps once `interrupt`
+        is set (finish_reason "abort": `memra chat`'s Ctrl-C); `stats` gets the counts and timings."""
         p = params or SamplingParams()
         if p.n != 1:
             raise MemraError("stream() runs one choice; use generate() for n > 1")
@@ -207,6 +213,10 @@ class LLM:
         first = last = None
         try:
             while stats.finish_reason == "":
+                if interrupt is not None and interrupt.is_set():
+                    stats.finish_reason = "abort"
+                    yield text.finish()
+                    break
                 if not events and not self.engine.step():
                     break
                 while events and stats.finish_reason == "":
@@ -217,6 +227,7 @@ class LLM:
                         last = time.perf_counter()
                         first = first or last
                         stats.token_ids.append(ev.token_id)
+                        stats.cached_tokens = ev.cached_tokens
                         stats.generated_tokens += 1
                         piece = text.push(ev.token_id, stop_token=ev.finish_reason == "stop")
                         if text.stopped:

@@ -27,6 +27,8 @@ class Sequence:
     generated: int = 0  # tokens sampled so far (the first comes from the last prefill chunk)
     blocks: int = 0  # KV blocks held (reserved for the step in flight, between schedule and step_done)
     block_size: int = 16  # copied from the config so blocks_needed needs no arguments beyond the tokens
+    stops: tuple[int, ...] = ()  # aligned positions a prefill chunk must end at (prefix-cache snapshots)
+    held: bool = False  # waiting for a running prime of its prefix (memra.prefix): admission stops here
 
     @property
     def in_cache(self) -> int:

@@ -53,6 +53,9 @@ multiple of prefill_align; if that leaves n <= 0 it is not scheduled this step. 
 lands on an absolute multiple of prefill_align or on the prompt end, which the engine's exactness
 relies on (E5). The chunk that reaches the prompt end samples the sequence's first token.
 
+Prefix cache: a WAITING request may start at a cached aligned cut (still counted as holding its whole
+cache's blocks), end chunks at `stops`, or be `held` at the queue's head (memra.engine.prefix_hooks).
+
 Liveness. Whenever anything is RUNNING, the oldest RUNNING sequence (or, when it is a prefiller
 blocked by the budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING
 the oldest swapped or waiting sequence starts with the whole pool (add() refuses a request whose
@@ -70,6 +73,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from memra.engine.admission import PrefillGrouping
+from memra.engine.prefix_hooks import PrefixHooks
 from memra.engine.scheduled import Sequence, Status, StepPlan
 
 
@@ -110,7 +114,7 @@ class SchedulerConfig:
         return self.max_running if self.total_slots is None else min(self.max_running, self.total_slots)
 
 
-class Scheduler:
+class Scheduler(PrefixHooks):
     """Owns the queue, the running set and the block/slot counts; see the module docstring for the policy."""
 
     def __init__(self, cfg: SchedulerConfig):
@@ -230,7 +234,7 @@ class Scheduler:
                 self._held = 0
             candidates = self._with(Status.SWAPPED) + ([] if hold else [self._seqs[rid] for rid in self._waiting])
             for seq in candidates:
-                if self.num_running() >= self.cfg.max_admitted:
+                if self.num_running() >= self.cfg.max_admitted or seq.held:
                     break
                 decoder = seq.decode_ready  # a swapped sequence preempted between tokens
                 if decoder:
@@ -336,7 +340,8 @@ class Scheduler:
         return None if self.cfg.total_slots is None else self.cfg.total_slots - self.num_running()
 
     def num_running(self) -> int:
-        return sum(s.status is Status.RUNNING for s in self._seqs.values())
+        # list(): one C call, so a server thread's submit() may count while the engine thread adds or ends one
+        return sum(s.status is Status.RUNNING for s in list(self._seqs.values()))
 
     def num_waiting(self) -> int:
         """Waiting includes SWAPPED: both are requests not running now."""
@@ -362,6 +367,7 @@ class Scheduler:
         if blocks:  # its own blocks' slack plus every free block (a swapped/waiting one holds none)
             room = min(room, (seq.blocks + self._free) * self.cfg.block_size - seq.in_cache)
         end = seq.prefilled + max(0, min(seq.prompt_len - seq.prefilled, room))
+        end = min([end] + [s for s in seq.stops if s > seq.prefilled])  # stops are aligned: the rule holds
         if end < seq.prompt_len:
             end -= end % self.cfg.prefill_align
         return max(0, end - seq.prefilled)

@@ -31,6 +31,8 @@ class SeqState:
     done: bool = False
     row: RowSpec | None = None  # what the sampler needs (shares `prompt` and `out`)
     spec: object | None = None  # its drafter state when it speculates (memra.engine.speculation.SpecSeq)
+    cached: int = 0  # prompt tokens served from the prefix cache
+    prefix: object | None = None  # its memra.prefix.serving.PrefixState, where the prefix cache is on
 
     def __post_init__(self) -> None:
         self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs, stop_ids=self.eos)
@@ -44,8 +46,7 @@ class SeqState:
         self.swapped, self.cache = backend.swap_out(self.cache), None
         return True
 
-    def swap_in(self, backend, max_ctx: int) -> None:
-        """Resumed: its cache back from the host copies, where there were any."""
+    def swap_in(self, backend, max_ctx: int, new_cache) -> None:
+        """Resumed: its cache back from the host copies, or a new one (`new_cache(self)`) where there were none."""
         saved, self.swapped = self.swapped, None
-        if saved is not None and not saved.get("empty"):
-            self.cache = backend.swap_in(saved, max_ctx)
+        self.cache = new_cache(self) if saved is None or saved.get("empty") else backend.swap_in(saved, max_ctx)

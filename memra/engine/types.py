@@ -33,6 +33,8 @@ class EngineConfig:
     prefill_wait_steps: int | None = None
     prefill_group: int | None = None  # how many end the hold at once; default max(2, max_batch // 8)
     speculative: SpecConfig | None = None  # draft-and-verify decoding (memra.engine.speculation); None: off
+    prefix_caching: bool = True  # reuse primed prompt pages across requests (memra.prefix; promise E8)
+    prefix_snapshots: int | None = None  # recurrent snapshots kept (hybrids); default memra.prefix.policy's
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
@@ -75,6 +77,7 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None  # why an aborted sequence ended, in words a client may read
     error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (memra.prefix)
 
 
 def public_error(err: BaseException) -> str:

@@ -222,7 +222,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     def echo_only(body, ids: list[list[int]], scored: ScoredReply) -> JSONResponse:
         """echo with max_tokens 0: each choice is its prompt, nothing generated."""
         head = ReplyHeader("cmpl-" + uuid.uuid4().hex[:24], int(time.time()), model_name, False,
-                           sum(len(p) for p in ids) * body.n, False, scored=scored)
+                           sum(len(p) for p in ids), False, scored=scored)  # a prompt counts once, whatever its n
         choices = []
         for i in range(len(ids) * body.n):
             choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
@@ -253,8 +253,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             engine.cancel(out.rids)
             raise
         head = ReplyHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model_name,
-                           chat, sum(len(p) for p in prompts) * body.n, logprobs is not None,
-                           bool(body.return_tokens_as_token_ids), scored)
+                           chat, sum(len(p) for p in prompts), logprobs is not None,
+                           bool(body.return_tokens_as_token_ids), scored, body.n)
         if body.stream:
             first = None if metrics is None else lambda: metrics.http_ttft.observe(time.perf_counter() - arrival)
             return StreamingResponse(out.events(head, body.include_usage, first), media_type="text/event-stream")

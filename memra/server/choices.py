@@ -66,6 +66,7 @@ class ReplyHeader:
     logprobs: bool  # the client asked for logprobs
     as_ids: bool = False  # return_tokens_as_token_ids
     scored: ScoredReply | None = None  # echo / prompt_logprobs (memra.server.scored)
+    n: int = 1  # choices per prompt
 
 
 class TextWorker:
@@ -142,6 +143,7 @@ class RequestOutputs:
         self.streams = [TextStream.for_params(tok, params) for _ in range(choices)]
         self.ended = [False] * choices  # the text thread's view: no more deltas for this choice
         self.tokens = [0] * choices  # completion tokens each choice delivered
+        self.cached = [0] * choices  # prompt tokens of each choice served from the prefix cache
         self.rids: list[str] = []  # the engine's sequence of choice i is rids[i]
         self.open = choices  # the event loop's view: choices whose last delta has not arrived
 
@@ -161,6 +163,7 @@ class RequestOutputs:
             self.ended[i] = True
             return self._delta(i, "" if ev.error else stream.finish(), ev, ev.finish_reason)
         self.tokens[i] += 1
+        self.cached[i] = ev.cached_tokens
         text, finish = stream.push(ev.token_id, stop_token=ev.finish_reason == "stop"), ev.finish_reason
         if stream.stopped:
             if finish is None:
@@ -244,8 +247,10 @@ class RequestOutputs:
 
     def _usage(self, head: ReplyHeader) -> dict:
         done = sum(self.tokens)
+        # each prompt counts once, whatever its n (its choices share one prime): so do its cached tokens
+        cached = sum(self.cached[i] for i in range(0, len(self.cached), head.n))
         return {"prompt_tokens": head.prompt_tokens, "completion_tokens": done,
-                "total_tokens": head.prompt_tokens + done}
+                "total_tokens": head.prompt_tokens + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
     # --- a stream of server-sent events ---
     async def events(self, head: ReplyHeader, include_usage: bool,

@@ -59,6 +59,13 @@ class Metrics:
         self.spec_draft_tokens = Counter("memra:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.spec_accepted_tokens = Counter("memra:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             registry=r)
+        # the prefix cache (vLLM's names): prompt tokens looked up, and those served from it, with their ratio
+        self.prefix_queries = Counter("memra:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("memra:prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge("memra:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                                     registry=r)
+        self._prefix = [0, 0]
         self.info = Gauge("memra:model_info", "The served model", list(label), registry=r)
         self.info.labels(**label).set(1)
         r.register(_LivenessCounters())
@@ -73,6 +80,14 @@ class Metrics:
             self.batch_size.observe(batch)
         if kind is not None:
             self.step_seconds.labels(kind=kind).observe(seconds)
+
+    def prefix_lookup(self, prompt_tokens: int, cached: int) -> None:
+        """A sequence started with `cached` of its `prompt_tokens` from the prefix cache."""
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached)
+        self._prefix[0] += prompt_tokens
+        self._prefix[1] += cached
+        self.prefix_hit_rate.set(self._prefix[1] / self._prefix[0])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

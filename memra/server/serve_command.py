@@ -29,6 +29,9 @@ def add_serve_parser(sub) -> None:
                           "where the mixed step is a captured CUDA graph, else 8)")
     srv.add_argument("--prefill-group", type=int, default=None,
                      help="held requests that start together at once (default: max(2, max-batch / 8))")
+    srv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the primed pages of earlier prompts, exactly (E8: the same tokens and logprobs as "
+                          "without it); --no-prefix-caching turns it off (default on)")
     srv.add_argument("--api-key", default=None,
                      help="require Authorization: Bearer KEY on every route but /health and /v1/models "
                           "(visible in the process list: prefer --api-key-file or $MEMRA_API_KEY)")
@@ -92,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = EngineConfig(max_batch=args.max_batch, max_ctx=args.max_ctx, token_budget=args.token_budget,
                        max_waiting=args.max_waiting, prefill_wait_steps=args.prefill_wait_steps,
-                       prefill_group=args.prefill_group, speculative=spec_config(args))
+                       prefill_group=args.prefill_group, speculative=spec_config(args),
+                       prefix_caching=args.prefix_caching)
     if not 0 < args.port < 65536:
         raise MemraError(f"--port must be in 1..65535, got {args.port}")
     if not 0 < args.max_body_mb <= 1024:
