@@ -13,6 +13,7 @@ from memra.engine.llm import LLM, CompletionOutput, RequestOutput
 from memra.errors import MemraError
 from memra.loading.checkpoint import load
 from memra.sampling import DevSamp, SamplingParams
+from memra.structured import StructuredOutputs
 
-__all__ = ["load", "LLM", "RequestOutput", "CompletionOutput", "MemraError", "SamplingParams", "DevSamp"]
+__all__ = ["load", "LLM", "RequestOutput", "CompletionOutput", "MemraError", "SamplingParams", "DevSamp", "StructuredOutputs"]
 __version__ = "0.1.0"

@@ -68,6 +68,9 @@ _counts = {
     "scored_tokens": 0,  # positions given a logprob
     "scored_prompt_tokens": 0,  # ... tokens primed with every position's logits (the prefill arithmetic)
     "scored_decode_tokens": 0,  # ... continuation tokens stepped with the decode arithmetic (verify columns)
+    # structured output (memra.structured)
+    "grammars_compiled": 0,  # constraints compiled by llguidance (cache misses)
+    "grammar_masked_rows": 0,  # rows whose logits a grammar's mask was applied to before the token was chosen
 }
 
 

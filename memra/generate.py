@@ -44,6 +44,8 @@ def generate_tokens(model, prompt_ids: Sequence[int], params: SamplingParams, st
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:
         raise MemraError("the prompt is empty after tokenization")
+    if params.structured_outputs is not None:
+        raise MemraError("structured_outputs runs in the engine: use memra.LLM or memra serve, not generate_tokens")
     need = len(prompt_ids) + params.max_tokens
     limit = model.cfg.max_position
     if len(prompt_ids) >= limit:

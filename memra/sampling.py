@@ -17,6 +17,7 @@ import torch
 
 from memra import counters
 from memra.errors import MemraError
+from memra.structured.params import StructuredOutputs
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,6 +85,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the text leaves control tokens (<|im_end|>, ...) out
     spaces_between_special_tokens: bool = True  # with skip_special_tokens=False: " " around their text (HF's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's length)
+    structured_outputs: StructuredOutputs | None = None  # hold the output to a schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +95,13 @@ class SamplingParams:
                 object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
             except TypeError:
                 raise MemraError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}") from None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except TypeError as e:
+                raise MemraError(f"structured_outputs: {e}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise MemraError("structured_outputs must be a memra.StructuredOutputs (or a dict of its fields)")
         if isinstance(self.logit_bias, dict):
             try:
                 object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))

@@ -121,7 +121,7 @@ class Engine:
                 p = params if n == 1 and seed == params.seed else dataclasses.replace(params, seed=seed + i)
                 self._next += 1
                 seqs.append(SeqState(f"seq-{self._next}", i, list(prompt), p, logprobs, frozenset(eos_ids), sink))
-                seqs[-1].spec = self.spec.start(p) if speculative else None
+                seqs[-1].start(self.spec if speculative else None, self.model)  # its drafter, its grammar
             self._commands.put(("add", seqs))
         self._wake.set()
         return [s.rid for s in seqs]

@@ -1,6 +1,7 @@
 """One engine step's next tokens for the whole batch, chosen on the device, one copy to the host.
 
     logits [B, V] --(penalized rows only: repetition / presence / frequency / logit_bias)-->
+        --(constrained rows only: the row's grammar mask, memra.structured)-->
         --argmax for greedy rows; ops.sample_batch for the others (one launch on CUDA: temperature,
           top-k/p, min-p, seeded noise)--> tokens [B]
         --(rows that asked: log-softmax, the chosen token's logprob, the top n)--> one .tolist()
@@ -85,6 +86,7 @@ class RowSpec:
     logprobs: int | None  # top-n asked for (0 = the chosen token's only), None = off
     penalty: PenaltyState | None = field(default=None)
     stop_ids: frozenset[int] = frozenset()  # the ids that end it: what min_tokens masks
+    grammar: object | None = None  # its memra.structured.GrammarState where the output is constrained
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
     vocab = logits.shape[-1]
     chosen_from = logits
     penalized = [i for i, r in enumerate(rows) if r.params.penalized]
-    if penalized:
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if penalized or constrained:
         chosen_from = logits.clone()
         for i in penalized:
             r = rows[i]
@@ -133,6 +136,9 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
                 r.penalty = PenaltyState.start(r.params, r.prompt, vocab, logits.device, r.stop_ids)
             r.penalty.observe(r.out)
             chosen_from[i] = r.penalty.apply(logits[i], r.params)
+        for i in constrained:  # after the penalties, as vLLM: a row's mask is its own grammar's, at its own place
+            rows[i].grammar.advance(rows[i].out)
+            chosen_from[i] = rows[i].grammar.apply(chosen_from[i])
     tokens = chosen_from.argmax(-1)  # [B] int64 on the device: every greedy row's token (device_sample's rule)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)

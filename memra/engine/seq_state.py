@@ -10,6 +10,7 @@ from memra.cache import Cache
 from memra.engine.sampler import RowSpec
 from memra.engine.types import TokenEvent
 from memra.sampling import SamplingParams
+from memra.structured import compile_for
 
 
 @dataclass
@@ -36,6 +37,15 @@ class SeqState:
 
     def __post_init__(self) -> None:
         self.row = RowSpec(self.params, self.prompt, self.out, self.logprobs, stop_ids=self.eos)
+
+    def start(self, spec, model) -> None:
+        """Its drafter, where `spec` (the engine's speculation) drafts for it, and its grammar state, where its
+        output is constrained: compiled on the caller's thread (submit's; the server compiles on its pool
+        first), cached by the constraint. A constrained sequence decodes plainly: a draft would need the
+        grammar's mask at every column. A complete grammar allows only EOS next, so it ends as any answer does."""
+        so = self.params.structured_outputs
+        self.row.grammar = compile_for(model.tokenizer, so).start() if so is not None else None
+        self.spec = spec.start(self.params) if spec is not None and so is None else None
 
     def swap_out(self, backend) -> bool:
         """Preempted: its cache to host copies (the backend's, byte for byte), freed on the device.

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from memra.errors import ContextOverflowError, MemraError
+from memra.structured import compile_for
 from memra.server.access import install_cors, install_request_log
 from memra.server.auth import install_api_key
 from memra.server.bodies import read_json, validate
@@ -236,6 +237,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         if body.speculative and not engine.spec.enabled:
             raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
                                 "or leave the field out", param="speculative")
+        if params.structured_outputs is not None:  # compiled (and cached) on the pool: submit finds it there
+            await off_loop(compile_for, tok, params.structured_outputs)
         split = (lambda: reasoning.splitter(opened)) if chat and reasoning is not None else None
         out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker, split,
                              getattr(body, "include_reasoning", None) is not False)

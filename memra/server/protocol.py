@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from memra.errors import MemraError
 from memra.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
+from memra.server.structured import structured_from
 
 MAX_STOP_CHARS = 1024  # per stop string; matching is linear anyway, this bounds the held-back text
 MAX_LOGIT_BIAS = 1024  # entries
@@ -86,6 +87,13 @@ class _Sampling(BaseModel):
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
     truncate_prompt_tokens: _integer(-1, INT32) | None = None
+    # structured output (memra.server.structured reads these into one StructuredOutputs)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def check_scoring(self, echo_logprobs: bool) -> None:
         """The refusals of the scoring fields; echo_logprobs: the completions route's echo with logprobs."""
@@ -116,7 +124,7 @@ class _Sampling(BaseModel):
             min_p=float(self.min_p or 0.0), seed=seed, max_tokens=max_tokens, stop=self.stops(),
             repetition_penalty=float(1.0 if self.repetition_penalty is None else self.repetition_penalty),
             presence_penalty=float(self.presence_penalty or 0.0), frequency_penalty=float(self.frequency_penalty or 0.0),
-            logit_bias=bias, **self._vllm_fields())
+            logit_bias=bias, structured_outputs=structured_from(self), **self._vllm_fields())
 
     def _vllm_fields(self) -> dict:
         given = {"stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,

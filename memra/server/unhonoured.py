@@ -3,7 +3,7 @@ with a 400 naming it, so that no client believes it got what it asked for.
 
 The rule: a field in the table below is refused when the request carries it with any value other than
 null or one of its no-op values (the value that asks for what memra does anyway: `store: false`,
-`use_beam_search: false`, `tools: []`, `response_format: {"type": "text"}`, ...). Fields the protocols do not
+`use_beam_search: false`, `tools: []`, ...). Fields the protocols do not
 define (vendor extras) stay ignored, and the fields memra honours (`n`, `logprobs`, `echo` on
 completions, `prompt_logprobs`, `return_tokens_as_token_ids`, `add_special_tokens`, ...) are validated by
 memra.server.protocol. Where a field has a no-op value only because another field is refused
@@ -51,10 +51,6 @@ def _never(v, body) -> bool:
     return False
 
 
-def _text_format(v, body) -> bool:
-    return isinstance(v, dict) and v.get("type") == "text" and set(v) <= {"type"}
-
-
 def _best_of(v, body) -> bool:
     return type(v) is int and v in (1, body.get("n", 1))
 
@@ -68,8 +64,6 @@ TABLE: tuple[Unhonoured, ...] = (
     R("parallel_tool_calls", BOTH, "openai-chat", _is(True, False), "memra has no tool calling"),
     R("functions", BOTH, "openai-chat", _empty, "memra has no function calling"),
     R("function_call", BOTH, "openai-chat", _is("none", "auto"), "memra has no function calling"),
-    R("response_format", BOTH, "openai-chat / vllm-extra", _text_format,
-      "memra has no structured output; only {\"type\": \"text\"} is accepted"),
     R("reasoning_effort", BOTH, "openai-chat", _never, "memra does not steer reasoning"),
     R("verbosity", BOTH, "openai-chat", _never, "memra does not steer verbosity"),
     R("modalities", BOTH, "openai-chat", _ALL_TEXT, "memra produces text only"),
@@ -97,14 +91,9 @@ TABLE: tuple[Unhonoured, ...] = (
     R("mm_processor_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
     R("media_io_kwargs", BOTH, "vllm-extra", _empty, "memra serves text-only models"),
     R("prompt_embeds", (CMPL,), "vllm-extra", _never, "memra takes text or token ids"),
-    R("guided_json", BOTH, "vllm-extra", _never, "memra has no structured output"),
-    R("guided_regex", BOTH, "vllm-extra", _never, "memra has no structured output"),
-    R("guided_choice", BOTH, "vllm-extra", _never, "memra has no structured output"),
-    R("guided_grammar", BOTH, "vllm-extra", _never, "memra has no structured output"),
     R("guided_decoding_backend", BOTH, "vllm-extra", _never, "memra has no structured output"),
     R("guided_whitespace_pattern", BOTH, "vllm-extra", _never, "memra has no structured output"),
     R("structural_tag", BOTH, "vllm-extra", _never, "memra has no structured output"),
-    R("structured_outputs", BOTH, "vllm-extra", _never, "memra has no structured output"),
     R("priority", BOTH, "vllm-extra", _is(0), "memra schedules first come, first served"),
     R("request_id", BOTH, "vllm-extra", _never, "memra makes its own response ids"),
     R("logits_processors", BOTH, "vllm-extra", _empty, "memra runs no custom logits processors"),
@@ -119,7 +108,10 @@ TABLE: tuple[Unhonoured, ...] = (
 HONOURED = frozenset({"n", "logprobs", "top_logprobs", "prompt_logprobs", "return_tokens_as_token_ids",
                       "add_special_tokens", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                       "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-                      "chat_template_kwargs"})
+                      "chat_template_kwargs",
+                      # structured output (memra.server.structured)
+                      "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar"})
 _BY_ROUTE = {route: tuple(r for r in TABLE if route in r.routes) for route in BOTH}
 
 

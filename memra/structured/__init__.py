@@ -1,0 +1,17 @@
+"""Structured output: a request's tokens held to a JSON schema, a regex, a list of choices or a Lark
+grammar, through llguidance.
+
+    StructuredOutputs (the request's constraint, in SamplingParams)
+        --compile_for(tokenizer, spec): off the engine thread, cached by the constraint--> Grammar
+        --Grammar.start(): one per sequence--> GrammarState
+        --in the sampler, per row: advance over the row's new tokens, then its mask [V] on its logits
+
+A row's mask is a function of its own grammar and its own tokens only, so its tokens do not depend on
+what else runs in the batch (docs/EXACTNESS.md, E10).
+"""
+
+from memra.structured.compile import Grammar, compile_for
+from memra.structured.params import StructuredOutputs
+from memra.structured.state import GrammarState
+
+__all__ = ["Grammar", "GrammarState", "StructuredOutputs", "compile_for"]
