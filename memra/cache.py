@@ -45,8 +45,7 @@ class KvPool:
         self.max_blocks = max(n_blocks, max_blocks or n_blocks)
         self.free: list[int] = list(range(n_blocks))
         self.version = 0  # bumped when the tensors are replaced (enlarge): captured graphs hold their addresses
-        # where every layer of the pool slides a window: the widest (a block wholly before a sequence's
-        # pos - window + 1 is read by no later query; Cache.drop_out_of_window gives it back), else None
+        # the widest window where every layer of the pool slides one (Cache.drop_out_of_window), else None
         self.window: int | None = None
         # Blocks with more than one holder (the prefix cache and the sequences reading its pages,
         # memra.prefix) -> how many holders beyond the first; a block is free again when its last goes.
@@ -251,14 +250,12 @@ class Cache:
         return (blocks[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE, dtype=np.int64)).ravel()
 
     def drop_out_of_window(self) -> int:
-        """Give back the blocks no later query can read: where every layer of the pool slides a window W,
-        the blocks wholly before position pos - W + 1 (the first one a query at pos sees). Their places in
-        `blocks` become -1 (positions keep their block index). Called by decode steps; a sequence only
-        moves forward from there (a verify's rollback stops at its start). -> blocks given back."""
+        """Where every layer of the pool slides a window W, give back the blocks wholly before pos - W + 1
+        (no later query reads them; a decode step calls this, and a rollback stops at its verify's start).
+        Their places in `blocks` become -1. -> how many went back."""
         w = self.kv.window
-        if w is None:
-            return 0
-        dead = [i for i in range(min(max(0, self.pos - w + 1) // BLOCK_SIZE, len(self.blocks))) if self.blocks[i] >= 0]
+        dead = [i for i in range(min(max(0, self.pos - w + 1) // BLOCK_SIZE, len(self.blocks)))
+                if self.blocks[i] >= 0] if w else []
         if dead:
             self.kv.release([self.blocks[i] for i in dead])
             for i in dead:
@@ -295,6 +292,8 @@ class Cache:
         """Return to a snapshot: truncate KV to its position, copy its recurrent state back."""
         if snap.pos > self.pos:
             raise MemraError(f"cannot restore a snapshot at position {snap.pos}: the cache has been rolled back to {self.pos} since")
+        if self.kv.window and -1 in self.blocks[: max(0, snap.pos - self.kv.window + 1) // BLOCK_SIZE + 1]:
+            raise MemraError(f"cannot restore a snapshot at position {snap.pos}: its window's blocks were given back")
         self.writable_from(snap.pos)
         self.pos = snap.pos
         keep = max(snap.n_blocks, -(-snap.pos // BLOCK_SIZE))
@@ -345,9 +344,8 @@ class Cache:
             self.blocks.clear()
             self.shared = 0
         self.pos = 0
-        gone = [i for i, b in enumerate(self.blocks) if b < 0]
-        for i, b in zip(gone, self.kv.allocate(len(gone)) if gone else ()):
-            self.blocks[i] = b
+        for i, b in zip([i for i, b in enumerate(self.blocks) if b < 0], self.kv.allocate(self.blocks.count(-1))):
+            self.blocks[i] = b  # out-of-window blocks given back: taken again
         if self.rec is not None and self.slot is not None:
             self.rec.zero(self.slot)
         self.last_logits_dev = None
