@@ -109,6 +109,9 @@ def test_reasoning_content_over_http(servers):
     assert r.usage.prompt_tokens == len(off_ids) != len(thinking_ids)
     assert r.choices[0].message.content == _completion(url, off_ids)
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    tokenized = httpx.post(url + "/tokenize", json={"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}},
+                           timeout=60).json()
+    assert tokenized["tokens"] == off_ids
     # include_reasoning: false drops it
     r = httpx.post(url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, "include_reasoning": False},
                    timeout=60).json()

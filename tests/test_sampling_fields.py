@@ -71,6 +71,21 @@ def test_min_tokens_masks_the_stop_ids_of_its_own_row_only(llm):
     assert ref == solo[0].token_ids
 
 
+def test_min_tokens_with_speculation_gives_the_plain_tokens(llm):
+    """E4 with the mask: the accept walk chooses each column by the same rule (penalized rows: column by column)."""
+    spec = memra.LLM(llm.model, max_batch=4, warm_up=False, speculative="ngram")
+    long = SP(max_tokens=40, logit_bias=PUSH_EOS, min_tokens=30, logprobs=1)  # n-gram drafts land in its mask
+    params = [MIN_GREEDY, PLAIN, MIN_SAMPLED, long, SP(**{**vars(long), "temperature": 0.7, "seed": 3})]
+    prompts = PROMPTS + ["ROMEO: ROMEO: ROMEO: ROMEO:"] * 2
+    plain = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
+    before = counters.snapshot()
+    drafted = [r.outputs[0] for r in spec.generate(prompts, params, use_tqdm=False)]
+    assert counters.snapshot()["spec_drafted_tokens"] > before["spec_drafted_tokens"] + 20  # speculation ran
+    for a, b in zip(plain, drafted):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert len(plain[3].token_ids) > 30 and EOS not in plain[3].token_ids[:30]
+
+
 def test_stop_token_ids_ignore_eos_and_the_stop_text(llm):
     plain = _one(llm, PROMPTS[0], SP(max_tokens=12))
     stop_id = plain.token_ids[3]

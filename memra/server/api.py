@@ -145,7 +145,10 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             raise ApiError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
             check_chars(sum(len(m.text()) for m in body.messages))
-            ids = await off_loop(chat_ids, body.messages)
+            if {"messages", "add_generation_prompt"} & set(body.chat_template_kwargs or ()):
+                raise ApiError(400, "chat_template_kwargs may not set messages or add_generation_prompt: the server "
+                                    "sets them", param="chat_template_kwargs")
+            ids = await off_loop(chat_ids, body.messages, False, body.chat_template_kwargs)
         else:
             check_chars(len(body.prompt))
             ids = await encode(body.prompt, body.add_special_tokens)

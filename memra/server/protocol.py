@@ -212,6 +212,7 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # with messages: the chat route's
 
 
 class DetokenizeRequest(BaseModel):
