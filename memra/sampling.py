@@ -78,8 +78,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # score the prompt too (memra.LLM.generate): each token's logprob + top n
     # vLLM's: more ids that end the sequence (they stop it even with ignore_eos; its token_ids keep the id)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # vLLM's: EOS and stop_token_ids are masked (logit -inf) until this many tokens came out; the mask reads
-    # only the row's own output count, so a row's tokens stay the same whatever runs beside it (E1, E3)
+    # vLLM's: EOS and stop_token_ids are masked (logit -inf) until this many tokens came out, and stop strings
+    # count only in text after them; the mask reads only the row's own output count, so a row's tokens stay
+    # the same whatever runs beside it (E1, E3)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # the stop string (or the stop token's text) ends the text
     skip_special_tokens: bool = True  # the text leaves control tokens (<|im_end|>, ...) out

@@ -109,6 +109,10 @@ def test_include_stop_str_and_special_token_text(llm):
     without = _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop]))
     with_it = _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop], include_stop_str_in_output=True))
     assert with_it.text == without.text + stop and without.text == text[: text.index(stop)]
+    # as in vLLM, a stop string counts only in text that comes after min_tokens tokens
+    full = _one(llm, PROMPTS[2], SP(max_tokens=20, min_tokens=20))
+    assert full.text == text and full.finish_reason == "length"
+    assert _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop], min_tokens=20)).text == text
     # special tokens' text: forced with a bias; skipped by default, kept (spaced as HF decodes) on request
     tok = llm.tokenizer
     forced = dict(max_tokens=3, logit_bias={1: 100.0})

@@ -93,3 +93,15 @@ def test_text_stream_joins_detokenizer_and_stops(load_model):
     assert out == whole[: whole.index("my lord")] and s.stopped
     plain = TextStream(tok)
     assert "".join(plain.push(i) for i in ids) + plain.finish() == whole
+
+
+def test_a_disarmed_filter_lets_stops_pass_and_still_matches_across_the_arming():
+    """min_tokens: a stop completed before the filter is armed is text; one that began before and completes
+    after counts from where it began."""
+    f = StopStringFilter(("abc",))
+    assert f.push("abc", armed=False) == "abc" and not f.stopped
+    f = StopStringFilter(("abc",))
+    assert f.push("xab", armed=False) == "x"
+    assert f.push("cd") == "" and f.stopped
+    f = StopStringFilter(("abc",), include=True)
+    assert f.push("xab", armed=False) + f.push("cd") == "xabc" and f.stopped

@@ -55,15 +55,17 @@ class TextStream:
     decoded text up to the stop string, however the tokens were grouped."""
 
     def __init__(self, tok: "Tokenizer", stops: tuple[str, ...] = (), skip_special: bool = True,
-                 include_stop: bool = False, spaces_between_special: bool = False):
+                 include_stop: bool = False, spaces_between_special: bool = False, min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tok, skip_special, spaces_between_special)
         self._stops = StopStringFilter(stops, include_stop)
         self._include_stop = include_stop
+        self._min_tokens, self._tokens = min_tokens, 0  # stop strings count once past min_tokens (vLLM's rule)
 
     @classmethod
     def for_params(cls, tok: "Tokenizer", p) -> "TextStream":
         """The text of a request made with memra.SamplingParams `p` (its stops and vLLM's text options)."""
-        return cls(tok, p.stop, p.skip_special_tokens, p.include_stop_str_in_output, p.spaces_between_special_tokens)
+        return cls(tok, p.stop, p.skip_special_tokens, p.include_stop_str_in_output, p.spaces_between_special_tokens,
+                   p.min_tokens)
 
     @property
     def stopped(self) -> bool:
@@ -73,12 +75,13 @@ class TextStream:
     def push(self, token_id: int, stop_token: bool = False) -> str:
         """The text released by this token. stop_token: it is the EOS / stop token that ends the sequence,
         whose text is left out (as vLLM does) unless the stop is to be included."""
+        self._tokens += 1
         if stop_token and not self._include_stop:
             return ""
-        return self._stops.push(self._detok.push(token_id))
+        return self._stops.push(self._detok.push(token_id), armed=self._tokens > self._min_tokens)
 
     def finish(self) -> str:
         """At the end of the stream (EOS, length, abort): the held-back text, unless a stop string ended it."""
         if self.stopped:
             return ""
-        return self._stops.push(self._detok.flush()) + self._stops.flush()
+        return self._stops.push(self._detok.flush(), armed=self._tokens > self._min_tokens) + self._stops.flush()

@@ -47,8 +47,10 @@ class StopStringFilter:
         self.pending = ""  # held back: exactly the longest of those partial matches
         self.stopped = False
 
-    def push(self, text: str) -> str:
-        """The text that can be released now (possibly empty)."""
+    def push(self, text: str, armed: bool = True) -> str:
+        """The text that can be released now (possibly empty). armed=False: a stop string completed in this
+        text does not stop it (vLLM's min_tokens: none before that many tokens); the matching goes on, so
+        one that completes once armed still counts from where it began."""
         if self.stopped:
             return ""
         if not self.stops:
@@ -57,7 +59,7 @@ class StopStringFilter:
         offset = len(self.pending)  # where `text` starts inside `held`
         for i, ch in enumerate(text):
             length = self._advance(ch)
-            if length is not None:  # a stop string of this length ends at this character
+            if length is not None and armed:  # a stop string of this length ends at this character
                 self.stopped = True
                 self.pending = ""
                 return held[: offset + i + 1 - (0 if self.include else length)]
