@@ -185,6 +185,7 @@ def test_bad_door_values_are_refused_when_the_settings_are_read(load_model, monk
     """The doors are read once, at load: a bad value is refused there, before anything runs."""
     import memra
 
+    model = load_model(hf_dir("llama"))  # loaded before the bad values are set: its view is what with_doors checks
     monkeypatch.setenv("MEMRA_EXACT", "maybe")
     with pytest.raises(MemraError, match="MEMRA_EXACT='maybe'"):
         memra.load(hf_dir("llama"), tokenizer=False)
@@ -193,7 +194,7 @@ def test_bad_door_values_are_refused_when_the_settings_are_read(load_model, monk
     with pytest.raises(MemraError, match="MEMRA_DECODE_PLAN='sideways'"):
         memra.load(hf_dir("llama"), tokenizer=False)
     with pytest.raises(MemraError, match="MEMRA_TRITON='2'"):
-        load_model(hf_dir("llama")).with_doors(MEMRA_TRITON="2")
+        model.with_doors(MEMRA_TRITON="2")
 
 
 def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monkeypatch):
