@@ -10,8 +10,15 @@ A row's mask is a function of its own grammar and its own tokens only, so its to
 what else runs in the batch (docs/EXACTNESS.md, E10).
 """
 
-from memra.structured.compile import Grammar, compile_for
 from memra.structured.params import StructuredOutputs
 from memra.structured.state import GrammarState
 
-__all__ = ["Grammar", "GrammarState", "StructuredOutputs", "compile_for"]
+__all__ = ["GrammarState", "StructuredOutputs", "compile_for"]
+
+
+def compile_for(*args, **kwargs):
+    """memra.structured.compile.compile_for, imported on first use: llguidance loads only when a request
+    asks for structured output, so the rest of memra runs where it is not installed."""
+    from memra.structured.compile import compile_for as compile_now
+
+    return compile_now(*args, **kwargs)
