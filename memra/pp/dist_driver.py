@@ -57,6 +57,11 @@ class DistCache:
     def reserve(self, n_tokens: int) -> None:
         self.local.reserve(n_tokens)  # every rank's cache has the same max_ctx: rank 0's refusal is theirs
 
+    def drop_out_of_window(self) -> int:
+        """A sliding window's blocks are not given back across processes (the other ranks would need a
+        command for it): every rank keeps them, which changes no value. -> 0."""
+        return 0
+
     def rollback(self, pos0: int, keep: int, trail: StateTrail) -> None:
         """After a verify of T tokens from pos0 (recorded with `trail`): keep the first `keep`, on every rank."""
         self.pipe._rollback(self, pos0, keep, trail)
