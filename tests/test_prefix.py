@@ -12,7 +12,6 @@ import pytest
 import memra
 from conftest import DEVICE, HF_ARCHS, gguf_file, hf_dir
 from memra import counters
-from memra.cache import BLOCK_SIZE
 from memra.engine.engine import Engine
 from memra.engine.scheduler import Scheduler, SchedulerConfig
 from memra.engine.types import EngineConfig

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 
 from memra import counters
 from memra.engine.engine import Engine
