@@ -73,10 +73,8 @@ class KvPool:
         if not self.extra_refs:
             self.free.extend(b for b in blocks if b >= 0)  # (-1: a block already given back, out of the window)
             return
-        for b in blocks:
+        for b in (b for b in blocks if b >= 0):
             extra = self.extra_refs.get(b)
-            if b < 0:
-                continue
             if extra is None:
                 self.free.append(b)
             elif extra == 1:

@@ -218,7 +218,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 def add_throughput_parser(kinds) -> None:
     """`memra bench throughput` on the `memra bench` subparsers (vLLM's benchmark_throughput convention)."""
-    from memra.bench.throughput import ThroughputConfig, _lengths_said
+    from memra.bench.throughput import ThroughputConfig, lengths_said
 
     d = ThroughputConfig()
     p = kinds.add_parser("throughput", help="offline batch throughput through memra.LLM.generate: N prompts at "
@@ -228,7 +228,7 @@ def add_throughput_parser(kinds) -> None:
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests (default %(default)s)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help='requests from a file, one {"prompt" or "prompt_token_ids", "output_len"} a line; '
-                        f"default: synthetic, lengths {_lengths_said()}")
+                        f"default: synthetic, lengths {lengths_said()}")
     p.add_argument("--input-len", type=int, default=None, help="every synthetic prompt this long")
     p.add_argument("--output-len", type=int, default=None, help="every request generates this many tokens")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -169,8 +169,8 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     else:
         reqs = synthetic_workload(cfg, model.cfg.vocab_size, model.cfg.max_position)
         workload = (f"synthetic, seed {cfg.seed}, input "
-                    + (f"{cfg.input_len}" if cfg.input_len else _lengths_said())
-                    + ", output " + (f"{cfg.output_len}" if cfg.output_len else _lengths_said()))
+                    + (f"{cfg.input_len}" if cfg.input_len else lengths_said())
+                    + ", output " + (f"{cfg.output_len}" if cfg.output_len else lengths_said()))
     context = max(len(r.prompt) + r.output_len for r in reqs)
     log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {cfg.max_batch}) ...")
     llm = LLM(model, max_batch=cfg.max_batch, max_ctx=context)
@@ -194,7 +194,7 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     return report
 
 
-def _lengths_said() -> str:
+def lengths_said() -> str:
     return f"lognormal(median {LENGTH_MEDIAN}, sigma {LENGTH_SIGMA}) in [{MIN_LEN}, {MAX_LEN}]"
 
 
