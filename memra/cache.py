@@ -252,9 +252,11 @@ class Cache:
         (no later query reads them; a decode step calls this, and a rollback stops at its verify's start).
         Their places in `blocks` become -1. -> how many went back."""
         w = self.kv.window
-        dead = [i for i in range(min(max(0, self.pos - w + 1) // BLOCK_SIZE, len(self.blocks)))
-                if self.blocks[i] >= 0] if w else []
-        if dead:
+        end = min(max(0, self.pos - w + 1) // BLOCK_SIZE, len(self.blocks)) if w else 0
+        start = end  # the given-back blocks are a prefix of `blocks`: walk back only over the newly dead ones
+        while start > 0 and self.blocks[start - 1] >= 0:
+            start -= 1
+        if dead := range(start, end):
             self.kv.release([self.blocks[i] for i in dead])
             for i in dead:
                 self.blocks[i] = -1  # in place: the pool's give-back holds this very list
