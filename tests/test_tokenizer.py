@@ -54,7 +54,7 @@ def gguf_tok() -> Tokenizer:
 # 1. llama.cpp's test vectors
 # ---------------------------------------------------------------------------------------------------
 
-VOCABS = ("qwen35", "llama-bpe", "gpt-2", "llama-spm", "phi-3")
+VOCABS = ("qwen35", "llama-bpe", "gpt-2", "llama-spm", "phi-3", "gemma-4", "deepseek-llm", "falcon")
 _SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -178,6 +178,10 @@ def test_vocab_special_ids():
     # Phi-3's control tokens swallow the newline after them, as llama.cpp does for that model.
     phi3 = vocab_tokenizer("phi-3")
     assert phi3.encode("<|user|>\nHi") == [32010] + phi3.encode("Hi")
+    # Gemma 4 always starts with <bos> (2), and ends on <eos> (1) or its turn-end <turn|> (106).
+    gemma4 = vocab_tokenizer("gemma-4")
+    assert (gemma4.bos_id, gemma4.add_bos, gemma4.encode("Hello", add_special=True)[0]) == (2, True, 2)
+    assert gemma4.eos_ids == (1, 106) and gemma4.decode(gemma4.encode("a  b\n\n c")) == "a  b\n\n c"
 
 
 # ---------------------------------------------------------------------------------------------------

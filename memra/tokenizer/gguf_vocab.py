@@ -2,7 +2,7 @@
 
 A GGUF file stores no tokenizer.json. llama.cpp's converter writes the pieces it needs instead:
 
-    tokenizer.ggml.model       "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE), among others
+    tokenizer.ggml.model       "gpt2" (byte-level BPE), "llama" (SentencePiece BPE) or "gemma4", among others
     tokenizer.ggml.pre         which pre-tokenizer regex the model was trained with (byte-level BPE only)
     tokenizer.ggml.tokens      the vocabulary, index = token id
     tokenizer.ggml.token_type  1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from memra.errors import TokenizerError
@@ -253,6 +253,21 @@ def _sentencepiece_backend(vocab: GgufVocab) -> Backend:
     return backend
 
 
+def _gemma4_backend(vocab: GgufVocab) -> Backend:
+    """Gemma 4: BPE over raw UTF-8 (not the byte-level alphabet), with spaces spelled "▁" and no word
+    splitting except at newlines; the merges are stored as for byte-level BPE, characters outside the
+    vocabulary fall back to <0xNN> byte tokens, and no space is prepended (add_space_prefix is false)."""
+    if "tokenizer.ggml.merges" not in vocab.meta:
+        raise TokenizerError(f"{vocab.source}: GGUF key tokenizer.ggml.merges is missing; a gemma4 vocabulary needs it")
+    model = models.BPE(vocab=_vocab_dict(vocab.tokens), merges=_bpe_merges(vocab), byte_fallback=True)
+    backend = Backend(model)
+    backend.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+    # llama.cpp cuts only between newline runs and the rest (its BPE never merges across a newline).
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
 def _rstrip_specials(vocab: GgufVocab) -> set[int]:
     """Ids of whole-match tokens that swallow the whitespace after them.
 
@@ -342,10 +357,18 @@ def _build_parts(vocab: GgufVocab, meta: Mapping[str, Any], source: str) -> Toke
         kind = "SentencePiece BPE"
         strip_leading_space = vocab.flag("tokenizer.ggml.add_space_prefix", True)
         piece_kind = SentencePiecePieces
+    elif vocab.model == "gemma4":
+        backend = _gemma4_backend(vocab)
+        # llama.cpp always prepends <bos> for Gemma 4, whatever the file says.
+        bos_id, add_bos = _bos(vocab, 2, True)
+        add_bos = bos_id is not None
+        kind = "Gemma 4 BPE"
+        strip_leading_space = False
+        piece_kind = SentencePiecePieces
     else:
         raise TokenizerError(
             f"{source}: tokenizer.ggml.model = {vocab.model!r} is not supported; memra reads 'gpt2' "
-            "(byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies. "
+            "(byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4' vocabularies. "
             "Load the tokenizer from the model's HF directory (tokenizer.json) instead"
         )
     _add_whole_match_tokens(backend, vocab)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as Backend
 # where its config names a different eos (Qwen's GGUF declares <|endoftext|>; its turns end with <|im_end|>).
 END_OF_TURN_TEXTS: tuple[str, ...] = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+    "<turn|>",  # Gemma 4 ends a turn with <turn|>; its eos is <eos>
 )
 
 
