@@ -290,10 +290,12 @@ def test_chat_templates_render_like_transformers(tmp_path, template_file):
     tok = Tokenizer.from_hf_dir(tokenizer_dir(tmp_path, template))
     assert tok.chat_template == template
     prompt = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True)
-    assert prompt.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
-    assert "<|im_start|>user\nCompare <b>&</b> 'quotes' — Äpfel 🍎?<|im_end|>\n" in prompt
-    assert "<|im_start|>assistant\n" in prompt and "Fine." in prompt
-    assert prompt.rstrip("\n").endswith(("<|im_start|>assistant", "<think>", "</think>"))
+    assert "Compare <b>&</b> 'quotes' — Äpfel 🍎?" in prompt and "Fine." in prompt
+    if "<|im_start|>" in template:  # the ChatML family (Qwen); Gemma 4 and Step-3.5 have turns of their own
+        assert prompt.startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
+        assert "<|im_start|>user\nCompare <b>&</b> 'quotes' — Äpfel 🍎?<|im_end|>\n" in prompt
+        assert "<|im_start|>assistant\n" in prompt
+        assert prompt.rstrip("\n").endswith(("<|im_start|>assistant", "<think>", "</think>"))
 
     render = pytest.importorskip("transformers.utils.chat_template_utils").render_jinja_template
     tools = [{"type": "function", "function": {"name": "weather", "description": "Weather <now>",
