@@ -58,7 +58,7 @@ def _triton_interpreter_numpy2_fix() -> None:
 _triton_interpreter_numpy2_fix()
 
 HF_ARCHS = ["llama", "llama_tied", "mistral", "gemma4", "step3p5", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
-GGUF_F32_ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+GGUF_F32_ARCHS = ["llama", "gemma4", "step3p5", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GGUF_QUANTIZED = [f"{a}-{t}" for a in ("llama", "qwen3_next", "qwen3_5") for t in ("f16", "q8_0")]
 HYBRID_ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 

@@ -28,8 +28,8 @@ def rewrite_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), tensors: dict
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    for key, (value, vtype) in meta.items():
-        writer.add_key_value(key, value, vtype)
+    for key, (value, vtype, *sub) in meta.items():  # (value, type) or, for an array, (value, ARRAY, item type)
+        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     tensors = dict(tensors or {})
     for t in reader.tensors:
         if t.name in drop or t.name in tensors:

@@ -16,6 +16,7 @@ import torch
 from memra.pools import KvBudget
 from memra.settings import Settings, show_progress
 from memra.config import FP32_WEIGHTS, from_gguf_metadata, from_hf_config
+from memra.config.from_gguf_sliding import SLIDING_GGUF_ARCHITECTURES, sliding_hf_config
 from memra.errors import CheckpointError, ConfigError, MemraError
 from memra.heap import return_freed_memory
 
@@ -127,8 +128,19 @@ def _open_gguf(path: Path):
     src = GgufSource(path)
     meta = src.metadata()
     vocab = src.shape("token_embd.weight")[0] if src.has("token_embd.weight") else None
-    cfg = from_gguf_metadata(meta, str(path), vocab_size=vocab)
-    names = GgufNames(cfg, src, meta["general.architecture"])
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch in SLIDING_GGUF_ARCHITECTURES:  # Gemma 4, Step-3.5: through their config.json builders
+        from memra.loading.gguf_sliding import SlidingGgufNames
+
+        def read(name: str) -> list[float]:
+            return src.get(name, src.shape(name), "the config").float().tolist()
+
+        raw = sliding_hf_config(meta, str(path), vocab or 0, src.has, read)
+        cfg = from_hf_config(raw, f"{path} (GGUF metadata)")
+        names = SlidingGgufNames(cfg, src, gguf_arch)
+    else:
+        cfg = from_gguf_metadata(meta, str(path), vocab_size=vocab)
+        names = GgufNames(cfg, src, gguf_arch)
     if cfg.moe is not None:
         cfg = dataclasses.replace(cfg, ffns=tuple(names.ffn_kind(i) for i in range(cfg.n_layers)))
     if not src.has("output.weight"):
