@@ -85,10 +85,31 @@ def test_pp_gate_all_green_past_the_window(load_model):
     assert ok, "\n".join(lines)
 
 
-def test_the_batched_prime_walks_the_split_on_a_sliding_window_model(load_model):
+@pytest.mark.parametrize("arch, stages", [("mistral", 2), ("gemma4", 3), ("step3p5", 3)])
+def test_ppspec_gate_all_green_past_the_window(arch, stages, load_model):
+    """The spec verify through the stage split, prompt and verify columns past the window (E4 with PP)."""
+    from memra.gate.ppspec_battery import run_ppspec_battery
+
+    lines: list[str] = []
+    model = load_model(hf_dir(arch))
+    ok = run_ppspec_battery(model, stages=stages, ts=(2, 5), rounds=4, reps=1, plen=WINDOW + 8, out=lines.append)
+    assert ok, "\n".join(lines)
+    assert any(line.startswith("spec stream PASS") for line in lines)
+
+
+def test_ppspec_gate_canary_fails_past_the_window(load_model):
+    from memra.gate.ppspec_battery import run_ppspec_battery
+
+    lines: list[str] = []
+    model = load_model(hf_dir("gemma4")).with_doors(MEMRA_GATE_CANARY="1")
+    assert not run_ppspec_battery(model, stages=2, ts=(3,), rounds=3, reps=1, plen=WINDOW + 8, out=lines.append)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma4", "step3p5"])
+def test_the_batched_prime_walks_the_split_on_a_sliding_window_model(arch, load_model):
     """The prime-batch arm's two liveness counters (the reference's step35 prime batches and splits)
     both advance on a sliding-window model, prompts past the window."""
-    split = load_model(hf_dir("mistral")).with_doors(MEMRA_EXACT="0", MEMRA_PP_STAGES="2")
+    split = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0", MEMRA_PP_STAGES="2")
     prompts = [[(3 * i + 7 * j + 1) % 1024 for j in range(n)] for i, n in enumerate([WINDOW + 8, 70, 1, 130])]
     before = counters.snapshot()
     logits = split.prime_batch(prompts, [split.new_cache(256) for _ in prompts])
