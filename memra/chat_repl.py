@@ -6,22 +6,26 @@ reused, the previous answer is primed again as prompt text. Ctrl-C while a reply
 reply between two engine steps (never inside one, so the engine and its cache stay consistent) and the
 chat goes on; the partial answer stays in the conversation, as the user saw it. Ctrl-C at the prompt,
 end of input or /exit ends the chat; /reset clears the conversation.
+
+A message may span lines, in the two ways people know from llama.cpp and Ollama: a line ending in a
+backslash continues on the next, and a line of three double quotes opens a block that the next such line
+closes. Turn t samples with seed + t, so a conversation replays from its seed (printed when sampling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
 
-from memra.cli_common import fit
+from memra.cli_common import drawn_seed, fit, sampling_params
 from memra.errors import MemraError
 
 
 def chat_loop(args, model) -> int:
     from memra.engine.llm import LLM
     from memra.generate import GenerationStats
-    from memra.sampling import SamplingParams
 
     tok = model.tokenizer
     if not tok.chat_template:
@@ -31,18 +35,19 @@ def chat_loop(args, model) -> int:
     interactive = sys.stdin.isatty()
     # one engine for the session: its warm-up, graphs and prefix cache serve every turn
     llm = LLM(model, max_batch=1, enable_prefix_caching=args.prefix_caching)
+    seed = drawn_seed(args)
+    params = sampling_params(args, seed)  # checked once, before the first turn
+    if not params.greedy:
+        print(f"[seed {seed}: --seed {seed} replays this conversation]", file=sys.stderr)
     turn = 0
     while True:
-        if interactive:
-            print(">>> ", end="", flush=True)
         try:
-            line = sys.stdin.readline()
+            text = read_message(sys.stdin, ">>> " if interactive else None)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 130
-        if not line or line.strip() == "/exit":
+        if text is None or text.strip() == "/exit":
             return 0
-        text = line.rstrip("\n")
         if text.strip() == "/reset":
             history.clear()
             print("[conversation cleared]", file=sys.stderr)
@@ -51,11 +56,10 @@ def chat_loop(args, model) -> int:
             continue
         history.append({"role": "user", "content": text})
         ids = tok.encode(tok.apply_chat_template(system + history, add_generation_prompt=True))
-        params = fit(SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed + turn,
-                                    max_tokens=args.max_tokens), len(ids), model.cfg.max_position)
+        turn_params = fit(dataclasses.replace(params, seed=seed + turn), len(ids), model.cfg.max_position)
         stats, reply = GenerationStats(), []
         with _ctrl_c_stops() as stop:
-            for piece in llm.stream(ids, params, stats, interrupt=stop):
+            for piece in llm.stream(ids, turn_params, stats, interrupt=stop):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         print()
@@ -65,6 +69,31 @@ def chat_loop(args, model) -> int:
               f"{stats.generated_tokens} generated]", file=sys.stderr, flush=True)
         history.append({"role": "assistant", "content": "".join(reply).strip()})
         turn += 1
+
+
+def read_message(stream, prompt: str | None) -> str | None:
+    """One user message from `stream` (None at end of input): a line, or several joined by a trailing
+    backslash or enclosed in lines of three double quotes. `prompt` is shown before each line on a terminal."""
+    lines: list[str] = []
+    block = False
+    while True:
+        if prompt is not None:
+            print(prompt if not lines and not block else "... ", end="", flush=True)
+        line = stream.readline()
+        if not line:  # end of input: what was typed so far is the message
+            return "\n".join(lines) if lines else None
+        line = line.rstrip("\n")
+        if line.strip() == '"""':
+            if block:
+                return "\n".join(lines)
+            block = True
+            continue
+        if block:
+            lines.append(line)
+        elif line.endswith("\\"):
+            lines.append(line[:-1])
+        else:
+            return "\n".join([*lines, line])
 
 
 class _ctrl_c_stops:

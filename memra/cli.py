@@ -7,12 +7,14 @@ printed as one line, `error: ...`, with exit code 2, never a traceback. (A trace
 from __future__ import annotations
 
 import argparse
-import secrets
 import sys
 import time
 from pathlib import Path
 
-from memra.cli_common import add_load_args, add_model_args, add_spec_args, fit as _fit, load_model, spec_config
+from memra.cli_common import (
+    add_load_args, add_model_args, add_sampling_args, add_spec_args, drawn_seed, fit as _fit, load_model, sampling_params,
+    spec_config,
+)
 from memra.errors import MemraError
 
 
@@ -28,28 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "the bundled demo model), then the prompt text (with --chat: the user message)")
     gen.add_argument("-f", "--file", default=None, help="read the prompt from this file ('-': standard input)")
     add_load_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest (0 = off)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="sampling seed (the stream depends only on seed and step); default: a random one, "
-                          "printed in the stats line so the run can be repeated")
-    gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    add_sampling_args(gen, max_tokens=128)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
     add_spec_args(gen)
 
-    chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit")
-    chat.add_argument("model", nargs="?", default="demo", help="model directory or .gguf (default: the demo)")
+    chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit; "
+                                       "a line ending in \\ continues, and \"\"\" opens and closes a multi-line message")
+    chat.add_argument("model", nargs="?", default="demo",
+                      help="model directory, .gguf file or hub name ORG/NAME[:FILE.gguf] (default: the demo)")
     add_load_args(chat)
     chat.add_argument("--system", default=None, help="system message")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    add_sampling_args(chat, max_tokens=256)
     chat.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                       help="resume each turn from the conversation's cached prompt pages (exact, E8; default on)")
 
@@ -143,13 +135,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from memra.engine.llm import LLM
     from memra.generate import GenerationStats, generate_tokens
-    from memra.sampling import SamplingParams
     from memra.tokenizer import TextStream
 
-    seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                            repetition_penalty=args.repetition_penalty)
+    seed = drawn_seed(args)
+    params = sampling_params(args, seed)
     model_path, prompt = _model_and_prompt(args.args, args.file)
     from memra.spec import check_model
 

@@ -24,6 +24,36 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "--kv-memory is not given (default 0.9; on CPU, of the available RAM)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The sampling flags `memra generate` and `memra chat` share (SamplingParams' fields)."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest (0 = off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (the stream depends only on seed and step); default: a random one, "
+                        "printed so the run can be repeated")
+    p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+
+
+def sampling_params(args: argparse.Namespace, seed: int):
+    """SamplingParams from add_sampling_args' flags; a bad value is SamplingParams' one-line error."""
+    from memra.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          repetition_penalty=args.repetition_penalty)
+
+
+def drawn_seed(args: argparse.Namespace) -> int:
+    """--seed, or a fresh random one (which the command prints)."""
+    import secrets
+
+    return args.seed if args.seed is not None else secrets.randbelow(1 << 31)
+
+
 def add_spec_args(p: argparse.ArgumentParser, where: str = "") -> None:
     """The speculative-decoding flags `memra generate`, `memra serve` and `memra bench serve --launch` share."""
     p.add_argument("--speculative", choices=["mtp", "ngram"], default=None,

@@ -115,3 +115,27 @@ def test_sampling_without_a_seed_prints_the_seed_it_drew_and_that_seed_repeats_t
     seed = int(first.stderr.rsplit("seed ", 1)[1].split("]")[0])
     again = run(*args, "--seed", str(seed))
     assert again.stdout == first.stdout and f"seed {seed}]" in again.stderr
+
+
+def test_chat_messages_may_span_lines():
+    import io
+
+    from memra.chat_repl import read_message
+
+    stream = io.StringIO('one\ntwo \\\nthree\n"""\nfour\n\nfive\n"""\nsix \\\n')
+    got = [read_message(stream, None) for _ in range(5)]
+    assert got == ["one", "two \nthree", "four\n\nfive", "six ", None]
+
+
+def test_chat_takes_generates_sampling_flags_and_replays_from_its_seed():
+    args = [sys.executable, "-m", "memra", "chat", "--max-tokens", "6", "--temperature", "0.9", "--top-k", "20",
+            "--min-p", "0.01", "--repetition-penalty", "1.1", "--stop", "zzz"]
+    talk = 'Good morrow,\\\nsweet lady.\n"""\nWhat news\nfrom Verona?\n"""\n'
+    first = subprocess.run(args, input=talk, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    seed = int(first.stderr.split("[seed ", 1)[1].split(":")[0])
+    again = subprocess.run(args + ["--seed", str(seed)], input=talk, capture_output=True, text=True, timeout=120)
+    assert again.stdout == first.stdout and len(first.stdout.strip().splitlines()) >= 1
+    assert first.stderr.count("prompt tokens") == 2  # two messages, each over two lines
+    bad = subprocess.run(args + ["--top-p", "0"], input="hi\n", capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "top_p" in bad.stderr
