@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="write a Hugging Face model directory as a GGUF file (llama.cpp naming)")
     conv.add_argument("model", help="a Hugging Face model directory ('demo' = the bundled model)")
     conv.add_argument("out", help="the .gguf file to write")
-    conv.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_k"])
+    conv.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_k"],
+                      help="tensor type of the projections (default %(default)s; norms stay f32)")
 
     ppl = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
     add_model_args(ppl)

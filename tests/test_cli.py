@@ -139,3 +139,22 @@ def test_chat_takes_generates_sampling_flags_and_replays_from_its_seed():
     assert first.stderr.count("prompt tokens") == 2  # two messages, each over two lines
     bad = subprocess.run(args + ["--top-p", "0"], input="hi\n", capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "top_p" in bad.stderr
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    import argparse
+
+    from memra.cli import build_parser
+
+    silent = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                silent.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "memra")
+    assert not silent, silent

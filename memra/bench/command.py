@@ -41,19 +41,20 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-ctx", type=int, default=1024, help="with --launch: the server's --max-ctx")
     add_spec_args(p, "with --launch: the server's ")
     p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--requests", type=int, default=d.requests, help="requests to send (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once (default %(default)s)")
     p.add_argument("--client-processes", type=int, default=None,
                    help="processes sending the load, sharing the concurrency (default: one per 16 concurrent "
                         "requests, on at most half of this machine's cores)")
     p.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction,
                    help="share of requests closed mid-stream (default %(default)s)")
-    p.add_argument("--stream-fraction", type=float, default=d.stream_fraction)
-    p.add_argument("--min-prompt-words", type=int, default=d.min_prompt_words)
-    p.add_argument("--max-prompt-words", type=int, default=d.max_prompt_words)
-    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--stream-fraction", type=float, default=d.stream_fraction,
+                   help="share of requests that stream their answer (default %(default)s)")
+    p.add_argument("--min-prompt-words", type=int, default=d.min_prompt_words, help="shortest prompt, in words (default %(default)s)")
+    p.add_argument("--max-prompt-words", type=int, default=d.max_prompt_words, help="longest prompt, in words (default %(default)s)")
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens, help="fewest tokens a request asks for (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="most tokens a request asks for (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request bound in seconds")
     p.add_argument("--api-key", default=memra_settings.api_key(), help="bearer token (default $MEMRA_API_KEY)")
     p.add_argument("--no-metrics", action="store_true", help="skip the /metrics check (a server without it)")
@@ -169,8 +170,8 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--steps", type=int, default=d.decode_steps, help="timed decode steps per cell")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed decode steps first")
     p.add_argument("--repeats", type=int, default=d.repeats, help="prefill/TTFT/probe repeats (best of)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
-    p.add_argument("--ttft-tokens", type=int, default=d.ttft_tokens)
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="prompt tokens per timed prefill chunk (default %(default)s)")
+    p.add_argument("--ttft-tokens", type=int, default=d.ttft_tokens, help="prompt length of the time-to-first-token probe (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="each decode row's primed prompt")
     p.add_argument("--peer", default=",".join(d.peers),
                    help="HF transformers peers: hf (generate, dynamic cache) and/or hf-static "
@@ -178,7 +179,7 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--no-hf", action="store_true", help="no HF peer at all")
     p.add_argument("--budget", type=float, default=None, metavar="S",
                    help="start no cell after S seconds; the rest are recorded as skipped")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     p.add_argument("--gguf", metavar="FILE", default=None,
                    help="instead: this GGUF on the CPU, memra (memra.LLM, B=1, --steps tokens) beside llama.cpp "
@@ -231,14 +232,14 @@ def add_throughput_parser(kinds) -> None:
                         f"default: synthetic, lengths {lengths_said()}")
     p.add_argument("--input-len", type=int, default=None, help="every synthetic prompt this long")
     p.add_argument("--output-len", type=int, default=None, help="every request generates this many tokens")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="sampling temperature, each request seeded with seed + its index (default %(default)s)")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded at once (default %(default)s)")
     p.add_argument("--kv-fraction", type=float, default=d.kv_fraction,
                    help="share of the free device memory the KV pool may take (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) | float16 | float32 (CPU default)")
     p.add_argument("--check", type=int, default=d.check,
                    help="re-run this many requests alone and compare their tokens (default %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
