@@ -33,7 +33,7 @@ def detect_format(chat_template: str | None) -> str | None:
     t = chat_template or ""
     if "<tool_call>" in t:
         return "qwen3_xml" if "<function=" in t else "hermes"
-    if '"parameters"' in t and ("ipython" in t or "<|python_tag|>" in t):
+    if "parameters" in t and ("ipython" in t or "<|python_tag|>" in t):  # Llama 3.x's tool role is ipython
         return "llama3_json"
     return None
 

@@ -20,7 +20,9 @@ from memra.structured import StructuredOutputs
 
 CHOICES = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
-_NO_PARAMETERS = {"type": "object", "properties": {}}
+# a function declared without parameters takes none (OpenAI: "omitting parameters defines a function with an
+# empty parameter list"); its grammar allows only {}
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolError(MemraError):
