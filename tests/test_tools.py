@@ -22,7 +22,8 @@ from memra.server.options import ServerOptions  # noqa: E402
 from memra.tools import ToolSpec, detect_format, parse_tool_calls, parser_for, template_messages  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
-QWEN3, QWEN35, LLAMA3 = (TEMPLATES / n for n in ("Qwen-Qwen3-0.6B.jinja", "Qwen3.5-4B.jinja", "llama3-tools.jinja"))
+QWEN3, QWEN35 = TEMPLATES / "Qwen-Qwen3-0.6B.jinja", TEMPLATES / "Qwen3.5-4B.jinja"
+LLAMA3 = TEMPLATES.parent / "tool_templates" / "llama3-tools.jinja"  # written here in Llama 3.1's conventions
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Today's weather <in> a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
