@@ -43,6 +43,8 @@ CASES = [
     ("hermes", "no calls here <tool_ca", ("no calls here <tool_ca", [])),
     ("hermes", "<tool_call>\nnot json\n</tool_call> after", ("<tool_call>\nnot json\n</tool_call> after", [])),
     ("hermes", '<tool_call>\n{"name": "now"}\n</tool_call>', ("", [("now", "{}")])),
+    ("hermes", '\n\n<tool_call>\n{"name": "now"}\n</tool_call>\n', ("", [("now", "{}")])),  # white space alone: no content
+    ("hermes", " \n", (" \n", [])),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"ci', ("", [("get_weather", '{"ci')])),
     ("qwen3_xml", "Let me see.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                   "<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"a\": [1]}\n</parameter>\n</function>\n"
@@ -140,17 +142,18 @@ def test_tools_and_calls_render_like_transformers(tmp_path, template_file):
 
 @pytest.fixture(scope="module")
 def servers():
-    """The demo with its ChatML template (no call format), and the demo with Qwen3's template (hermes,
-    detected) and the qwen3 reasoning parser."""
-    plain_model, qwen_model = memra.load("demo"), memra.load("demo")
+    """The demo with its ChatML template (no call format); with Qwen3's template (hermes, detected) and the
+    qwen3 reasoning parser; with Qwen3.5's (qwen3_xml, detected; its generation prompt opens <think>) and the
+    same parser."""
+    plain_model, qwen_model, qwen35_model = memra.load("demo"), memra.load("demo"), memra.load("demo")
     qwen_model.tokenizer.chat_template = QWEN3.read_text()
-    plain = ServerThread(build_app(Engine(plain_model, EngineConfig(max_batch=2, max_ctx=1024)), "demo",
-                                   ServerOptions())).start()
-    qwen = ServerThread(build_app(Engine(qwen_model, EngineConfig(max_batch=2, max_ctx=1024)), "demo",
-                                  ServerOptions(reasoning_parser="qwen3"))).start()
-    yield plain.url, qwen.url, qwen_model.tokenizer
-    plain.stop()
-    qwen.stop()
+    qwen35_model.tokenizer.chat_template = QWEN35.read_text()
+    started = [ServerThread(build_app(Engine(m, EngineConfig(max_batch=2, max_ctx=1024)), "demo", o)).start()
+               for m, o in ((plain_model, ServerOptions()), (qwen_model, ServerOptions(reasoning_parser="qwen3")),
+                            (qwen35_model, ServerOptions(reasoning_parser="qwen3")))]
+    yield started[0].url, started[1].url, qwen_model.tokenizer, started[2].url
+    for srv in started:
+        srv.stop()
 
 
 def _client(url: str):
@@ -230,6 +233,27 @@ def test_auto_reads_the_models_own_calls_after_its_reasoning(servers):
     content, streamed, finish = _streamed(client.chat.completions.create(**ask, stream=True))
     assert (content, [(c["name"], c["arguments"]) for c in streamed], finish) == (
         "\n\nChecking.\n", [("get_weather", '{"city": "Paris", "days": 2}')], "tool_calls")
+
+
+XML_TEXT = ("The weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen35_calls_are_read_after_the_open_reasoning_and_required_skips_it(servers):
+    """Qwen3.5's generation prompt opens <think>: auto reads the XML call after </think> (days typed as the
+    schema's integer); required's grammar writes JSON from the first token, so no reasoning is split off."""
+    client = _client(servers[3])
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in XML_TEXT)
+    ask = dict(model="demo", messages=MSGS, tools=TOOLS, max_tokens=200, extra_body={"guided_regex": regex})
+    msg = client.chat.completions.create(**ask).choices[0].message
+    assert msg.model_extra["reasoning_content"] == "The weather.\n" and msg.content is None
+    assert [(c["name"], c["arguments"]) for c in _calls(msg)] == [("get_weather", '{"city": "Paris", "days": 2}')]
+    content, streamed, finish = _streamed(client.chat.completions.create(**ask, stream=True))
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", '{"city": "Paris", "days": 2}')]
+    r = client.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=60, seed=1,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert set(json.loads(r.choices[0].message.tool_calls[0].function.arguments)) == {"city", "days"}
 
 
 def test_the_history_of_calls_reaches_the_template(servers):

@@ -255,7 +255,10 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
                                 "or leave the field out", param="speculative")
         if params.structured_outputs is not None:  # compiled (and cached) on the pool: submit finds it there
             await off_loop(compile_for, tok, params.structured_outputs)
-        split = (lambda: reasoning.splitter(opened)) if chat and reasoning is not None else None
+        # required / named: the grammar writes the calls' JSON from the first token, so there is no reasoning
+        # to split off, even where the generation prompt opened <think> (it would take the whole answer)
+        split = ((lambda: reasoning.splitter(opened)) if chat and reasoning is not None
+                 and not (tools is not None and tools.forced) else None)
         out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker, split,
                              getattr(body, "include_reasoning", None) is not False,
                              ChoiceCalls.for_choices(tools, tool_format, len(prompts) * body.n))

@@ -121,8 +121,8 @@ class RequiredCalls(CallParser):
 
 
 class HermesCalls(CallParser):
-    """Calls in <tool_call>…</tool_call> blocks; the text before the first block is content, whitespace
-    between and after blocks is dropped (other text there is content)."""
+    """Calls in <tool_call>…</tool_call> blocks; text outside them is content, except white space alone
+    before, between or after the calls (dropped; an answer with no calls keeps all its text)."""
 
     def __init__(self, single: bool = False, make_call=None):
         super().__init__(single)
@@ -131,6 +131,7 @@ class HermesCalls(CallParser):
         self.held = ""  # outside a block: text that may be the start of <tool_call>
         self.call: JsonCall | None = None
         self.tail = False  # after a block's object, until </tool_call>
+        self.spoke = False  # some content went out (white space after it is content too, until a call)
 
     def push(self, text: str) -> tuple[str, list[CallDelta]]:
         content: list[str] = []
@@ -158,22 +159,26 @@ class HermesCalls(CallParser):
             else:
                 at = self.held.find(OPEN)
                 if at < 0:
-                    keep = partial_tail(self.held, OPEN)
-                    free, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-                    if free.strip(_WS) or not self.calls:
+                    free = self.held[: len(self.held) - partial_tail(self.held, OPEN)]
+                    if self._says(free):
                         content.append(free)
-                    elif free:  # whitespace after a call: held until something other than whitespace follows
-                        self.held = free + self.held
-                    break
+                        self.held, self.spoke = self.held[len(free):], True
+                    break  # else white space is held until something other than white space follows
                 before = self.held[:at]
-                if before.strip(_WS) or not self.calls:
+                if self._says(before):
                     content.append(before)
+                    self.spoke = True
                 self.held = self.held[at + len(OPEN):]
                 self.call = self.make_call(self.calls)
                 self.calls += 1
         if self.over:
             self.held = ""
         return "".join(content), out
+
+    def _says(self, text: str) -> bool:
+        """Whether text outside the blocks is content: white space is only beside other content, never
+        alone before or after the calls (where it would make an answer of calls carry a content of "\\n\\n")."""
+        return bool(text.strip(_WS)) or bool(text) and self.spoke and not self.calls
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         held, self.held = self.held, ""

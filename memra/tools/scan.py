@@ -75,17 +75,26 @@ class ObjectScanner:
         else:  # after a value
             self.expect, self.done, self.bad = "key", ch == "}", ch not in ",}"
 
-    def _key_char(self, ch: str) -> None:
+    def _closes_string(self, ch: str) -> bool:
+        """Inside a string: whether `ch` is its closing quote (escapes followed)."""
         if self.escaped:
             self.escaped = False
         elif ch == "\\":
             self.escaped = True
         elif ch == '"':
             self.in_string = False
-            self.member = json.loads('"' + "".join(self.key_raw) + '"')
+            return True
+        return False
+
+    def _key_char(self, ch: str) -> None:
+        if self._closes_string(ch):
+            try:
+                self.member = json.loads('"' + "".join(self.key_raw) + '"')
+            except ValueError:  # a bad escape: not JSON, so not a call
+                self.bad = True
             self.expect = "colon"
-            return
-        self.key_raw.append(ch)
+        else:
+            self.key_raw.append(ch)
 
     def _start_value(self, ch: str) -> None:
         self.expect = "value" if ch in '"{[' else "scalar"
@@ -103,14 +112,8 @@ class ObjectScanner:
         if self.expect == "scalar":
             return
         if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                if self.nest == 0:
-                    self._end_value()
+            if self._closes_string(ch) and self.nest == 0:
+                self._end_value()
         elif ch == '"':
             self.in_string = True
         elif ch in "{[":
