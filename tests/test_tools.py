@@ -250,6 +250,7 @@ def test_qwen35_calls_are_read_after_the_open_reasoning_and_required_skips_it(se
     assert [(c["name"], c["arguments"]) for c in _calls(msg)] == [("get_weather", '{"city": "Paris", "days": 2}')]
     content, streamed, finish = _streamed(client.chat.completions.create(**ask, stream=True))
     assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", '{"city": "Paris", "days": 2}')]
+    assert content == "" and finish == "tool_calls"
     r = client.chat.completions.create(model="demo", messages=MSGS, tools=TOOLS, max_tokens=60, seed=1,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.choices[0].finish_reason == "tool_calls", r
