@@ -32,6 +32,7 @@ from memra.sampling import SamplingParams
 from memra.settings import show_progress
 from memra.spec import SpecConfig
 from memra.tokenizer import TextStream
+from memra.tools.messages import template_messages
 
 
 @dataclass(frozen=True)
@@ -248,13 +249,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """generate() over conversations ([{"role", "content"}, ...]) rendered with the chat template;
-        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` reach the template."""
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) and `tools` ([{"type": "function",
+        "function": {...}}]) reach the template; an assistant's tool_calls may carry their arguments as a
+        JSON string, as OpenAI clients send them (memra.tools.template_messages). To read calls back from
+        an output's text: memra.tools.parse_tool_calls(text, "hermes" | "qwen3_xml" | "llama3_json")."""
         params = _one_of("params", params, "sampling_params", sampling_params)
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)
         extra = dict(chat_template_kwargs or {})
         if tools is not None:
             extra["tools"] = tools
-        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, **extra))
+        ids = [self.tokenizer.encode(self.tokenizer.apply_chat_template(template_messages(list(c)),
+                                                                        add_generation_prompt=True, **extra))
                for c in convs]
         return self.generate(ids, params, use_tqdm)
 

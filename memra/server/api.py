@@ -17,6 +17,7 @@ routes stay open are in memra.server.auth.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,9 @@ from memra.sampling import fresh_seed, truncate_prompt
 from memra.server.reasoning import ReasoningFormat
 from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from memra.server.scored import Scored, ScoredReply
+from memra.server.tools import ChoiceCalls, forced_constraint, tool_spec
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
+from memra.tools import detect_format, template_messages
 
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of
 # the context cannot fit; the factor leaves room for normalizers that merge characters (NFC and kin).
@@ -77,6 +80,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
 
     reasoning = ReasoningFormat.named(options.reasoning_parser) if options.reasoning_parser else None
     honoured = frozenset({"include_reasoning"} if reasoning is not None else ())
+    tool_format = options.tool_call_parser or detect_format(tok.chat_template)  # auto's format (memra.server.tools)
 
     async def body_of(request: Request, schema, route: str | None = None):
         raw = await read_json(request, options.max_body_bytes, options.max_json_depth)
@@ -104,15 +108,18 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
                 f"this model's maximum context length is {max_len} tokens; the prompt's {text_chars:,} characters "
                 f"cannot fit in it (no token is longer than {tok.max_piece_chars} characters); shorten the prompt")
 
-    def chat_ids(messages, add_special: bool = False, kwargs: dict | None = None) -> list[int]:  # on the pool
-        return chat_prompt(messages, add_special, kwargs)[0]
+    def chat_ids(messages, add_special: bool = False, kwargs: dict | None = None, tools=None) -> list[int]:
+        return chat_prompt(messages, add_special, kwargs, tools)[0]  # on the pool
 
-    def chat_prompt(messages, add_special: bool, kwargs: dict | None) -> tuple[list[int], bool]:  # on the pool
-        """The prompt's ids (kwargs: chat_template_kwargs, as template variables), and whether its generation
-        prompt leaves a reasoning block open (with a reasoning parser: the answer starts inside it)."""
+    def chat_prompt(messages, add_special: bool, kwargs: dict | None, tools=None) -> tuple[list[int], bool]:
+        """The prompt's ids (kwargs: chat_template_kwargs, as template variables; tools: the request's, as
+        the template's `tools`), and whether its generation prompt leaves a reasoning block open (with a
+        reasoning parser: the answer starts inside it). On the pool."""
         if not tok.chat_template:
             raise MemraError("this model has no chat template; use /v1/completions")
-        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        msgs = template_messages([m.for_template() for m in messages])
+        if tools:
+            kwargs = {**(kwargs or {}), "tools": list(tools)}
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, **(kwargs or {}))
         opened = False
         if reasoning is not None:  # the generation prompt: what add_generation_prompt adds to the text
@@ -148,7 +155,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             if {"messages", "add_generation_prompt"} & set(body.chat_template_kwargs or ()):
                 raise ApiError(400, "chat_template_kwargs may not set messages or add_generation_prompt: the server "
                                     "sets them", param="chat_template_kwargs")
-            ids = await off_loop(chat_ids, body.messages, False, body.chat_template_kwargs)
+            tool_spec(body, None, generates=False)  # the chat route's checks of the tools
+            ids = await off_loop(chat_ids, body.messages, False, body.chat_template_kwargs, body.tools)
         else:
             check_chars(len(body.prompt))
             ids = await encode(body.prompt, body.add_special_tokens)
@@ -191,14 +199,16 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         want = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if want is not None:
             body.sampling(want, 0)
+        tools = tool_spec(body, tool_format)
         check_chars(sum(len(m.text()) for m in body.messages))
-        ids, opened = await off_loop(chat_prompt, body.messages, body.add_special_tokens, body.chat_template_kwargs)
+        ids, opened = await off_loop(chat_prompt, body.messages, body.add_special_tokens, body.chat_template_kwargs,
+                                     body.tools)
         ids = truncated(body, ids)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         scored = await scored_reply(body, [ids], [None], False, None)
         return await serve(request, body, [ids], chat=True, logprobs=logprobs,
                            max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival,
-                           scored=scored, opened=opened)
+                           scored=scored, opened=opened, tools=tools)
 
     def truncated(body, ids: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the context's length)."""
@@ -235,16 +245,23 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         return JSONResponse(reply_body(head, choices, usage))
 
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
-                    max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False):
+                    max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False,
+                    tools=None):
         params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
+        if tools is not None and tools.forced:  # required / named: the tools' grammar (memra.server.tools)
+            params = dataclasses.replace(params, structured_outputs=forced_constraint(tools, params.structured_outputs))
         if body.speculative and not engine.spec.enabled:
             raise ApiError(400, "speculative: this server does not speculate; start it with --speculative mtp|ngram "
                                 "or leave the field out", param="speculative")
         if params.structured_outputs is not None:  # compiled (and cached) on the pool: submit finds it there
             await off_loop(compile_for, tok, params.structured_outputs)
-        split = (lambda: reasoning.splitter(opened)) if chat and reasoning is not None else None
+        # required / named: the grammar writes the calls' JSON from the first token, so there is no reasoning
+        # to split off, even where the generation prompt opened <think> (it would take the whole answer)
+        split = ((lambda: reasoning.splitter(opened)) if chat and reasoning is not None
+                 and not (tools is not None and tools.forced) else None)
         out = RequestOutputs(engine, tok, params, len(prompts) * body.n, text_worker, split,
-                             getattr(body, "include_reasoning", None) is not False)
+                             getattr(body, "include_reasoning", None) is not False,
+                             ChoiceCalls.for_choices(tools, tool_format, len(prompts) * body.n))
         try:
             for i, ids in enumerate(prompts):
                 out.rids += engine.submit(ids, params, out.sink_for(i * body.n), n=body.n, logprobs=logprobs,

@@ -38,6 +38,7 @@ from memra.sampling import SamplingParams
 from memra.server.reasoning import ReasoningSplitter
 from memra.server.errors import error_response
 from memra.server.scored import ScoredReply, text_offsets, token_text
+from memra.server.tools import ChoiceCalls, assembled
 from memra.tokenizer import TextStream
 
 _ERROR_STATUS = {"shutdown": 503, "refused": 400, "engine": 500}
@@ -52,6 +53,7 @@ class Delta:
     event: TokenEvent
     finish_reason: str | None  # the event's, or "stop" when the text reached a stop string
     reasoning: str = ""  # with a reasoning parser: the part of the text that is reasoning (memra.server.reasoning)
+    tool_calls: tuple = ()  # with tools: tool-call deltas in OpenAI's shape (memra.server.tools)
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,13 @@ class RequestOutputs:
     made on the TextWorker's thread (`process`)."""
 
     def __init__(self, engine, tok, params: SamplingParams, choices: int, worker: TextWorker,
-                 reasoning: Callable[[], ReasoningSplitter] | None = None, include_reasoning: bool = True):
+                 reasoning: Callable[[], ReasoningSplitter] | None = None, include_reasoning: bool = True,
+                 calls: list[ChoiceCalls] | None = None):
         self.engine, self.tok, self.worker = engine, tok, worker
         # with a reasoning parser: each choice's splitter; include_reasoning false drops the reasoning
         self.splitters = [reasoning() for _ in range(choices)] if reasoning is not None else None
         self.include_reasoning = include_reasoning
+        self.calls = calls  # with tools: each choice's call parser, fed the content (after the reasoning)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.streams = [TextStream.for_params(tok, params) for _ in range(choices)]
@@ -175,14 +179,18 @@ class RequestOutputs:
         return self._delta(i, text, ev, finish)
 
     def _delta(self, i: int, text: str, ev: TokenEvent, finish: str | None) -> Delta:
-        """The delta of choice i, its text split into reasoning and content where a parser is on."""
-        if self.splitters is None:
-            return Delta(i, text, ev, finish)
-        reasoning, content = self.splitters[i].push(text)
-        if finish is not None:
-            r, c = self.splitters[i].finish()
-            reasoning, content = reasoning + r, content + c
-        return Delta(i, content, ev, finish, reasoning if self.include_reasoning else "")
+        """The delta of choice i, its text split into reasoning and content where a parser is on, and its
+        content into text and tool calls where tools are."""
+        reasoning, calls = "", ()
+        if self.splitters is not None:
+            reasoning, text = self.splitters[i].push(text)
+            if finish is not None:
+                r, c = self.splitters[i].finish()
+                reasoning, text = reasoning + r, text + c
+            reasoning = reasoning if self.include_reasoning else ""
+        if self.calls is not None:
+            text, calls, finish = self.calls[i].push(text, finish)
+        return Delta(i, text, ev, finish, reasoning, tuple(calls))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while self.open:
@@ -220,12 +228,13 @@ class RequestOutputs:
     async def _collect(self, head: ReplyHeader) -> Response:
         n = len(self.streams)
         texts, logs, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
-        thoughts = [[] for _ in range(n)]
+        thoughts, calls = [[] for _ in range(n)], [[] for _ in range(n)]
         async for d in self.deltas():
             if d.event.error:
                 return error_response(_ERROR_STATUS.get(d.event.error_kind, 500), d.event.error)
             texts[d.index].append(d.text)
             thoughts[d.index].append(d.reasoning)
+            calls[d.index].extend(d.tool_calls)
             if d.event.token_id is not None:
                 logs[d.index].append(d.event)
             finish[d.index] = d.finish_reason
@@ -238,6 +247,8 @@ class RequestOutputs:
                 if self.splitters is not None:  # vLLM's shape: null where a part is empty
                     message = {"role": "assistant", "content": text or None,
                                "reasoning_content": "".join(thoughts[i]) or None}
+                if calls[i]:  # OpenAI's shape: content null where the answer is only calls
+                    message.update(content=text or None, tool_calls=assembled(calls[i]))
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish[i]})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
@@ -273,15 +284,18 @@ class RequestOutputs:
                 kind_name = "invalid_request_error" if status < 500 else "server_error"
                 return "data: " + json.dumps({"error": {"message": ev.error, "type": kind_name, "param": None,
                                                         "code": status}}) + "\n\n"
-            if ev.token_id is None and not d.text and not d.reasoning and d.finish_reason not in ("stop", "length"):
+            if ev.token_id is None and not (d.text or d.reasoning or d.tool_calls) \
+                    and d.finish_reason not in ("stop", "length", "tool_calls"):
                 return ""  # an abort without words: nothing to tell
             lp = (logprobs_body(self.tok, [ev], head.chat, head.as_ids, emitted[d.index])
                   if head.logprobs and ev.token_id is not None else None)
             emitted[d.index] += len(d.text)
             if head.chat:
                 delta = {"reasoning_content": d.reasoning} if d.reasoning else {}
-                if d.text or (d.finish_reason is None and not d.reasoning):
+                if d.text or (d.finish_reason is None and not d.reasoning and not d.tool_calls):
                     delta["content"] = d.text
+                if d.tool_calls:
+                    delta["tool_calls"] = list(d.tool_calls)
                 return chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
             return chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
 

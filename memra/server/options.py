@@ -14,6 +14,7 @@ from pathlib import Path
 
 from memra.errors import MemraError
 from memra.server.reasoning import PARSERS
+from memra.tools import FORMATS
 
 DEFAULT_MAX_BODY_MB = 4.0  # a 128k-token prompt as text or as ids is ~1 MB of JSON; 4 leaves room for chats
 
@@ -28,6 +29,7 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS (memra.server.access): browser origins allowed, "*" = any
     log_requests: bool = False  # one access-log line per request (memra serve turns it on)
     reasoning_parser: str | None = None  # chat answers' <think>…</think> -> reasoning_content (memra.server.reasoning)
+    tool_call_parser: str | None = None  # tool_choice auto's call format (memra.tools); None: the template's
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -40,6 +42,8 @@ class ServerOptions:
             raise MemraError(f"--shutdown-timeout must be in 0..3600 seconds, got {self.shutdown_timeout:g}")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise MemraError(f"--reasoning-parser {self.reasoning_parser}: memra knows {', '.join(sorted(PARSERS))}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
+            raise MemraError(f"--tool-call-parser {self.tool_call_parser}: memra knows {', '.join(sorted(FORMATS))}")
         if not 1 <= self.tokenizer_threads <= 64:
             raise MemraError(f"tokenizer_threads must be in 1..64, got {self.tokenizer_threads}")
 

@@ -174,10 +174,28 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Text
+    arguments: Text | dict[StrictStr, Any]  # OpenAI's: a JSON string (memra.tools.messages parses it)
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -185,6 +203,16 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (content always a string, as vLLM gives it)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                m[key] = getattr(self, key)
+        return m
 
 
 class ChatRequest(_Sampling):
@@ -196,6 +224,10 @@ class ChatRequest(_Sampling):
     add_special_tokens: StrictBool = False  # vLLM's: BOS and kin on top of what the chat template writes
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: variables for the chat template
     include_reasoning: StrictBool | None = None  # vLLM's: false drops reasoning_content (--reasoning-parser)
+    # tool calling (memra.server.tools checks them: a 400 names the field)
+    tools: list[Any] | None = None
+    tool_choice: Text | dict[StrictStr, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     def check_supported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -213,6 +245,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # with messages: the chat route's
+    tools: list[Any] | None = None  # with messages: shown to the chat template, as on the chat route
 
 
 class DetokenizeRequest(BaseModel):

@@ -11,6 +11,7 @@ from memra.engine.types import EngineConfig
 from memra.errors import MemraError
 from memra.server.reasoning import PARSERS
 from memra.server.options import DEFAULT_MAX_BODY_MB
+from memra.tools import FORMATS
 
 
 def add_serve_parser(sub) -> None:
@@ -48,6 +49,10 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
                      help="split chat answers' <think>...</think> into reasoning_content, as vLLM's parser of that "
                           "name does (default: none; the text stays whole)")
+    srv.add_argument("--tool-call-parser", choices=sorted(FORMATS), default=None,
+                     help="the format tool_choice auto reads calls in, as vLLM's parser of that name: hermes / qwen3 "
+                          "(<tool_call> JSON), qwen3_xml / qwen3_coder (Qwen3.5's <function=...>), llama3_json "
+                          "(default: the one the chat template teaches, if memra knows it)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the path's name)")
     add_spec_args(srv)
     srv.add_argument("--pp-size", type=int, default=None,
@@ -104,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(api_key=resolve_api_key(args.api_key, args.api_key_file, memra_settings.api_key()),
                             max_body_bytes=int(args.max_body_mb * (1 << 20)), shutdown_timeout=args.shutdown_timeout,
                             allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
-                            log_requests=not args.disable_log_requests, reasoning_parser=args.reasoning_parser)
+                            log_requests=not args.disable_log_requests, reasoning_parser=args.reasoning_parser,
+                            tool_call_parser=args.tool_call_parser)
     # The port before the model: a port in use is a one-line error now, not after minutes of loading.
     # Under torchrun only rank 0 serves HTTP; the other ranks serve their stage inside _serving_model.
     sock = bind(args.host, args.port) if launcher_rank() in (None, 0) else None

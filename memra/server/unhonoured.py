@@ -7,7 +7,8 @@ null or one of its no-op values (the value that asks for what memra does anyway:
 define (vendor extras) stay ignored, and the fields memra honours (`n`, `logprobs`, `echo` on
 completions, `prompt_logprobs`, `return_tokens_as_token_ids`, `add_special_tokens`, ...) are validated by
 memra.server.protocol. Where a field has a no-op value only because another field is refused
-(`tool_choice: "auto"` needs `tools`, which is refused when non-empty), that value is accepted.
+(on /v1/completions, `tool_choice: "auto"` needs `tools`, which is refused when non-empty), that value
+is accepted. The chat route's tool fields are checked by memra.server.tools.
 
 Sources, by the tag in each row:
   openai-chat  OpenAI API reference, POST /v1/chat/completions (platform.openai.com/docs/api-reference/chat)
@@ -59,11 +60,12 @@ _ALL_TEXT = _is(["text"])
 R = Unhonoured
 TABLE: tuple[Unhonoured, ...] = (
     # OpenAI's own fields
-    R("tools", BOTH, "openai-chat", _empty, "memra has no tool calling"),
-    R("tool_choice", BOTH, "openai-chat", _is("none", "auto"), "memra has no tool calling"),
-    R("parallel_tool_calls", BOTH, "openai-chat", _is(True, False), "memra has no tool calling"),
-    R("functions", BOTH, "openai-chat", _empty, "memra has no function calling"),
-    R("function_call", BOTH, "openai-chat", _is("none", "auto"), "memra has no function calling"),
+    # tool calling is a chat feature (memra.server.tools); a completion has no messages to call from
+    R("tools", (CMPL,), "openai-chat", _empty, "tool calling is on /v1/chat/completions"),
+    R("tool_choice", (CMPL,), "openai-chat", _is("none", "auto"), "tool calling is on /v1/chat/completions"),
+    R("parallel_tool_calls", (CMPL,), "openai-chat", _is(True, False), "tool calling is on /v1/chat/completions"),
+    R("functions", BOTH, "openai-chat", _empty, "the deprecated functions API is not served; use tools"),
+    R("function_call", BOTH, "openai-chat", _is("none", "auto"), "the deprecated functions API is not served; use tool_choice"),
     R("reasoning_effort", BOTH, "openai-chat", _never, "memra does not steer reasoning"),
     R("verbosity", BOTH, "openai-chat", _never, "memra does not steer verbosity"),
     R("modalities", BOTH, "openai-chat", _ALL_TEXT, "memra produces text only"),
