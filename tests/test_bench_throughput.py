@@ -70,3 +70,23 @@ def test_throughput_cli(tmp_path, capsys):
     assert "2 requests," in out and "+ 12 output tokens" in out and "all equal" in out
     assert main(["bench", "throughput", "demo", "--num-prompts", "0"]) == 2
     assert "--num-prompts must be positive" in capsys.readouterr().err
+
+
+def test_structured_runs_hold_every_request_to_the_grammar(tmp_path, capsys):
+    """--structured regex: each request's text matches the pattern; a bad spelling is refused before the load."""
+    import re
+
+    from memra.engine.llm import LLM
+
+    cfg = ThroughputConfig(model="demo", num_prompts=3, output_len=10, max_batch=3, device=DEVICE, check=1,
+                           structured="regex:[a-z ]*")
+    report = run_throughput(cfg, log=lambda line: None)
+    assert report.output_tokens == 30 and report.check_failures == [] and "held to regex:[a-z ]*" in report.workload
+    llm = LLM("demo", max_batch=1)
+    from memra.sampling import SamplingParams
+
+    text = llm.generate(["ROMEO:"], SamplingParams(max_tokens=10, structured_outputs=cfg.constraint()),
+                        use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch("[a-z ]*", text)
+    assert main(["bench", "throughput", "demo", "--structured", "yaml"]) == 2
+    assert "--structured takes json_object, regex:PATTERN or json:SCHEMA" in capsys.readouterr().err

@@ -227,6 +227,9 @@ def add_throughput_parser(kinds) -> None:
     p.add_argument("model", nargs="?", default=d.model,
                    help="HF directory, .gguf, demo or random:SHAPE (default %(default)s)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests (default %(default)s)")
+    p.add_argument("--structured", default=None, metavar="KIND",
+                   help="hold every request to a grammar: json_object, regex:PATTERN or json:SCHEMA (the run "
+                        "beside one without it gives the grammar's cost per token)")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help='requests from a file, one {"prompt" or "prompt_token_ids", "output_len"} a line; '
                         f"default: synthetic, lengths {lengths_said()}")
@@ -253,7 +256,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                            input_len=args.input_len, output_len=args.output_len, seed=args.seed,
                            temperature=args.temperature, max_batch=args.max_batch, kv_fraction=args.kv_fraction,
                            device=args.device or default_device(), dtype=args.dtype, check=args.check,
-                           json_path=args.json)
+                           json_path=args.json, structured=args.structured)
     report = run_throughput(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table())
     return 1 if report.check_failures or report.length_failures else 0

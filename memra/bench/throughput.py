@@ -8,7 +8,8 @@ to [4, 1024] (ShareGPT's conversations, as vLLM filters them, average about 220 
 Llama-3 tokens, with a long tail); prompt ids are uniform over the vocabulary. Every request runs to
 its output length (ignore_eos), so the token count does not depend on what a random model says.
 
-Beside the rates it prints the engine's step mix (memra.engine.step_mix) and, with --check K, runs K
+With --structured every request is held to one grammar (llguidance, memra.structured): the same run
+with and without it gives the grammar's cost per token. Beside the rates it prints the engine's step mix (memra.engine.step_mix) and, with --check K, runs K
 of the prompts again one at a time and compares their tokens with the batched run's: the throughput
 is the exact engine's, and the run shows it.
 """
@@ -46,6 +47,20 @@ class ThroughputConfig:
     dtype: str | None = None
     check: int = 2  # prompts re-run alone and compared with the batched run
     json_path: str | None = None
+    structured: str | None = None  # "json_object" | "regex:PATTERN" | "json:SCHEMA": every request held to it
+
+    def constraint(self):
+        """--structured as a StructuredOutputs (None without it); a bad spelling is a one-line error."""
+        from memra.structured.params import StructuredOutputs
+
+        if self.structured is None:
+            return None
+        kind, _, value = self.structured.partition(":")
+        if kind == "json_object" and not value:
+            return StructuredOutputs(json_object=True)
+        if kind in ("regex", "json") and value:
+            return StructuredOutputs(**{kind: value})
+        raise MemraError(f"--structured takes json_object, regex:PATTERN or json:SCHEMA, got {self.structured!r}")
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_batch"):
@@ -163,6 +178,7 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     from memra.engine.llm import LLM
     from memra.loading.checkpoint import load
 
+    held = cfg.constraint()  # a bad --structured fails before the load
     model = load(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_budget=KvBudget(fraction=cfg.kv_fraction))
     if cfg.dataset:
         reqs, workload = jsonl_workload(cfg.dataset, model.tokenizer, cfg.num_prompts), f"dataset {cfg.dataset}"
@@ -171,11 +187,12 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
         workload = (f"synthetic, seed {cfg.seed}, input "
                     + (f"{cfg.input_len}" if cfg.input_len else lengths_said())
                     + ", output " + (f"{cfg.output_len}" if cfg.output_len else lengths_said()))
+    workload += f"; every request held to {cfg.structured}" if cfg.structured else ""
     context = max(len(r.prompt) + r.output_len for r in reqs)
     log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {cfg.max_batch}) ...")
     llm = LLM(model, max_batch=cfg.max_batch, max_ctx=context)
-    params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True)
-              for i, r in enumerate(reqs)]
+    params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True,
+                             structured_outputs=held) for i, r in enumerate(reqs)]
     before = llm.engine.step_mix.copy()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
