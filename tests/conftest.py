@@ -55,7 +55,36 @@ def _triton_interpreter_numpy2_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _triton_interpreter_host_independent_dot() -> None:
+    """The interpreter computes tl.dot as np.matmul in the accumulator's type, i.e. with the host's BLAS,
+    whose fp32 summation order depends on the CPU model (OpenBLAS picks a kernel per CPU) and on the
+    tile's shape (a 1-row tile goes to gemv): a row's bits would then depend on the machine and on how
+    many rows share its tile, which a GPU's fixed MMA tiles do not. Test-time shim, CPU only: the
+    products are summed in float64 and rounded once into the accumulator's type, the same bits on any
+    host for any tile shape (float64's own order differences are ~2^-29 below an fp32 rounding step)."""
+    import importlib.util
+
+    if DEVICE != "cpu" or importlib.util.find_spec("triton") is None:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    if original is None:  # another Triton: nothing to shim
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or d.data.dtype.kind != "f":
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        wide = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)) + d.data.astype(np.float64)
+        return interpreter.TensorHandle(wide.astype(d.data.dtype), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
 _triton_interpreter_numpy2_fix()
+_triton_interpreter_host_independent_dot()
 
 HF_ARCHS = ["llama", "llama_tied", "mistral", "gemma4", "step3p5", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 GGUF_F32_ARCHS = ["llama", "gemma4", "step3p5", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
