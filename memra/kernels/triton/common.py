@@ -55,3 +55,12 @@ def round_to_dtype(x, ty: tl.constexpr):
     if ty == tl.bfloat16:
         return round_to_bf16(x)
     return x.to(ty).to(tl.float32)
+
+
+@triton.jit
+def both(mask, cond):
+    """`mask & cond`, a boolean block, for a block mask and a scalar condition. Spelled as a comparison
+    because Triton 3.7+'s interpreter types a boolean block & a boolean scalar as an integer block, which
+    tl.load and tl.store refuse as a mask; compiled, the comparison folds away."""
+    return (mask & cond) != 0
+

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.common import round_to_dtype
+from memra.kernels.triton.common import both, round_to_dtype
 from memra.kernels.triton.launch import lean
 
 CONV_BLOCK = 256  # channels per program
@@ -73,8 +73,8 @@ def _conv_acc(u_ptr, state_ptr, w_ptr, t, c, mask, stride_u, KC: tl.constexpr, B
     for j in tl.static_range(KC):
         i = t + j
         from_state = i < KC - 1
-        s = tl.load(state_ptr + c * (KC - 1) + i, mask=mask & from_state, other=0.0).to(tl.float32)
-        x = tl.load(u_ptr + (i - (KC - 1)) * stride_u + c, mask=mask & (i >= KC - 1), other=0.0).to(tl.float32)
+        s = tl.load(state_ptr + c * (KC - 1) + i, mask=both(mask, from_state), other=0.0).to(tl.float32)
+        x = tl.load(u_ptr + (i - (KC - 1)) * stride_u + c, mask=both(mask, i >= KC - 1), other=0.0).to(tl.float32)
         x = tl.where(from_state, s, x)
         wj = tl.load(w_ptr + c * KC + j, mask=mask, other=0.0).to(tl.float32)
         if j == 0:
@@ -132,8 +132,8 @@ def _conv_state_pieces_kernel(u_ptr, pool_ptr, pieces_ptr, C, stride_u, stride_s
     for j in tl.static_range(KC - 1):
         i = t + j
         from_state = i < KC - 1
-        s = tl.load(state + i, mask=mask & from_state, other=0.0)
-        x = tl.load(u_ptr + (first + i - (KC - 1)).to(tl.int64) * stride_u + c, mask=mask & (i >= KC - 1), other=0.0)
+        s = tl.load(state + i, mask=both(mask, from_state), other=0.0)
+        x = tl.load(u_ptr + (first + i - (KC - 1)).to(tl.int64) * stride_u + c, mask=both(mask, i >= KC - 1), other=0.0)
         tl.store(state + j, tl.where(from_state, s, x.to(pool_ptr.dtype.element_ty)), mask=mask)
 
 

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
+from memra.kernels.triton.common import both
 from memra.kernels.triton.launch import lean
 from memra.upload import upload_parts
 
@@ -124,7 +125,7 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
     at = tl.load(pieces_ptr + piece * 5 + 2).to(tl.int64) * stride_slot + h * DK * DV + ck[:, None] * DV + cv[None, :]
     c0, c1 = tl.load(pieces_ptr + piece * 5 + 3), tl.load(pieces_ptr + piece * 5 + 4)
     live = c0 < c1  # an empty piece (a captured step's padding entries) leaves its state untouched
-    s = tl.load(s_ptr + at, mask=mk[:, None] & mv[None, :] & live, other=0.0)
+    s = tl.load(s_ptr + at, mask=both(mk[:, None] & mv[None, :], live), other=0.0)
     for c in range(c0, c1):
         a = tl.load(cuts_ptr + c)
         n = tl.load(cuts_ptr + c + 1) - a
@@ -143,7 +144,7 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
-    tl.store(s_out_ptr + at, s, mask=mk[:, None] & mv[None, :] & live)
+    tl.store(s_out_ptr + at, s, mask=both(mk[:, None] & mv[None, :], live))
 
 
 def gdn_prefill(q, k, v, beta, g, state, pos0: int):

@@ -44,7 +44,7 @@ import triton.language as tl
 from memra.errors import MemraError
 from memra.kernels.quant import _check_linear
 from memra.kernels.split import SPLIT_TYPES, Fp8BlockSplit, Nvfp4Split, Q4KSplit, Q5KSplit, Q6KSplit, Q8Split, SplitRows
-from memra.kernels.triton.common import _interpreting, round_to_bf16
+from memra.kernels.triton.common import _interpreting, both, round_to_bf16
 from memra.kernels.triton.launch import lean
 from memra.kernels.triton.linear import _mma
 
@@ -139,7 +139,7 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
         return q * _spread(_group_scales(d_ptr, rows, cols, k0, K, 32, BLOCK_K), 32, BLOCK_K)
     elif FORMAT == 3:  # Q6_K: groups of 16
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=cols & (k0 < K), other=0.0)
+        d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=both(cols, k0 < K), other=0.0)
         return q * _spread(d[None, :] * _group_scales(sc_ptr, rows, cols, k0, K, 16, BLOCK_K), 16, BLOCK_K)
     else:  # Q4_K, Q5_K: per 256 d and dmin, per 32 a 6-bit scale and min
         if FORMAT == 1:  # run kk // 64 of 32 bytes: its first 32 values in the low nibbles, the next 32 high
@@ -147,7 +147,7 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
             q = ((byte.to(tl.int32) >> (4 * (kk % 64 // 32))[:, None]) & 0x0F).to(tl.float32)
         else:
             q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
-        live = cols & (k0 < K)
+        live = both(cols, k0 < K)
         d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
         dmin = tl.load(dmin_ptr + rn * (K // 256) + k0 // 256, mask=live, other=0.0)
         sc = _group_scales(sc_ptr, rows, cols, k0, K, 32, BLOCK_K)
