@@ -16,6 +16,12 @@ from __future__ import annotations
 import torch
 
 from memra.loading.gguf import GgufNames, cat_rows
+from memra.loading.hf import sandwich_weights
+
+# Gemma 4's per-layer weights besides the block's, as llama.cpp names them (memra.loading.hf.HF_SANDWICH's keys)
+GGUF_SANDWICH = {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
+                 "layer_scalar": "layer_output_scale.weight", "ple_gate": "inp_gate.weight", "ple_proj": "proj.weight",
+                 "ple_norm": "post_norm.weight"}
 
 
 class SlidingGgufNames(GgufNames):
@@ -66,17 +72,7 @@ class SlidingGgufNames(GgufNames):
         return out
 
     def _sandwich(self, p: str, why: str) -> dict[str, torch.Tensor]:
-        """Gemma's norms after each branch, its layer scalar and (E-variants) the per-layer input's path."""
-        c, e = self.cfg, self.cfg.hidden_size
-        out = {"post_attn_norm": self.norm(p + "post_attention_norm.weight", e, why),
-               "post_ffn_norm": self.norm(p + "post_ffw_norm.weight", e, why)}
-        if self.src.has(p + "layer_output_scale.weight"):
-            out["layer_scalar"] = self.get(p + "layer_output_scale.weight", (1,), why)
-        if c.ple_dim:
-            out["ple_gate"] = self.get(p + "inp_gate.weight", (c.ple_dim, e), why)
-            out["ple_proj"] = self.get(p + "proj.weight", (e, c.ple_dim), why)
-            out["ple_norm"] = self.norm(p + "post_norm.weight", e, why)
-        return out
+        return sandwich_weights(self, p, why, GGUF_SANDWICH)
 
     def _step_moe(self, p: str, why: str) -> dict[str, torch.Tensor]:
         out = self._moe(p, why)  # router, expert stacks and the shared expert, as for Qwen MoE GGUFs

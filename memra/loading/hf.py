@@ -64,17 +64,7 @@ class HfNames:
         return out
 
     def _sandwich(self, p: str, why: str) -> dict[str, torch.Tensor]:
-        """Gemma's extra norms, its per-layer scalar and (E-variants) the per-layer input's path."""
-        c, e = self.cfg, self.cfg.hidden_size
-        out = {"post_attn_norm": self.norm(p + "post_attention_layernorm.weight", e, why),
-               "post_ffn_norm": self.norm(p + "post_feedforward_layernorm.weight", e, why)}
-        if self.src.has(p + "layer_scalar"):
-            out["layer_scalar"] = self.get(p + "layer_scalar", (1,), why)
-        if c.ple_dim:
-            out["ple_gate"] = self.get(p + "per_layer_input_gate.weight", (c.ple_dim, e), why)
-            out["ple_proj"] = self.get(p + "per_layer_projection.weight", (e, c.ple_dim), why)
-            out["ple_norm"] = self.norm(p + "post_per_layer_input_norm.weight", e, why)
-        return out
+        return sandwich_weights(self, p, why, HF_SANDWICH)
 
     def mtp(self, j: int) -> dict[str, torch.Tensor]:
         e = self.cfg.hidden_size
@@ -212,6 +202,26 @@ class HfNames:
             shared = self._mlp(p + "share_expert.", m.shared_ffn, why)
         out["shared_gate_up"], out["shared_down"] = shared["w_gate_up"], shared["w_down"]
         return out
+
+# Gemma's per-layer weights besides the block's: canonical name -> the checkpoint's name in a layer
+HF_SANDWICH = {"post_attn_norm": "post_attention_layernorm.weight", "post_ffn_norm": "post_feedforward_layernorm.weight",
+               "layer_scalar": "layer_scalar", "ple_gate": "per_layer_input_gate.weight",
+               "ple_proj": "per_layer_projection.weight", "ple_norm": "post_per_layer_input_norm.weight"}
+
+
+def sandwich_weights(names, p: str, why: str, spelled: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Gemma's norms after each branch, its per-layer scalar and (E-variants) the per-layer input's path,
+    through `names` (an HfNames or a GGUF one) with the file's own tensor names."""
+    c, e = names.cfg, names.cfg.hidden_size
+    out = {k: names.norm(p + spelled[k], e, why) for k in ("post_attn_norm", "post_ffn_norm")}
+    if names.src.has(p + spelled["layer_scalar"]):
+        out["layer_scalar"] = names.get(p + spelled["layer_scalar"], (1,), why)
+    if c.ple_dim:
+        out["ple_gate"] = names.get(p + spelled["ple_gate"], (c.ple_dim, e), why)
+        out["ple_proj"] = names.get(p + spelled["ple_proj"], (e, c.ple_dim), why)
+        out["ple_norm"] = names.norm(p + spelled["ple_norm"], e, why)
+    return out
+
 
 def cat_rows(parts):
     """Row-concatenation of float weights, or of packed FP8 / NVFP4 ones of one kind and width (kept
