@@ -132,19 +132,34 @@ AVX2 void q8_0_avx2(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t
   for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
 }
 
+// Byte-shuffle indices that copy int16 lane j of a 128-bit half into all eight of its lanes: a scale vector
+// in one instruction (a broadcast from memory costs three).
+alignas(32) const uint8_t kSpread[8][32] = {
+#define S(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
+              2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
+    S(0), S(1), S(2), S(3), S(4), S(5), S(6), S(7)
+#undef S
+};
+
+// Q4_K / Q5_K: xs32 holds the activation's int sums per 32 values as int16 (|sum| <= 32 * 127).
 template <int R>
 AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
-                  int64_t K, const int8_t* x, const float* xd, const int32_t* xs, float* y) {
+                  int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
   const int64_t nsb = K / 256, qrow = bits == 5 ? K : K / 2;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   float acc[R];
   for (int r = 0; r < R; r++) acc[r] = 0;
   for (int64_t s = 0; s < nsb; s++) {
-    __m256i ia[R];
-    for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
+    __m256i ia[R], scales[R];
+    for (int r = 0; r < R; r++) {
+      ia[r] = _mm256_setzero_si256();
+      __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + r * (K / 32) + 8 * s)));
+      scales[r] = _mm256_broadcastsi128_si256(s16);  // the eight 6-bit scales as int16, in both halves
+    }
     for (int j = 0; j < 8; j += 2) {  // two 32-value sub-blocks
       __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 32 * j));
       __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 32 * j + 32));
+      __m256i sp0 = _mm256_load_si256((const __m256i*)kSpread[j]), sp1 = _mm256_load_si256((const __m256i*)kSpread[j + 1]);
       for (int r = 0; r < R; r++) {
         const uint8_t* qr = q + r * qrow;
         __m256i q0, q1;
@@ -156,16 +171,17 @@ AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin,
           q0 = _mm256_and_si256(b, m4);
           q1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
         }
-        const uint8_t* scr = sc + r * (K / 32) + 8 * s + j;
-        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0), _mm256_set1_epi16(scr[0]));
-        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1), _mm256_set1_epi16(scr[1]));
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0), _mm256_shuffle_epi8(scales[r], sp0));
+        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1), _mm256_shuffle_epi8(scales[r], sp1));
         ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(p0, p1));
       }
     }
+    const __m128i xsv = _mm_loadu_si128((const __m128i*)(xs32 + 8 * s));
     for (int r = 0; r < R; r++) {
-      const uint8_t* mnr = mn + r * (K / 32) + 8 * s;
-      int32_t msum = 0;
-      for (int j = 0; j < 8; j++) msum += (int32_t)mnr[j] * (xs[16 * s + 2 * j] + xs[16 * s + 2 * j + 1]);
+      __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(mn + r * (K / 32) + 8 * s)));
+      __m128i ms = _mm_madd_epi16(m16, xsv);  // min_j * xsum_j, in pairs
+      ms = _mm_add_epi32(ms, _mm_unpackhi_epi64(ms, ms));
+      int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(ms, _mm_shuffle_epi32(ms, 1)));
       acc[r] = acc[r] + (d[r * nsb + s] * xd[s]) * (float)hsum_i32(ia[r]);
       acc[r] = acc[r] - (dmin[r * nsb + s] * xd[s]) * (float)msum;
     }
@@ -180,16 +196,22 @@ AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K,
   float acc[R];
   for (int r = 0; r < R; r++) acc[r] = 0;
   for (int64_t s = 0; s < nsb; s++) {
-    __m256i ia[R];
-    for (int r = 0; r < R; r++) ia[r] = _mm256_setzero_si256();
+    __m256i ia[R], lo[R], hi[R];  // scales 0..7 / 8..15 as int16, in both 128-bit halves
+    for (int r = 0; r < R; r++) {
+      ia[r] = _mm256_setzero_si256();
+      __m128i s8 = _mm_loadu_si128((const __m128i*)(sc + r * (K / 16) + 16 * s));
+      lo[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
+      hi[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)));
+    }
     for (int j = 0; j < 16; j += 2) {  // two 16-value sub-blocks, one per 128-bit half
       __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 16 * j));
+      // [scale j x8 | scale j+1 x8]: one shuffle of the half of the scales holding both
+      __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
+                                     _mm_load_si128((const __m128i*)kSpread[j % 8]));
       for (int r = 0; r < R; r++) {
         __m256i qv = _mm256_loadu_si256((const __m256i*)(q + r * K + 256 * s + 16 * j));
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
-        const int8_t* scr = sc + r * (K / 16) + 16 * s + j;
-        __m256i scv = _mm256_set_m128i(_mm_set1_epi16(scr[1]), _mm_set1_epi16(scr[0]));
-        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, scv));
+        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, _mm256_shuffle_epi8(j < 8 ? lo[r] : hi[r], idx)));
       }
     }
     for (int r = 0; r < R; r++) acc[r] = acc[r] + (d[r * nsb + s] * xd[s]) * (float)hsum_i32(ia[r]);
@@ -232,7 +254,7 @@ void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8
 void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, const int8_t* x, const float* xd,
                      int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t groups = (N + G - 1) / G, nb = K / 32;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups, nthreads))
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
   for (int64_t g = 0; g < groups; g++) {
     const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
     for (int64_t m = 0; m < M; m++) {
@@ -255,14 +277,15 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
                    const uint8_t* mn, int64_t N, int64_t K, const int8_t* x, const float* xd, const int32_t* xs,
                    int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t groups = (N + G - 1) / G, nsb = K / 256, qrow = bits == 5 ? K : K / 2;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups, nthreads))
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
   for (int64_t g = 0; g < groups; g++) {
     const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
     for (int64_t m = 0; m < M; m++) {
       float* ym = y + m * ldy + n0;
       const int8_t* xm = x + m * K;
       const float* xdm = xd + m * nsb;
-      const int32_t* xsm = xs + m * (K / 16);
+      int16_t xsm[K / 32 + 1];  // the activation row's sums per 32 values (|sum| <= 4064: int16)
+      for (int64_t t = 0; t < K / 32; t++) xsm[t] = (int16_t)(xs[m * (K / 16) + 2 * t] + xs[m * (K / 16) + 2 * t + 1]);
       if (avx2 && rows == G) {
         qk_avx2<G>(bits, q + n0 * qrow, d + n0 * nsb, dmin + n0 * nsb, sc + n0 * (K / 32), mn + n0 * (K / 32), K, xm,
                    xdm, xsm, ym);
@@ -272,7 +295,7 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
         const int64_t n = n0 + r;
         const uint8_t *qn = q + n * qrow, *scn = sc + n * (K / 32), *mnn = mn + n * (K / 32);
         if (avx2) qk_avx2<1>(bits, qn, d + n * nsb, dmin + n * nsb, scn, mnn, K, xm, xdm, xsm, ym + r);
-        else ym[r] = qk_scalar(bits, qn, d + n * nsb, dmin + n * nsb, scn, mnn, xm, xdm, xsm, nsb);
+        else ym[r] = qk_scalar(bits, qn, d + n * nsb, dmin + n * nsb, scn, mnn, xm, xdm, xs + m * (K / 16), nsb);
       }
     }
   }
@@ -281,7 +304,7 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
 void memra_qdot_q6k(const int8_t* q, const float* d, const int8_t* sc, int64_t N, int64_t K, const int8_t* x,
                     const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t groups = (N + G - 1) / G, nsb = K / 256;
-#pragma omp parallel for schedule(static) num_threads(threads_for(groups, nthreads))
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
   for (int64_t g = 0; g < groups; g++) {
     const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
     for (int64_t m = 0; m < M; m++) {
