@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -118,20 +119,25 @@ def quantize_rows(x: torch.Tensor, block: int):
     return q, d, sums
 
 
-def _part(lib, w, act, y: torch.Tensor, ldy: int, threads: int, avx2: int) -> None:
-    """One split layout's outputs into y (a column offset of the [M, ldy] output)."""
-    q, d, sums = act
-    m = q.shape[0]
-    n, k = w.shape
-    common = (m, y.data_ptr(), ldy, threads, avx2)  # y: a view with row stride ldy
-    if isinstance(w, split.Q8Split):
-        lib.memra_qdot_q8_0(_ptr(w.q), _ptr(w.d), n, k, _ptr(q), _ptr(d), *common)
-    elif isinstance(w, split.Q6KSplit):
-        lib.memra_qdot_q6k(_ptr(w.q), _ptr(w.d), _ptr(w.scale), n, k, _ptr(q), _ptr(d), *common)
-    else:
-        bits, quants = (4, w.qs) if isinstance(w, split.Q4KSplit) else (5, w.q)
-        lib.memra_qdot_qk(bits, _ptr(quants), _ptr(w.d), _ptr(w.dmin), _ptr(w.scale), _ptr(w.mins), n, k,
-                          _ptr(q), _ptr(d), _ptr(sums), *common)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan(lib, w) -> tuple:
+    """(C function, activation block, the weight's leading arguments) of a split layout, made once per
+    weight: a decode step calls ~4 linears a layer, and rebuilding these costs more than a small kernel."""
+    plan = _PLANS.get(w)
+    if plan is None:
+        n, k = w.shape
+        if isinstance(w, split.Q8Split):
+            plan = (lib.memra_qdot_q8_0, 32, (_ptr(w.q), _ptr(w.d), n, k), False)
+        elif isinstance(w, split.Q6KSplit):
+            plan = (lib.memra_qdot_q6k, 256, (_ptr(w.q), _ptr(w.d), _ptr(w.scale), n, k), False)
+        else:
+            bits, quants = (4, w.qs) if isinstance(w, split.Q4KSplit) else (5, w.q)
+            plan = (lib.memra_qdot_qk, 256, (bits, _ptr(quants), _ptr(w.d), _ptr(w.dmin), _ptr(w.scale),
+                                             _ptr(w.mins), n, k), True)
+        _PLANS[w] = plan
+    return plan
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: bool | None = None) -> torch.Tensor:
@@ -145,13 +151,16 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: bool | No
     use_avx2 = lib.avx2 if avx2 is None else int(avx2 and lib.avx2)
     threads = torch.get_num_threads()
     acts = {}
-    lo = 0
+    col = 0
     for part in (w.parts if isinstance(w, split.SplitRows) else (w,)):
-        block = 32 if isinstance(part, split.Q8Split) else 256
+        fn, block, weight_args, sums = _plan(lib, part)
         if block not in acts:
             acts[block] = quantize_rows(x2, block)
-        _part(lib, part, acts[block], out[:, lo:], n, threads, use_avx2)
-        lo += part.shape[0]
+        q, d, xs = acts[block]
+        act_args = (q.data_ptr(), d.data_ptr(), xs.data_ptr()) if sums else (q.data_ptr(), d.data_ptr())
+        # out's columns col.. (row stride n): this part's outputs
+        fn(*weight_args, *act_args, m, out.data_ptr() + 4 * col, n, threads, use_avx2)
+        col += part.shape[0]
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], n).to(x.dtype)
