@@ -169,7 +169,7 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "where decode steps are graphed (else the two calls), eager elsewhere (CPU, MEMRA_CUDA_GRAPHS=0) | 1 = "
      "eager too where no graph fits | 0"),
     ("MEMRA_CPU_QDOT", "1", "packed GGUF linears on CPU as int8 block dot products (a C file built at first use); "
-     "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 2-6x slower"),
+     "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

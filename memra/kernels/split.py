@@ -1,6 +1,8 @@
-"""GGUF weights repacked at load: the quants apart from their scales. On CPU a tile of a linear's weight
-then decodes in a few whole-tensor ops into a reused buffer (memra.kernels.quant.tiled_linear), and the
-model's memory tracks the file's size instead of four bytes a value; on a GPU the fused kernels
+"""GGUF weights repacked at load: the quants apart from their scales. On CPU the integer-dot kernel
+(memra.kernels.cpu_qdot) reads each row's quants and scales as contiguous runs, or, as its fallback, a
+tile of a linear's weight decodes in a few whole-tensor ops into a reused buffer
+(memra.kernels.quant.tiled_linear), and the model's memory tracks the file's size instead of four bytes
+a value; on a GPU the fused kernels
 (memra.kernels.triton.quant) read a tile's quants with wide loads instead of gathering them byte by byte.
 
     Q8Split   Q8_0: int8 q [N, K] | fp16 d [N, K/32]                      value = d * q
@@ -18,8 +20,7 @@ a small widening per block; split, a tile is one widening copy (Q4_K: of its nib
 bytes first) and one or two broadcast ops per 16 or 32 values. Each decodes to the very values
 memra.loading.dequant gives (bit-identical to gguf.quants.dequantize): the same fp32 operations in the
 same order (tests/test_quant_linear.py).
-Hand-written because neither torch nor gguf decodes a tile into a caller's buffer; llama.cpp's own
-kernels multiply in int8, which would change the bits of every logit.
+Hand-written because neither torch nor gguf decodes a tile into a caller's buffer.
 """
 
 from __future__ import annotations
