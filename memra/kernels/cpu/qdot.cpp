@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <tuple>
+#include <vector>
+
 namespace {
 
 float half_to_float(uint16_t h) {  // exact, as torch's float16 -> float32
@@ -223,6 +226,25 @@ constexpr int64_t G = 4;  // weight rows per task
 
 int threads_for(int64_t groups, int nthreads) { return groups < nthreads ? (int)(groups > 0 ? groups : 1) : nthreads; }
 
+// Every output y[m, n] (row stride ldy): threads take groups of G weight rows; a whole group runs
+// group(n0, m, y + m * ldy + n0), a ragged last one row by row through one(n, m, y + m * ldy + n). Each
+// output's arithmetic is the same either way, so neither the grouping nor the threads change its bits.
+template <class Group, class One>
+void each_output(int64_t N, int64_t M, float* y, int64_t ldy, int nthreads, bool avx2, Group group, One one) {
+  const int64_t groups = (N + G - 1) / G;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
+    for (int64_t m = 0; m < M; m++) {
+      if (avx2 && rows == G) {
+        group(n0, m, y + m * ldy + n0);
+      } else {
+        for (int64_t n = n0; n < n0 + rows; n++) one(n, m, y + m * ldy + n);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -253,75 +275,46 @@ void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8
 // y[m, n] (row stride ldy) for weight rows n < N, activations' rows m < M.
 void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, const int8_t* x, const float* xd,
                      int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
-  const int64_t groups = (N + G - 1) / G, nb = K / 32;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
-    for (int64_t m = 0; m < M; m++) {
-      float* ym = y + m * ldy + n0;
-      const int8_t* xm = x + m * K;
-      const float* xdm = xd + m * nb;
-      if (avx2 && rows == G) {
-        q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, xm, xdm, ym);
-      } else if (avx2) {
-        for (int64_t r = 0; r < rows; r++) q8_0_avx2<1>(w + (n0 + r) * K, wd + (n0 + r) * nb, K, xm, xdm, ym + r);
-      } else {
-        for (int64_t r = 0; r < rows; r++) ym[r] = q8_0_scalar(w + (n0 + r) * K, wd + (n0 + r) * nb, xm, xdm, nb);
-      }
-    }
-  }
+  const int64_t nb = K / 32;
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) { q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out); },
+      [&](int64_t n, int64_t m, float* out) {
+        if (avx2) q8_0_avx2<1>(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
+        else *out = q8_0_scalar(w + n * K, wd + n * nb, x + m * K, xd + m * nb, nb);
+      });
 }
 
 // Q4_K (bits 4) and Q5_K (bits 5) in their split layouts; activations per 256 with sums per 16.
 void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
                    const uint8_t* mn, int64_t N, int64_t K, const int8_t* x, const float* xd, const int32_t* xs,
                    int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
-  const int64_t groups = (N + G - 1) / G, nsb = K / 256, qrow = bits == 5 ? K : K / 2;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
-    for (int64_t m = 0; m < M; m++) {
-      float* ym = y + m * ldy + n0;
-      const int8_t* xm = x + m * K;
-      const float* xdm = xd + m * nsb;
-      int16_t xsm[K / 32 + 1];  // the activation row's sums per 32 values (|sum| <= 4064: int16)
-      for (int64_t t = 0; t < K / 32; t++) xsm[t] = (int16_t)(xs[m * (K / 16) + 2 * t] + xs[m * (K / 16) + 2 * t + 1]);
-      if (avx2 && rows == G) {
-        qk_avx2<G>(bits, q + n0 * qrow, d + n0 * nsb, dmin + n0 * nsb, sc + n0 * (K / 32), mn + n0 * (K / 32), K, xm,
-                   xdm, xsm, ym);
-        continue;
-      }
-      for (int64_t r = 0; r < rows; r++) {
-        const int64_t n = n0 + r;
-        const uint8_t *qn = q + n * qrow, *scn = sc + n * (K / 32), *mnn = mn + n * (K / 32);
-        if (avx2) qk_avx2<1>(bits, qn, d + n * nsb, dmin + n * nsb, scn, mnn, K, xm, xdm, xsm, ym + r);
-        else ym[r] = qk_scalar(bits, qn, d + n * nsb, dmin + n * nsb, scn, mnn, xm, xdm, xs + m * (K / 16), nsb);
-      }
-    }
-  }
+  const int64_t nsb = K / 256, qrow = bits == 5 ? K : K / 2;
+  std::vector<int16_t> xs32(M * (K / 32));  // the activations' sums per 32 values (|sum| <= 4064: int16)
+  for (int64_t t = 0; t < M * (K / 32); t++) xs32[t] = (int16_t)(xs[2 * t] + xs[2 * t + 1]);
+  auto args = [&](int64_t n) { return std::make_tuple(q + n * qrow, d + n * nsb, dmin + n * nsb, sc + n * (K / 32), mn + n * (K / 32)); };
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) {
+        auto [qn, dn, dminn, scn, mnn] = args(n0);
+        qk_avx2<G>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
+      },
+      [&](int64_t n, int64_t m, float* out) {
+        auto [qn, dn, dminn, scn, mnn] = args(n);
+        if (avx2) qk_avx2<1>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
+        else *out = qk_scalar(bits, qn, dn, dminn, scn, mnn, x + m * K, xd + m * nsb, xs + m * (K / 16), nsb);
+      });
 }
 
 void memra_qdot_q6k(const int8_t* q, const float* d, const int8_t* sc, int64_t N, int64_t K, const int8_t* x,
                     const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
-  const int64_t groups = (N + G - 1) / G, nsb = K / 256;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
-    for (int64_t m = 0; m < M; m++) {
-      float* ym = y + m * ldy + n0;
-      const int8_t* xm = x + m * K;
-      const float* xdm = xd + m * nsb;
-      if (avx2 && rows == G) {
-        q6k_avx2<G>(q + n0 * K, d + n0 * nsb, sc + n0 * (K / 16), K, xm, xdm, ym);
-      } else {
-        for (int64_t r = 0; r < rows; r++) {
-          const int64_t n = n0 + r;
-          if (avx2) q6k_avx2<1>(q + n * K, d + n * nsb, sc + n * (K / 16), K, xm, xdm, ym + r);
-          else ym[r] = q6k_scalar(q + n * K, d + n * nsb, sc + n * (K / 16), xm, xdm, nsb);
-        }
-      }
-    }
-  }
+  const int64_t nsb = K / 256;
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) {
+        q6k_avx2<G>(q + n0 * K, d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K, xd + m * nsb, out);
+      },
+      [&](int64_t n, int64_t m, float* out) {
+        if (avx2) q6k_avx2<1>(q + n * K, d + n * nsb, sc + n * (K / 16), K, x + m * K, xd + m * nsb, out);
+        else *out = q6k_scalar(q + n * K, d + n * nsb, sc + n * (K / 16), x + m * K, xd + m * nsb, nsb);
+      });
 }
 
 }  // extern "C"
