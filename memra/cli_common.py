@@ -12,7 +12,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a GGUF's Q8_0 / Q4_K / Q5_K / Q6_K weights, or an FP8 / NVFP4 checkpoint's, packed in memory, "
-                        "decoded a tile at a time (the same output); --no-packed-weights decodes all at load; "
+                        "multiplied in int8 block dot products on CPU (GGUF; MEMRA_CPU_QDOT=0: decoded a tile at a time, the "
+                        "output of --no-packed-weights) or decoded a tile at a time; --no-packed-weights decodes all at load; "
                         "default: packed on CPU, decoded at load on a GPU")
     p.add_argument("--check-tensors", action="store_true",
                    help="scan every weight for NaN / Inf while loading and name the first bad tensor (norms and "

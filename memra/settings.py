@@ -78,6 +78,7 @@ class Settings:
     mixed_step: str = "auto"
     gate_seed: int = 0
     gate_canary: bool = False
+    cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -102,6 +103,7 @@ class Settings:
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
             gate_seed=integer(e, "MEMRA_GATE_SEED", 0),
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
+            cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -139,7 +141,7 @@ class Settings:
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
-                "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), **self.pp_env}
+                "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot), **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
         """These settings with some doors set (a value, parsed as from the environment) or unset (None):
@@ -166,6 +168,8 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "
      "where decode steps are graphed (else the two calls), eager elsewhere (CPU, MEMRA_CUDA_GRAPHS=0) | 1 = "
      "eager too where no graph fits | 0"),
+    ("MEMRA_CPU_QDOT", "1", "packed GGUF linears on CPU as int8 block dot products (a C file built at first use); "
+     "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

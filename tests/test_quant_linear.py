@@ -332,7 +332,8 @@ def test_fused_linear_takes_leading_dims_and_refuses_unsplit_bytes():
 
 
 def test_ops_linear_runs_the_twin_on_cpu():
-    ops = KernelTable.build("cpu", Settings())
+    """With MEMRA_CPU_QDOT=0 (by default: the integer-dot kernel, tests/test_cpu_qdot.py)."""
+    ops = KernelTable.build("cpu", Settings().with_doors(MEMRA_CPU_QDOT="0"))
     qw = quant.quantize_q4_k(weight(24, 256))
     x, b = rnd(5, 256, seed=7), rnd(24, seed=8)
     same_bits(ops.linear(x, split_layout(qw), b), quant.reference_linear(x, qw, b))

@@ -3,7 +3,8 @@
 Each engine runs in a process of its own (`python -m memra.bench.gguf_file ENGINE FILE ...`, which
 prints one JSON line), so the memory it reports is its own:
 - `rss`: resident memory after load minus resident memory before it (the interpreter and imports);
-- `peak`: the process's high-water mark (VmHWM), imports included.
+- `peak`: the process's high-water mark (VmHWM), imports included; `peak - base`: that mark less the
+  resident memory before load (what loading and decoding the model took at their worst).
 Decode is one sequence (B=1), greedy, `tokens` new tokens after the same 16-token prompt of ids
 10..25 (valid in any vocabulary, so both engines read the same tokens without sharing a tokenizer).
 It is timed from the first generated token to the last:
@@ -39,6 +40,7 @@ class GgufRun:
     engine: str
     load_s: float | None = None
     rss_bytes: int | None = None
+    base_bytes: int | None = None  # resident before load (the interpreter and imports)
     peak_bytes: int | None = None
     tok_s: float | None = None
     error: str | None = None
@@ -68,7 +70,7 @@ def _memra(path: str, tokens: int, threads: int) -> dict:
     llm.engine.submit(PROMPT, memra.SamplingParams(max_tokens=tokens),
                       lambda ev: ev.token_id is not None and times.append(time.perf_counter()))
     llm.engine.run_until_idle()
-    return dict(load_s=load_s, rss_bytes=_delta(before, after), tok_s=_rate(times))
+    return dict(load_s=load_s, rss_bytes=_delta(before, after), base_bytes=before, tok_s=_rate(times))
 
 
 def _llama_cpp(path: str, tokens: int, threads: int) -> dict:
@@ -82,7 +84,7 @@ def _llama_cpp(path: str, tokens: int, threads: int) -> dict:
         times.append(time.perf_counter())
         if len(times) == tokens:
             break
-    return dict(load_s=load_s, rss_bytes=_delta(before, after), tok_s=_rate(times))
+    return dict(load_s=load_s, rss_bytes=_delta(before, after), base_bytes=before, tok_s=_rate(times))
 
 
 def _rate(times: list[float]) -> float | None:
@@ -134,7 +136,7 @@ def gguf_table(path: str, runs: list[GgufRun]) -> str:
     size = Path(path).stat().st_size
     peer = next((r.tok_s for r in runs if r.engine == "llama.cpp" and r.tok_s), None)
     head = (f"{'engine':10s}  {'load s':>7s}  {'RSS after load':>14s}  {'x file':>6s}  {'peak RSS':>9s}  "
-            f"{'decode tok/s':>12s}  {'vs llama.cpp':>12s}")
+            f"{'peak - base':>11s}  {'x file':>6s}  {'decode tok/s':>12s}  {'vs llama.cpp':>12s}")
     lines = [f"{Path(path).name}: {size / MIB:.1f} MiB, CPU, B=1, greedy", head]
     for r in runs:
         if r.error:
@@ -143,8 +145,11 @@ def gguf_table(path: str, runs: list[GgufRun]) -> str:
         rss = f"{r.rss_bytes / MIB:.0f} MiB" if r.rss_bytes is not None else "-"
         ratio = f"{r.rss_bytes / size:.2f}" if r.rss_bytes is not None else "-"
         peak = f"{r.peak_bytes / MIB:.0f} MiB" if r.peak_bytes is not None else "-"
+        grew = _delta(r.base_bytes, r.peak_bytes)
+        grew_s, grew_x = (f"{grew / MIB:.0f} MiB", f"{grew / size:.2f}") if grew is not None else ("-", "-")
         vs = f"{r.tok_s / peer:.2f}" if peer and r.tok_s else "-"
-        lines.append(f"{r.engine:10s}  {r.load_s:7.2f}  {rss:>14s}  {ratio:>6s}  {peak:>9s}  {r.tok_s or 0:12.1f}  {vs:>12s}")
+        lines.append(f"{r.engine:10s}  {r.load_s:7.2f}  {rss:>14s}  {ratio:>6s}  {peak:>9s}  {grew_s:>11s}  {grew_x:>6s}  "
+                     f"{r.tok_s or 0:12.1f}  {vs:>12s}")
     return "\n".join(lines)
 
 

@@ -2,8 +2,9 @@
 
 Decode is bound by reading weights: a bf16 weight costs 2 bytes a value, Q8_0 1.06 and Q4_K 0.56. So a
 `QuantWeight` keeps each output row's GGUF bytes exactly as the file stores them, and the loader repacks
-them into split layouts (memra.kernels.split: quants apart from scales), which the CPU decodes a tile at
-a time (`tiled_linear`) and the GPU kernels (memra.kernels.triton.quant) dequantize in registers inside
+them into split layouts (memra.kernels.split: quants apart from scales), which the CPU multiplies as
+int8 block dot products (memra.kernels.cpu_qdot) or, behind MEMRA_CPU_QDOT=0, decodes a tile at a time
+(`tiled_linear`, the bits of reference_linear), and the GPU kernels (memra.kernels.triton.quant) dequantize in registers inside
 the matmul, instead of materialising the float weight. The formats:
 
   Q8_0  blocks of 32 values in 34 bytes:  d (fp16) | 32 x int8 q             value = d * q

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.kernels import quant, reference, split
+from memra.kernels import cpu_qdot, quant, reference, split
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
@@ -124,6 +124,7 @@ class KernelTable:
     exact: bool  # the exact path (MEMRA_EXACT)
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
+    qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
 
@@ -133,7 +134,8 @@ class KernelTable:
         triton = cuda and settings.triton and triton_ops() is not None
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
-                   sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None)
+                   sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
+                   qdot=torch.device(device).type == "cpu" and settings.cpu_qdot)
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
@@ -173,6 +175,8 @@ class KernelTable:
     def linear(self, x, w, b=None):
         if isinstance(w, split.SPLIT_TYPES):  # packed: the fused kernel, or decoded a tile at a time
             if self._impl(x) is reference:
+                if self.qdot and x.device.type == "cpu" and cpu_qdot.supports(w) and cpu_qdot.library() is not None:
+                    return cpu_qdot.linear(x, w, b)
                 return quant.tiled_linear(x, w, b, self.scratch)
             return _quant_triton().linear(x, w, b)
         return self._impl(x).linear(x, w, b)

@@ -1,0 +1,320 @@
+// Integer block dot products of int8-quantized activations with GGUF weights in their split layouts
+// (memra/kernels/split.py), for CPU decode. The arithmetic is defined by the pure-torch twin in
+// memra/kernels/qdot_reference.py, bit for bit; memra/kernels/cpu_qdot.py builds and calls this file.
+//
+// Why the bits cannot depend on the batch: every output y[m, n] is computed by one thread from row m's
+// quantized activations and weight row n alone, in one fixed order; threads split the output rows n only.
+// Integer sums are exact, so the AVX2 and the scalar code may add them in any order; the float steps are
+// written out one by one (no FMA: built with -ffp-contract=off) in the same order in both.
+//
+// Activations: per block of 32 (Q8_0) or 256 (K-quants) values, d = max|x| / 127, q = round-half-even(x / d)
+// computed as x * (1 / d); the K-quants also take int32 sums of q per 16 values.
+// Q8_0: per 32-block b and lane l (4 values: 4l..4l+3), s = int sum; acc[l] = acc[l] + (wd_b * xd_b) * s;
+//       y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)).
+// Q4_K, Q5_K: per 256-block, isum = sum_j scale_j * dot_j (j: the eight 32-value sub-blocks),
+//       msum = sum_j min_j * xsum_j; acc = acc + (d * xd) * isum; acc = acc - (dmin * xd) * msum.
+// Q6_K: per 256-block, isum = sum_j scale_j * dot_j (j: sixteen 16-value sub-blocks); acc = acc + (d * xd) * isum.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+float half_to_float(uint16_t h) {  // exact, as torch's float16 -> float32
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, f;
+  if (exp == 0) {
+    if (mant == 0) {
+      f = sign;
+    } else {  // subnormal: normalise
+      exp = 113;
+      while (!(mant & 0x400)) { mant <<= 1; exp--; }
+      f = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    f = sign | 0x7f800000u | (mant << 13);
+  } else {
+    f = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float out;
+  __builtin_memcpy(&out, &f, 4);
+  return out;
+}
+
+float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// ---- scalar: the definition, and the fallback where AVX2 is missing ----
+
+float q8_0_scalar(const int8_t* w, const uint16_t* wd, const int8_t* x, const float* xd, int64_t nb) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t b = 0; b < nb; b++) {
+    float dd = half_to_float(wd[b]) * xd[b];
+    for (int l = 0; l < 8; l++) {
+      int32_t s = 0;
+      for (int i = 0; i < 4; i++) s += (int32_t)w[32 * b + 4 * l + i] * x[32 * b + 4 * l + i];
+      acc[l] = acc[l] + dd * (float)s;
+    }
+  }
+  return tree8(acc);
+}
+
+// Q4_K (bits == 4: 4-bit q packed as split.Q4KSplit, 32 bytes per 64 values) and Q5_K (bits == 5: a byte each)
+float qk_scalar(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
+                const int8_t* x, const float* xd, const int32_t* xs, int64_t nsb) {
+  float acc = 0;
+  for (int64_t s = 0; s < nsb; s++) {
+    int32_t isum = 0, msum = 0;
+    for (int j = 0; j < 8; j++) {
+      int32_t dot = 0;
+      for (int i = 0; i < 32; i++) {
+        int v = bits == 5 ? q[256 * s + 32 * j + i]
+                          : (q[128 * s + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0xF;
+        dot += v * x[256 * s + 32 * j + i];
+      }
+      isum += (int32_t)sc[8 * s + j] * dot;
+      msum += (int32_t)mn[8 * s + j] * (xs[16 * s + 2 * j] + xs[16 * s + 2 * j + 1]);
+    }
+    acc = acc + (d[s] * xd[s]) * (float)isum;
+    acc = acc - (dmin[s] * xd[s]) * (float)msum;
+  }
+  return acc;
+}
+
+float q6k_scalar(const int8_t* q, const float* d, const int8_t* sc, const int8_t* x, const float* xd, int64_t nsb) {
+  float acc = 0;
+  for (int64_t s = 0; s < nsb; s++) {
+    int32_t isum = 0;
+    for (int j = 0; j < 16; j++) {
+      int32_t dot = 0;
+      for (int i = 0; i < 16; i++) dot += (int32_t)q[256 * s + 16 * j + i] * x[256 * s + 16 * j + i];
+      isum += (int32_t)sc[16 * s + j] * dot;
+    }
+    acc = acc + (d[s] * xd[s]) * (float)isum;
+  }
+  return acc;
+}
+
+// ---- AVX2: R weight rows at a time share each activation load ----
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+AVX2 inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+AVX2 inline float tree8_avx(__m256 a) {  // tree8's order: (l, l+4) pairs, then (0, 2) and (1, 3), then the two
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+AVX2 void q8_0_avx2(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
+  const int64_t nb = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * b));
+    for (int r = 0; r < R; r++) {
+      __m256i wv = _mm256_loadu_si256((const __m256i*)(w + r * K + 32 * b));
+      // |w| * (x signed by w): maddubs wants one unsigned operand; |w| <= 128 and |x| <= 127 fit its int16 pairs
+      __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lane l: values 4l..4l+3
+      __m256 dd = _mm256_set1_ps(_cvtsh_ss(wd[r * nb + b]) * xd[b]);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, s));
+    }
+  }
+  for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
+}
+
+// Byte-shuffle indices that copy int16 lane j of a 128-bit half into all eight of its lanes: a scale vector
+// in one instruction (a broadcast from memory costs three).
+alignas(32) const uint8_t kSpread[8][32] = {
+#define S(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
+              2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
+    S(0), S(1), S(2), S(3), S(4), S(5), S(6), S(7)
+#undef S
+};
+
+// Q4_K / Q5_K: xs32 holds the activation's int sums per 32 values as int16 (|sum| <= 32 * 127).
+template <int R>
+AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
+                  int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
+  const int64_t nsb = K / 256, qrow = bits == 5 ? K : K / 2;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  float acc[R];
+  for (int r = 0; r < R; r++) acc[r] = 0;
+  for (int64_t s = 0; s < nsb; s++) {
+    __m256i ia[R], scales[R];
+    for (int r = 0; r < R; r++) {
+      ia[r] = _mm256_setzero_si256();
+      __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + r * (K / 32) + 8 * s)));
+      scales[r] = _mm256_broadcastsi128_si256(s16);  // the eight 6-bit scales as int16, in both halves
+    }
+    for (int j = 0; j < 8; j += 2) {  // two 32-value sub-blocks
+      __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 32 * j));
+      __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 32 * j + 32));
+      __m256i sp0 = _mm256_load_si256((const __m256i*)kSpread[j]), sp1 = _mm256_load_si256((const __m256i*)kSpread[j + 1]);
+      for (int r = 0; r < R; r++) {
+        const uint8_t* qr = q + r * qrow;
+        __m256i q0, q1;
+        if (bits == 5) {
+          q0 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j));
+          q1 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j + 32));
+        } else {
+          __m256i b = _mm256_loadu_si256((const __m256i*)(qr + 128 * s + 16 * j));
+          q0 = _mm256_and_si256(b, m4);
+          q1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+        }
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0), _mm256_shuffle_epi8(scales[r], sp0));
+        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1), _mm256_shuffle_epi8(scales[r], sp1));
+        ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(p0, p1));
+      }
+    }
+    const __m128i xsv = _mm_loadu_si128((const __m128i*)(xs32 + 8 * s));
+    for (int r = 0; r < R; r++) {
+      __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(mn + r * (K / 32) + 8 * s)));
+      __m128i ms = _mm_madd_epi16(m16, xsv);  // min_j * xsum_j, in pairs
+      ms = _mm_add_epi32(ms, _mm_unpackhi_epi64(ms, ms));
+      int32_t msum = _mm_cvtsi128_si32(_mm_add_epi32(ms, _mm_shuffle_epi32(ms, 1)));
+      acc[r] = acc[r] + (d[r * nsb + s] * xd[s]) * (float)hsum_i32(ia[r]);
+      acc[r] = acc[r] - (dmin[r * nsb + s] * xd[s]) * (float)msum;
+    }
+  }
+  for (int r = 0; r < R; r++) y[r] = acc[r];
+}
+
+template <int R>
+AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K, const int8_t* x, const float* xd,
+                   float* y) {
+  const int64_t nsb = K / 256;
+  float acc[R];
+  for (int r = 0; r < R; r++) acc[r] = 0;
+  for (int64_t s = 0; s < nsb; s++) {
+    __m256i ia[R], lo[R], hi[R];  // scales 0..7 / 8..15 as int16, in both 128-bit halves
+    for (int r = 0; r < R; r++) {
+      ia[r] = _mm256_setzero_si256();
+      __m128i s8 = _mm_loadu_si128((const __m128i*)(sc + r * (K / 16) + 16 * s));
+      lo[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8));
+      hi[r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)));
+    }
+    for (int j = 0; j < 16; j += 2) {  // two 16-value sub-blocks, one per 128-bit half
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 256 * s + 16 * j));
+      // [scale j x8 | scale j+1 x8]: one shuffle of the half of the scales holding both
+      __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
+                                     _mm_load_si128((const __m128i*)kSpread[j % 8]));
+      for (int r = 0; r < R; r++) {
+        __m256i qv = _mm256_loadu_si256((const __m256i*)(q + r * K + 256 * s + 16 * j));
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
+        ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, _mm256_shuffle_epi8(j < 8 ? lo[r] : hi[r], idx)));
+      }
+    }
+    for (int r = 0; r < R; r++) acc[r] = acc[r] + (d[r * nsb + s] * xd[s]) * (float)hsum_i32(ia[r]);
+  }
+  for (int r = 0; r < R; r++) y[r] = acc[r];
+}
+
+constexpr int64_t G = 4;  // weight rows per task
+
+int threads_for(int64_t groups, int nthreads) { return groups < nthreads ? (int)(groups > 0 ? groups : 1) : nthreads; }
+
+// Every output y[m, n] (row stride ldy): threads take groups of G weight rows; a whole group runs
+// group(n0, m, y + m * ldy + n0), a ragged last one row by row through one(n, m, y + m * ldy + n). Each
+// output's arithmetic is the same either way, so neither the grouping nor the threads change its bits.
+template <class Group, class One>
+void each_output(int64_t N, int64_t M, float* y, int64_t ldy, int nthreads, bool avx2, Group group, One one) {
+  const int64_t groups = (N + G - 1) / G;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads_for(groups, nthreads))
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t n0 = g * G, rows = N - n0 < G ? N - n0 : G;
+    for (int64_t m = 0; m < M; m++) {
+      if (avx2 && rows == G) {
+        group(n0, m, y + m * ldy + n0);
+      } else {
+        for (int64_t n = n0; n < n0 + rows; n++) one(n, m, y + m * ldy + n);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int memra_qdot_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+
+// x fp32 [M, K] -> q int8 [M, K], d fp32 [M, K / blk], and (xs != null) int32 sums of q per 16 [M, K / 16].
+void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8_t* q, float* d, int32_t* xs) {
+  for (int64_t i = 0; i < M * (K / blk); i++) {
+    const float* xb = x + i * blk;
+    float amax = 0;
+    for (int64_t t = 0; t < blk; t++) amax = fmaxf(amax, fabsf(xb[t]));
+    float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    d[i] = dd;
+    for (int64_t t = 0; t < blk; t++) {
+      float v = nearbyintf(xb[t] * id);  // the default rounding mode: half to even, as torch.round
+      q[i * blk + t] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+    }
+  }
+  if (xs)
+    for (int64_t i = 0; i < M * (K / 16); i++) {
+      int32_t s = 0;
+      for (int t = 0; t < 16; t++) s += q[16 * i + t];
+      xs[i] = s;
+    }
+}
+
+// y[m, n] (row stride ldy) for weight rows n < N, activations' rows m < M.
+void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, const int8_t* x, const float* xd,
+                     int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
+  const int64_t nb = K / 32;
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) { q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out); },
+      [&](int64_t n, int64_t m, float* out) {
+        if (avx2) q8_0_avx2<1>(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
+        else *out = q8_0_scalar(w + n * K, wd + n * nb, x + m * K, xd + m * nb, nb);
+      });
+}
+
+// Q4_K (bits 4) and Q5_K (bits 5) in their split layouts; activations per 256 with sums per 16.
+void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
+                   const uint8_t* mn, int64_t N, int64_t K, const int8_t* x, const float* xd, const int32_t* xs,
+                   int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
+  const int64_t nsb = K / 256, qrow = bits == 5 ? K : K / 2;
+  std::vector<int16_t> xs32(M * (K / 32));  // the activations' sums per 32 values (|sum| <= 4064: int16)
+  for (int64_t t = 0; t < M * (K / 32); t++) xs32[t] = (int16_t)(xs[2 * t] + xs[2 * t + 1]);
+  auto args = [&](int64_t n) { return std::make_tuple(q + n * qrow, d + n * nsb, dmin + n * nsb, sc + n * (K / 32), mn + n * (K / 32)); };
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) {
+        auto [qn, dn, dminn, scn, mnn] = args(n0);
+        qk_avx2<G>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
+      },
+      [&](int64_t n, int64_t m, float* out) {
+        auto [qn, dn, dminn, scn, mnn] = args(n);
+        if (avx2) qk_avx2<1>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
+        else *out = qk_scalar(bits, qn, dn, dminn, scn, mnn, x + m * K, xd + m * nsb, xs + m * (K / 16), nsb);
+      });
+}
+
+void memra_qdot_q6k(const int8_t* q, const float* d, const int8_t* sc, int64_t N, int64_t K, const int8_t* x,
+                    const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
+  const int64_t nsb = K / 256;
+  each_output(N, M, y, ldy, nthreads, avx2,
+      [&](int64_t n0, int64_t m, float* out) {
+        q6k_avx2<G>(q + n0 * K, d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K, xd + m * nsb, out);
+      },
+      [&](int64_t n, int64_t m, float* out) {
+        if (avx2) q6k_avx2<1>(q + n * K, d + n * nsb, sc + n * (K / 16), K, x + m * K, xd + m * nsb, out);
+        else *out = q6k_scalar(q + n * K, d + n * nsb, sc + n * (K / 16), x + m * K, xd + m * nsb, nsb);
+      });
+}
+
+}  // extern "C"
