@@ -65,7 +65,9 @@ def test_a_packed_model_on_the_gpu_kernels_agrees_with_the_torch_path(monkeypatc
     from memra.kernels.split import SPLIT_TYPES
 
     monkeypatch.setitem(rm.SHAPES, "tiny-test", lambda n: rm._llama(n or 2, 64, 4, 2, 128, 256))
-    plain = rm.random_model("tiny-test", "cpu", torch.float32, quant="q8_0")
+    # the CPU side through the tiled twin: the values of the file decoded, as the GPU kernel reads them
+    # (the CPU's int8 block kernel rounds the activations too, as llama.cpp does)
+    plain = rm.random_model("tiny-test", "cpu", torch.float32, quant="q8_0").with_doors(MEMRA_CPU_QDOT="0")
     _interpreted_table(monkeypatch)
     interpreted = plain.with_doors(MEMRA_DECODE_PLAN="row")
     assert isinstance(interpreted.blocks[0].ffn.w_gate_up, SPLIT_TYPES)
