@@ -15,6 +15,8 @@ first call, the rest of the output is dropped.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from memra.tools.scan import CallDelta, ObjectScanner
 
 _WS = " \t\r\n"
@@ -29,7 +31,7 @@ def partial_tail(text: str, tag: str) -> int:
     return 0
 
 
-class CallParser:
+class CallParser(ABC):
     """The interface: push(text) and finish() -> (content, [CallDelta]); `calls`: calls begun so far."""
 
     def __init__(self, single: bool = False):
@@ -37,8 +39,9 @@ class CallParser:
         self.calls = 0
         self.over = False  # single, and the one call is complete: the rest is dropped
 
+    @abstractmethod
     def push(self, text: str) -> tuple[str, list[CallDelta]]:
-        raise NotImplementedError
+        """The content and call deltas that `text`, appended to what came before, settles."""
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         return "", []
