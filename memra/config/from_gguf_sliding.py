@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from memra.config.fields import Fields
 from memra.errors import ConfigError
 
 SLIDING_GGUF_ARCHITECTURES = {"gemma4": "gemma4", "step35": "step3p5"}
@@ -23,28 +24,30 @@ HasTensor = Callable[[str], bool]
 ReadTensor = Callable[[str], list[float]]
 
 
+_FIX = "re-convert the file with llama.cpp's convert_hf_to_gguf.py"
+
+
 class _Keys:
-    """The `{arch}.` keys of one file; a missing required key fails naming the full key."""
+    """The `{arch}.` keys of one file, read through memra.config.fields.Fields (a missing required key fails
+    naming the full key); their values are checked where the config.json builder reads them."""
 
     def __init__(self, meta: dict[str, Any], arch: str, source: str):
-        self.meta, self.arch, self.source = meta, arch, source
+        self.arch, self.source = arch, source
+        prefixed = {k[len(arch) + 1:]: v for k, v in meta.items() if k.startswith(arch + ".")}
+        self.fields = Fields(source, (arch + ".", prefixed), home=arch + ".", fix=_FIX)
 
     def get(self, name: str, default: Any = ...) -> Any:
-        key = f"{self.arch}.{name}"
-        if key in self.meta:
-            return self.meta[key]
-        if default is ...:
-            raise ConfigError(f"{self.source}: GGUF key {key} is missing; re-convert the file with llama.cpp's "
-                              "convert_hf_to_gguf.py")
-        return default
+        found = self.fields.find(name)
+        if found is None and default is ...:
+            raise self.fields.error(f"required key {self.arch}.{name} is missing")
+        return default if found is None else found[1]
 
     def per_layer(self, name: str, n_layers: int, default: Any = ...) -> list:
         """A per-layer array, or one value for every layer."""
         value = self.get(name, default)
         values = list(value) if isinstance(value, (list, tuple)) else [value] * n_layers
-        if len(values) < n_layers:
-            raise ConfigError(f"{self.source}: GGUF key {self.arch}.{name} has {len(values)} entries for "
-                              f"{n_layers} layers; the file is corrupt")
+        self.fields.require(len(values) >= n_layers, f"{self.arch}.{name} has {len(values)} entries for "
+                                                     f"{n_layers} layers; the file is corrupt")
         return values[:n_layers]
 
 
