@@ -221,8 +221,9 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
             s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        seen = (pn[None, :] <= q_pos[:, None]) & (pn[None, :] > q_pos[:, None] - WINDOW) & mn[None, :]
-        s = tl.where(seen, s * qk_scale, float("-inf"))
+        # (not `seen`: the compiler types a name once per function, and PIECES's prologue made it an int32)
+        visible = (pn[None, :] <= q_pos[:, None]) & (pn[None, :] > q_pos[:, None] - WINDOW) & mn[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_run, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # = m_new wherever a key was seen
         alpha = tl.exp2(m_run - m_use)
