@@ -34,8 +34,8 @@ test_mixed_graphs.py holds them equal on the GPU).
 
 Where it applies (graphed_mixed returns None elsewhere, and the engine makes the two calls): a GPU with
 graphs on (MEMRA_CUDA_GRAPHS) running the invariant kernels; every cache in the same two pools, with
-room for a scratch; fewer than PIECES pieces, none of a single token (whose solo forward attends as a
-decode row does: a launch of its own); at most max(MIXED_TOKENS) prompt tokens, within the step's table
+room for a scratch; fewer than PIECES pieces (a 1-token piece is one like any other: every prompt token
+attends through the prefill kernel); at most max(MIXED_TOKENS) prompt tokens, within the step's table
 width (memra.graphs.step_blocks). Longer waves are prefill-bound, where the launches' host time hides behind the kernels anyway.
 """
 
@@ -107,7 +107,7 @@ class StaticMixed:
         attn = AttentionPieces(self.spans[0], key_rows, small[: 4 * p].view(p, 4), self.tokens // ATTENTION_TILE + p)
         recurrent = None if self.rec is None else RecurrentPieces(self.spans[1], small[4 * p : 9 * p].view(p, 5),
                                                                   small[9 * p :])
-        wave = Segments([], [], self.tokens, cos, sin, self.kv, view("write"), attn, (), recurrent, self.rec)
+        wave = Segments([], [], self.tokens, cos, sin, self.kv, view("write"), attn, recurrent, self.rec)
         h = m.embed_tokens(view("ids"))
         for block in m.blocks:
             h = block.forward_mixed(h, step, wave)
@@ -182,8 +182,6 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
     not advanced. None where no graph applies (the module docstring's conditions)."""
     caches = [*dec_caches, *pre_caches]
     if not (captures_mixed(model) and graphable(model, caches)) or len(pieces) >= PIECES:
-        return None
-    if min(x.numel() for x in pieces) < 2:
         return None
     tokens = token_bucket(sum(x.numel() for x in pieces))
     nb = step_blocks(caches, [c.pos + 1 for c in dec_caches] + [c.pos + x.numel() for x, c in zip(pieces, pre_caches)])

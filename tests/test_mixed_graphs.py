@@ -113,11 +113,13 @@ def test_the_graphed_mixed_step_has_the_two_calls_bits(load_model, arch):
     assert not again.get("graph_captures")
     fewer, equal = _two_calls_and_graphed(model, [40, 2])  # the 64-token bucket, a 22-token padding piece
     assert equal and fewer["mixed_steps"] == 1
+    single, equal = _two_calls_and_graphed(model, [5, 1])  # a 1-token piece attends as every prompt token does
+    assert equal and single["mixed_steps"] == 1
 
 
 @cuda_only
 def test_a_step_no_graph_fits_makes_the_two_calls(load_model):
     model = load_model(hf_dir("llama"), dtype="bfloat16")
-    for new in ([5, 1], [300, 250], [3] * PIECES):  # a one-token piece; past every token bucket; too many pieces
+    for new in ([300, 250], [3] * PIECES):  # past every token bucket; too many pieces
         delta, equal = _two_calls_and_graphed(model, new)
         assert equal and not delta.get("mixed_steps"), new

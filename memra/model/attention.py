@@ -67,13 +67,10 @@ class Attention:
         else:  # pools of their own: piece by piece
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
-        if wave.attn is None:  # pools of their own, or only 1-token pieces: each attends alone
+        if wave.attn is None:  # pools of their own: each attends alone
             return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
         kv = wave.kv
         o = self.ops.prefill_attention_pieces(q, kv.k[self.kv_layer], kv.v[self.kv_layer], wave.attn, self.scale, self.window)
-        for i in wave.single:  # [N, Hq, D]: a 1-token piece's rows, as its solo forward attends them
-            (a, b), c = pieces[i]
-            o[a:b] = self._attend(q[a:b], c).view(b - a, self.n_heads, self.head_dim)
         return o.reshape(n, self.n_heads * self.head_dim)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
@@ -150,7 +147,12 @@ class Attention:
         """Attend over this sequence's whole prefix in order (its new K/V already written)."""
         t, d = q.shape[0], self.head_dim
         kv = ctx.cache.kv
-        if t == 1:  # decode: the paged kernel reads the prefix (its last W positions) in order, whatever the batch
+        # A generated token (the recurrent form: decode, a verify column) takes the paged decode kernel, which
+        # reads the prefix (its last W positions) in order, whatever the batch. A prompt token takes the prefill
+        # kernel even alone: where a prime is one forward per chunk (the invariant path), a prompt of 64k + 1
+        # tokens cut at 64k (a prefix-cache hit, a snapshot stop, the token budget) primes its last token alone,
+        # and it must get the bits it gets inside the one-shot prime's forward (E5, E8).
+        if t == 1 and ctx.recurrent:
             rows = ctx.kv_read_rows if self.window is None else ctx.kv_read_rows[-self.window:]
             o = self.ops.paged_decode_attention(q[0], kv.k[self.kv_layer], kv.v[self.kv_layer], rows, self.scale)
         else:

@@ -35,7 +35,7 @@ class Segments:
     """Prompt pieces of several sequences in one forward (cross-request prefill): piece i in rows
     bounds[i] = [lo, hi) with context ctxs[i], and what every layer shares joined once per wave, not
     once per layer (the rotary tables; where the pieces share a KV pool, the K/V write rows and the
-    table that lets one attention launch serve every piece of two or more tokens; where they share a
+    table that lets one attention launch serve every piece; where they share a
     recurrent pool, the table that lets GDN's launches serve every piece)."""
 
     ctxs: list[StepContext]  # (empty in a captured step, whose pieces are only its tables: memra.mixed_graphs)
@@ -45,8 +45,7 @@ class Segments:
     sin: torch.Tensor
     kv: KvPool  # the first piece's KV pool (every piece's, with kv_write_rows)
     kv_write_rows: torch.Tensor | None  # [N], or None: pools of their own (offline caches), piece by piece
-    attn: AttentionPieces | None = None  # the pieces of 2+ tokens (one pool); a 1-token piece attends as a decode row
-    single: tuple[int, ...] = ()  # with attn: the 1-token pieces, attended one by one as their solo forwards do
+    attn: AttentionPieces | None = None  # every piece (one pool), for one prefill-attention launch
     recurrent: RecurrentPieces | None = None  # GDN states in one pool: every piece in one launch per kernel
     rec: RecurrentPool | None = None  # with recurrent: that pool
 
@@ -61,11 +60,8 @@ class Segments:
         n, kv, rec = bounds[-1][1], ctxs[0].cache.kv, rec if recurrent is not None else None
         if any(c.cache.kv is not kv for c in ctxs):
             return cls(ctxs, bounds, n, cos, sin, kv, None, recurrent=recurrent, rec=rec)
-        multi = [i for i, c in enumerate(ctxs) if c.n_tokens > 1]
-        attn = AttentionPieces.of([bounds[i][0] for i in multi], [ctxs[i].pos0 for i in multi],
-                                  [ctxs[i].kv_read_rows for i in multi]) if multi else None
-        return cls(ctxs, bounds, n, cos, sin, kv, joined([c.kv_write_rows for c in ctxs]), attn,
-                   tuple(i for i, c in enumerate(ctxs) if c.n_tokens == 1), recurrent, rec)
+        attn = AttentionPieces.of([a for a, _ in bounds], [c.pos0 for c in ctxs], [c.kv_read_rows for c in ctxs])
+        return cls(ctxs, bounds, n, cos, sin, kv, joined([c.kv_write_rows for c in ctxs]), attn, recurrent, rec)
 
 
 @dataclass(frozen=True)
