@@ -150,9 +150,10 @@ class KernelTable:
     def _impl(self, x: torch.Tensor):
         return triton_ops() if self.invariant and self._gpu(x) else reference
 
-    def grouped_moe(self) -> bool:
-        """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
-        return self.invariant
+    def grouped_moe_weights(self, w_gate_up) -> bool:
+        """Do experts held as `w_gate_up` run as grouped matmuls here (no host sync, so a MoE step can be
+        graphed)? Packed (GGUF) experts, and the torch table, take the per-expert loop."""
+        return self.invariant and isinstance(w_gate_up, torch.Tensor)
 
     def _triton_on(self, x) -> bool:
         """Triton runs here (CUDA, allowed), in the exact and the fast path alike: for the kernels whose
@@ -308,13 +309,17 @@ class KernelTable:
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None, act=None, scale=1.0):
         """residual + (the routed experts' weighted sum (times `scale`) + shared), each add where given: in
         the grouped kernels' combine where they run (the adds' bits; ids from moe_route above, ascending),
-        else torch's adds. `act` (Step's clamped SwiGLU) runs the experts through the M-invariant linear."""
-        if (self.invariant and self._gpu(x) and isinstance(w_gate_up, torch.Tensor) and act is None
-                and scale == 1.0):
-            return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
-                                             ascending=True)
-        out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
-                                     silu_mul_fn=act or self.silu_mul)
+        else torch's adds. `act` (Step's clamped SwiGLU) in place of SwiGLU; with it or a `scale`, the grouped
+        kernels give the routed sum and torch makes the adds, in the reference's order (no host sync either way,
+        so a Step step is captured as a Qwen MoE step is)."""
+        if self.grouped_moe_weights(w_gate_up) and self._gpu(x):
+            if act is None and scale == 1.0:
+                return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
+                                                 ascending=True)
+            out = _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, act=act)
+        else:
+            out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
+                                         silu_mul_fn=act or self.silu_mul)
         out = out if scale == 1.0 else out * scale
         out = out if shared is None else out + shared
         return out if residual is None else residual + out

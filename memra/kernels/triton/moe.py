@@ -234,12 +234,14 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, per_pair: bool | None = None, shared: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, ascending: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, ascending: bool = False, act=None) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
     x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
     (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4. shared,
     residual [T, E]: residual + (that + shared) in the combine, with the bits of torch's two adds.
-    ascending: each row's ids are in ascending order already (moe_route's), so no sort."""
+    ascending: each row's ids are in ascending order already (moe_route's), so no sort. act: the experts'
+    activation in place of silu_mul (Step's clamped SwiGLU: torch's elementwise ops over every pair at once,
+    the bits they give each expert's rows alone, since an elementwise op on a GPU is a function of its element)."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
     if not ascending:
@@ -250,7 +252,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if per_pair is None:
         per_pair = 4 * t_rows * top_k <= n_experts
     plan = plan_pairs(ids, config) if per_pair else plan_groups(ids, n_experts, config)
-    h = silu_mul(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F], one launch with torch's bits
+    h = (act or silu_mul)(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F], torch's bits
     y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
     out = torch.empty_like(x)
     if t_rows:
