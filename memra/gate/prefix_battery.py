@@ -8,10 +8,13 @@ prefix cache returns the tokens and logprobs of a cold server, bit for bit.
             requests at once, greedy and seeded sampling, two top logprobs each.
     prefix  every request's tokens, logprobs and top logprobs == cold (float equality, not closeness).
     liveness  prefix_cached_tokens advanced, and the hits resumed at two or more distinct cuts.
+    load      the same promise under a server's load (memra.gate.prefix_load_arm): staggered arrivals, hits
+            among decoding rows, evictions, cancelled streams, tails of a single token.
 
 MEMRA_GATE_CANARY=1 plants a page the cache must never hold: positions 64..127 of a prompt fed through
 decode steps (the decode arithmetic: GDN's recurrent form, one-row linears), with the state after them
-as the snapshot at 128. A request that resumes from it must then differ from cold, and the arm FAILs.
+as the snapshot at 128, in both arms' warm engines. A request that resumes from it must then differ from
+cold, and both arms FAIL.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from memra import counters
 from memra.engine.engine import Engine
 from memra.engine.types import EngineConfig
 from memra.gate.battery import Ledger
+from memra.gate.prefix_load_arm import run_prefix_load_arm
 from memra.prefix.tree import PAGE
 from memra.sampling import SamplingParams
 
@@ -126,6 +130,7 @@ def run_prefix_battery(model, batches: tuple[int, ...] = (1, 2, 4), steps: int =
         led.fail("liveness", f"prefix_cached_tokens +{live['prefix_cached_tokens']}, distinct cuts {sorted(cuts)}")
     led.verdict("liveness", f"prefix_cached_tokens +{live['prefix_cached_tokens']}, prefix_snapshots "
                             f"+{live['prefix_snapshots']}, prefix_evicted_blocks +{live['prefix_evicted_blocks']}")
+    run_prefix_load_arm(model, led, steps, out, kv_blocks, plant_decoded if canary else None)
     ok = not led.failed
     out("ALL GREEN: prefix-cache battery" if ok else f"FAILED: {', '.join(sorted(led.failed))}")
     return ok
