@@ -255,6 +255,18 @@ def reserve_scratch(model, kv: KvPool, rec: RecurrentPool | None) -> None:
     scratch_of(kv, rec, model.graph_scratch)
 
 
+def drop_graphs(model, kv: KvPool, rec: RecurrentPool | None) -> None:
+    """Forget every captured step and scratch of these pools (their engine is closing): the steps hold the
+    pools' tensors, and their graphs a memory pool, which would otherwise live as long as the model."""
+    for store in (model.decode_graphs, model.mixed_graphs):
+        for key in [k for k in store if (k.kv, k.rec) == (id(kv), id(rec) if rec is not None else None)]:
+            del store[key]
+    model.graph_scratch.pop((id(kv), id(rec)), None)
+    if not model.mixed_graphs:  # the shared logits buffers and memory pool of the mixed steps: none left to use them
+        model.mixed_logits.clear()
+        model.mixed_graph_pool = None
+
+
 def scratch_of(kv: KvPool, rec: RecurrentPool | None, memo: dict) -> tuple[int | None, int | None] | None:
     """The pools' scratch block and slot for inert rows, taken once per pool; None if there is no room."""
     key = (id(kv), id(rec))

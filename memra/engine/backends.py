@@ -14,7 +14,7 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache
 from memra.pools import ModelPools
 from memra.errors import MemraError
-from memra.graphs import BUCKETS, bucket_for, full_width_pass, reserve_scratch
+from memra.graphs import BUCKETS, bucket_for, drop_graphs, full_width_pass, reserve_scratch
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import captures_mixed
 from memra.pp.fence import PipelineError
@@ -130,7 +130,11 @@ class InProcess:
         return None
 
     def close(self) -> None:
-        pass
+        """Drop the model's captured steps over these pools and the pools themselves (memra.LLM.close)."""
+        drop_graphs(self.model, self.kv, self.rec)
+        self.prefix = NoPrefixCache()  # the prefix store holds the pools too (kv.reclaim)
+        self.kv.reclaim = None
+        self.pools = self.kv = self.rec = None
 
 
 class ProcessPipeline:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from memra.engine.engine import Engine
+from memra.engine.release import CLOSED, release_memory
 from memra.engine.scoring import ScoreJob, TokenScore
 from memra.engine.types import EngineConfig, TokenEvent
 from memra.errors import MemraError
@@ -108,6 +109,7 @@ class LLM:
         # Where a request leaves its seed to us (SamplingParams(seed=None)): drawn from this stream, so
         # LLM(seed=S) repeats a run and LLM() gives fresh draws; each output says which seed it used.
         self._seeds = random.Random(seed if seed is not None else secrets.randbits(64))
+        self._owns_model = isinstance(model, (str, Path))  # close() then gives the weights back too
         if isinstance(model, (str, Path)):
             from memra.loading.checkpoint import load
 
@@ -266,6 +268,31 @@ class LLM:
     def get_tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
+
+    def close(self) -> None:
+        """Give back the device memory this LLM holds: its KV and state pools, its captured graphs, and the
+        model's weights where the LLM loaded them (memra.engine.release). Later calls are refused in one
+        line. Also done when a `with memra.LLM(...) as llm:` block ends and when the LLM is collected."""
+        if not self.__dict__.get("engine"):  # never made (the constructor failed), or closed already
+            return
+        device = self.model.device
+        self.engine.shutdown(drain_timeout=0.0)
+        self.engine = CLOSED
+        if self._owns_model:
+            self.model = CLOSED
+        release_memory(device)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone; nothing to report to
+            pass
 
     def _eos_ids(self, p: SamplingParams):
         return p.stop_ids(self.tokenizer.eos_ids)
