@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 
 from memra.cli_common import (
-    add_load_args, add_model_args, add_sampling_args, add_spec_args, drawn_seed, fit as _fit, load_model, sampling_params,
+    BENCH_HELP, add_load_args, add_model_args, add_sampling_args, add_spec_args, drawn_seed, fit as _fit, load_model, sampling_params,
     spec_config,
 )
 from memra.errors import MemraError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
+    """The whole command line. command: the subcommand about to run; `bench`'s flags are built only when it
+    is the one (they need torch, which `memra --version` and `--help` should not wait for)."""
     parser = argparse.ArgumentParser(prog="memra", description="memra: exact LLM inference")
     parser.add_argument("--version", action="version", version=f"memra {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     from memra.server.serve_command import add_serve_parser
 
     add_serve_parser(sub)
-    from memra.bench.command import add_bench_parser
+    if command == "bench":
+        from memra.bench.command import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP)
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
@@ -287,8 +292,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand parser `args` went through (`memra bench serve`: bench serve's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((w for w in words if not w.startswith("-")), None))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would print the top-level usage; the subcommand's says what it takes
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
                 "gate": cmd_gate, "chat": cmd_chat, "serve": _cmd_serve, "bench": _cmd_bench}
     try:

@@ -43,7 +43,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     except RuntimeError as e:
         raise MemraError(f"invalid device {device!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MemraError(f"device {device!r} requested but CUDA is not available on this machine; use device='cpu'")
+        raise MemraError(f"device {device!r} requested but CUDA is not available on this machine; run on the CPU "
+                         "(--device cpu on the command line, device=\"cpu\" in Python)")
     return dev
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from memra.server.errors import ApiError, error_response, install_error_handlers
 from memra.server.options import ServerOptions
 from memra.sampling import fresh_seed, truncate_prompt
 from memra.server.reasoning import ReasoningFormat
-from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_defaults
 from memra.server.scored import Scored, ScoredReply
 from memra.server.tools import ChoiceCalls, forced_constraint, tool_spec
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
@@ -51,8 +52,13 @@ _CHARS_SLACK = 2
 INLINE_ENCODE_CHARS = 1024  # a prompt this short is encoded on the event loop (module docstring)
 
 
-def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOptions(), metrics=None,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def build_app(engine: Engine, model_name: str | tuple[str, ...], options: ServerOptions = ServerOptions(),
+              metrics=None, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """model_name: the name clients send, or several (vLLM's --served-model-name; answers carry the first)."""
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    model_name = names[0]
+    seeds = random.Random(options.seed) if options.seed is not None else None  # --seed: a repeatable stream
+    defaults = sampling_defaults(options.sampling_defaults)
     tok = engine.model.tokenizer
     max_len = engine.max_len
     pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="memra-tokenize")
@@ -87,8 +93,11 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         if route is not None:
             refuse_unhonoured(raw, route, honoured)
         body = validate(schema, raw)
-        if body.model is not None and body.model != model_name:
-            raise model_not_found(body.model, model_name)
+        if body.model is not None and body.model not in names:
+            raise model_not_found(body.model, names)
+        for key, value in defaults.get(schema, ()):  # --generation-config: the fields the request left out
+            if getattr(body, key) is None:
+                setattr(body, key, value)
         return body
 
     async def off_loop(fn, *args):
@@ -142,8 +151,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "memra", "max_model_len": max_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "memra", "max_model_len": max_len} for name in names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -247,7 +256,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
                     max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False,
                     tools=None):
-        params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
+        seed = body.seed if body.seed is not None else seeds.getrandbits(62) if seeds is not None else fresh_seed()
+        params = body.sampling(max_tokens, seed)
         if tools is not None and tools.forced:  # required / named: the tools' grammar (memra.server.tools)
             params = dataclasses.replace(params, structured_outputs=forced_constraint(tools, params.structured_outputs))
         if body.speculative and not engine.spec.enabled:
