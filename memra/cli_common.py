@@ -15,9 +15,14 @@ BENCH_HELP = ("benchmarks: serve (load-test a server), model (tokens/s against t
               "(an offline batch through memra.LLM).")
 
 
+def dtype_of(flag: str):
+    """--dtype's value as memra.load takes it (memra's own names, bf16 and kin, pass as they are)."""
+    return DTYPES.get(flag, flag)
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+    p.add_argument("--dtype", default="auto",
                    help="the weights' and activations' type: auto (the default) is float32 on CPU and bfloat16 on "
                         "CUDA; half and float are vLLM's names for float16 and float32")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
@@ -103,7 +108,7 @@ def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
     util = getattr(args, "gpu_memory_utilization", None)  # memra serve's vLLM flag (memra.server.vllm_flags)
     budget = KvBudget(args.kv_memory, util, of_total=True) if util is not None else KvBudget(args.kv_memory,
                                                                                             args.kv_fraction)
-    return memra.load(path, device=args.device, dtype=DTYPES[args.dtype], tokenizer=tokenizer,
+    return memra.load(path, device=args.device, dtype=dtype_of(args.dtype), tokenizer=tokenizer,
                       check_tensors=args.check_tensors, kv_budget=budget, packed_weights=args.packed_weights,
                       settings=getattr(args, "settings", None))
 

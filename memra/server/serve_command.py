@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memra.cli_common import DTYPES, add_load_args, add_spec_args, load_model, spec_config
+from memra.cli_common import add_load_args, dtype_of, add_spec_args, load_model, spec_config
 from memra.errors import MemraError
 from memra.server.reasoning import PARSERS
 from memra.server.options import DEFAULT_MAX_BODY_MB
@@ -87,7 +87,7 @@ def _serving_model(args: argparse.Namespace):
         return load_model(args, args.model)
     from memra.pp.dist import pipeline_for_serving
 
-    return pipeline_for_serving(args.model, args.pp_size or 0, args.device, DTYPES[args.dtype])
+    return pipeline_for_serving(args.model, args.pp_size or 0, args.device, dtype_of(args.dtype))
 
 
 def _orderly_stop_exits_zero() -> None:
