@@ -114,11 +114,16 @@ def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
 
 
 def fit(params, prompt_tokens: int, max_position: int):
-    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops
-    at the end of the context), or a one-line refusal when the prompt alone fills it."""
+    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops at
+    the end of the context), said in one line on stderr when it cuts; or a one-line refusal when the
+    prompt alone fills the context."""
     import dataclasses
+    import sys
 
     room = max_position - prompt_tokens
     if room < 1:
         raise MemraError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_position}")
+    if params.max_tokens > room:
+        print(f"[--max-tokens {params.max_tokens} clipped to {room}: the model's context is {max_position} tokens "
+              f"and the prompt takes {prompt_tokens}]", file=sys.stderr, flush=True)
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))

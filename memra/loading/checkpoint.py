@@ -48,13 +48,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def progress(iterable, total: int, desc: str):
+def progress(iterable, total: int, desc: str, unit: str = "layer"):
     """A tqdm bar on an interactive terminal; the bare iterable when piped or under CI."""
     if not show_progress():
         return iterable
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit="layer", leave=False)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False)
 
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"
