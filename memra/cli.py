@@ -161,13 +161,13 @@ def _run_gate(args, model, out, pp: bool, prefix: bool, dist: bool, steps: int, 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    model_path, prompt = _model_and_prompt(args.args, args.file)  # a missing prompt before any slow import
     from memra.engine.llm import LLM
     from memra.generate import GenerationStats, generate_tokens
     from memra.tokenizer import TextStream
 
     seed = drawn_seed(args)
     params = sampling_params(args, seed)
-    model_path, prompt = _model_and_prompt(args.args, args.file)
     from memra.spec import check_model
 
     spec = spec_config(args)

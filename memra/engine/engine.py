@@ -347,7 +347,7 @@ class Engine:
         if finish is not None:
             s.done = True
             if self.metrics is not None:
-                self.metrics.request_success.labels(finish_reason=finish).inc()
+                self.metrics.request_success.labels(finished_reason=finish).inc()
 
     def _land(self) -> bool:
         """Wait for the step in flight and give each sequence its token (events to the outbox); end the
@@ -386,7 +386,7 @@ class Engine:
             if not s.done:
                 s.done = True
                 if self.metrics is not None:  # as vLLM counts them: an abort too (finished_reason="abort")
-                    self.metrics.request_success.labels(finish_reason=reason).inc()
+                    self.metrics.request_success.labels(finished_reason=reason).inc()
                 s.sink(TokenEvent(s.index, None, finish_reason=reason, prompt_tokens=len(s.prompt),
                                   completion_tokens=len(s.out), error=error, error_kind=kind if error else None))
 

@@ -37,7 +37,7 @@ class Metrics:
         self.generation_tokens = Counter("memra:generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter("memra:request_success", "Sequences finished, by why: stop, length, "
                                        "or abort (cancelled, the client gone, shutdown or an error), as vLLM counts them",
-                                       ["finish_reason"], registry=r)
+                                       ["finished_reason"], registry=r)  # vLLM's label name
         self.preemptions = Counter("memra:num_preemptions", "Sequences swapped out to make room", registry=r)
         self.ttft = Histogram("memra:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
