@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from test_serve_cli import _serve
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
@@ -56,24 +53,7 @@ class Lookup(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "memra", "serve", "demo", "--port", str(port), *FLAGS],
-                            stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"memra serve did not start: {proc.stderr.read()}")
-        time.sleep(0.1)
+    proc, url = _serve(*FLAGS)  # `python -m memra serve demo --port P` + the flags, up and healthy
     yield url
     proc.terminate()
     proc.wait(timeout=60)
