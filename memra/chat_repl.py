@@ -38,8 +38,7 @@ def chat_loop(args, model) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
-    # one engine for the session: its warm-up, graphs and prefix cache serve every turn
-    llm = LLM(model, max_batch=1, enable_prefix_caching=args.prefix_caching)
+    llm = None  # one engine for the session, built at the first message: its warm-up, graphs and prefix cache serve every turn
     seed = drawn_seed(args)
     params = sampling_params(args, seed)  # checked once, before the first turn
     sampling = "greedy (--temperature 0)" if params.greedy else f"seed {seed} (--seed {seed} replays this conversation)"
@@ -66,6 +65,8 @@ def chat_loop(args, model) -> int:
             continue
         if not text.strip():
             continue
+        if llm is None:
+            llm = LLM(model, max_batch=1, enable_prefix_caching=args.prefix_caching)
         history.append({"role": "user", "content": text})
         ids = tok.encode(tok.apply_chat_template(system + history, add_generation_prompt=True))
         turn_params = fit(dataclasses.replace(params, seed=seed + turn), len(ids), model.cfg.max_position)

@@ -158,3 +158,12 @@ def test_every_flag_of_every_command_says_what_it_does():
 
     walk(build_parser(), "memra")
     assert not silent, silent
+
+
+def test_chat_prints_a_banner_and_answers_help_itself():
+    out = subprocess.run([sys.executable, "-m", "memra", "chat", "--max-tokens", "2"], input="/help\n/nope\n/exit\n",
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "memra chat: demo (" in out.stderr and "Type /help for the commands." in out.stderr
+    assert "commands: /help shows this, /reset" in out.stderr and "[unknown command /nope; /help lists them]" in out.stderr
+    assert "prompt tokens" not in out.stderr  # nothing reached the model

@@ -194,3 +194,29 @@ def test_endpoints_memra_does_not_serve_say_so(client):
                  lambda: client.images.generate(model="demo", prompt="x")):
         with pytest.raises(openai.NotFoundError, match="is not supported by memra, which serves text generation"):
             call()
+
+
+def test_the_servers_seed_makes_unseeded_runs_repeat():
+    """--seed S: requests without a seed draw theirs from a stream seeded by S, so a run of the same requests
+    repeats from server to server; another S (the canary) gives other samples."""
+    import memra
+    from memra.engine.engine import Engine, EngineConfig
+    from memra.server.api import build_app
+    from memra.server.http import ServerThread
+    from memra.server.options import ServerOptions
+
+    model = memra.load("demo")
+
+    def run(seed: int) -> list[str]:
+        srv = ServerThread(build_app(Engine(model, EngineConfig(max_batch=2, max_ctx=256)), "demo",
+                                     ServerOptions(seed=seed))).start()
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+            return [c.completions.create(model="demo", prompt="ROMEO:", max_tokens=8, temperature=1.0).choices[0].text
+                    for _ in range(2)]
+        finally:
+            srv.stop()
+
+    first = run(3)
+    assert first[0] != first[1] and run(3) == first and run(4) != first
+
