@@ -108,3 +108,26 @@ def test_version_and_help_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "throughput" in out.stdout and "ORG/NAME" in out.stdout  # memra --help names bench throughput; serve, hub names
+
+
+def test_the_help_texts_the_issue_found_cut_are_whole_sentences():
+    parser = build_parser("bench")
+    subs = {a.dest: a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)}
+    bench_serve = subs["command"].choices["bench"]._subparsers._group_actions[0].choices["serve"]
+    helps = {a.option_strings[0]: a.help for a in bench_serve._actions if a.option_strings}
+    for flag in ("--launch", "--dynamic-k", "--draft-k", "--speculative"):
+        assert helps[flag].endswith(".") and "the server's adapt" not in helps[flag], (flag, helps[flag])
+    assert "how many drafted tokens the model has been accepting" in helps["--dynamic-k"]
+
+
+def test_no_cuda_message_speaks_the_command_lines_language():
+    import torch
+
+    from memra.errors import MemraError
+    from memra.loading.checkpoint import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(MemraError) as err:
+        resolve_device("cuda")
+    assert "--device cpu" in str(err.value) and "device='cpu'" not in str(err.value)
