@@ -90,8 +90,6 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from memra.gate import run_battery
-
     pp, prefix = args.mode == "pp", args.mode == "prefix"
     steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24, "prefix": 8}.get(args.mode, 32)
     dist = args.transport == "dist"
@@ -156,6 +154,8 @@ def _run_gate(args, model, out, pp: bool, prefix: bool, dist: bool, steps: int, 
 
         ok = run_ppspec_battery(model, stages=args.stages, ts=ts, rounds=steps, reps=args.reps, plen=args.plen, out=out)
     else:
+        from memra.gate import run_battery
+
         ok = run_battery(model, steps=steps, batch=batches[0], mode=args.mode, plen=args.plen, out=out)
     return ok
 
