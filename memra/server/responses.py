@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from typing import AsyncIterator, Callable
