@@ -32,6 +32,7 @@ _REFUSED = (("background", (False,), "memra answers while the request is open (n
             ("max_tool_calls", (), "memra does not cap calls; use parallel_tool_calls false for one call"),
             ("truncation", ("disabled",), "memra never drops input to fit; a request too long is refused"),
             ("prompt_cache_key", (), "memra's prefix cache needs no routing key"),
+            ("prompt_cache_retention", (), "memra's prefix cache keeps pages while memory allows"),
             ("service_tier", ("auto", "default"), "memra has one service tier"))
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -180,6 +181,8 @@ def chat_body(raw: dict, history: list[dict]) -> dict:
         if raw.get(name) is not None:
             body[name] = raw[name]
     if raw.get("max_output_tokens") is not None:
+        if type(raw["max_output_tokens"]) is not int or raw["max_output_tokens"] < 1:
+            raise _bad("max_output_tokens must be a positive integer", "max_output_tokens")
         body["max_tokens"] = raw["max_output_tokens"]
     tools = chat_tools(raw.get("tools"))
     if tools:
