@@ -130,6 +130,11 @@ def test_response_tools_call_outputs_and_previous_response_id(client):
     call = first.output[-1]
     assert call.type == "function_call" and call.name == "Note" and first.status == "completed"
     Note.model_validate_json(call.arguments)
+    events = list(client.responses.create(model="demo", input="Write a note.", tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=200, temperature=0, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert streamed == done[0].arguments == call.arguments and events[-1].type == "response.completed"
     # the call's result as an input item, continuing the stored conversation
     follow = client.responses.create(model="demo", previous_response_id=first.id, max_output_tokens=8, temperature=0,
                                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "ok"}])
