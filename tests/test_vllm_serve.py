@@ -116,10 +116,13 @@ def test_a_response_has_the_tokens_of_the_same_chat_request(client, common):
     events = list(client.responses.create(model="demo", instructions="Answer in verse.", input=MSGS,
                                           max_output_tokens=16, stream=True, **common))
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
-    assert events[-1].response.output_text == resp.output_text
+    assert events[-1].response.output_text == resp.output_text and events[-1].response.status == "incomplete"
+    with client.responses.stream(model="demo", instructions="Answer in verse.", input=MSGS, max_output_tokens=16,
+                                 **common) as stream:  # the client's helper, as agent SDKs read a stream
+        assert stream.get_final_response().output_text == resp.output_text
 
 
 def test_response_tools_call_outputs_and_previous_response_id(client):

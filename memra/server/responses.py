@@ -9,8 +9,8 @@ streaming events, and keeps answered responses for previous_response_id.
                    response.content_part.added, response.output_text.delta / .done,
                    response.reasoning_text.delta / .done, response.function_call_arguments.delta / .done,
                    response.content_part.done, response.output_item.done, then response.completed
-                   (response.incomplete where max_output_tokens cut it; an error event and
-                   response.failed where the engine ended it with an error)
+                   (its response's status "incomplete" where max_output_tokens cut it, as vLLM sends
+                   it); an error event and response.failed where the engine ended it with an error
     stored         the last STORE_SIZE responses with store true (OpenAI's default), in memory: GET
                    /v1/responses/{id}, and previous_response_id continues one's conversation
 """
@@ -251,8 +251,8 @@ async def _events(out: RequestOutputs, items: OutputItems, base: dict, finished)
                 return
             if events:
                 yield "".join(sse(e) for e in events)
-        body = finished()
-        kind = {"incomplete": "response.incomplete"}.get(body["status"], "response.completed")
-        yield sse(items.event(kind, response=body))
+        # response.completed whatever the status (incomplete where max_output_tokens cut it), as vLLM ends a
+        # stream: the openai client's stream helper reads its final response from that event alone
+        yield sse(items.event("response.completed", response=finished()))
     finally:  # the client went away, or the answer is complete: nothing more runs for it
         out.cancel_open()
