@@ -26,12 +26,12 @@ def add_serve_parser(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1",
                      help="the address to listen on (default %(default)s; 0.0.0.0 for every interface).")
     srv.add_argument("--port", type=int, default=8000, help="the TCP port (default %(default)s).")
-    srv.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=32,
+    srv.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, metavar="N", default=32,
                      help="sequences running at once (default 32).")
-    srv.add_argument("--max-model-len", "--max-ctx", dest="max_ctx", type=int, default=4096,
+    srv.add_argument("--max-model-len", "--max-ctx", dest="max_ctx", type=int, metavar="N", default=4096,
                      help="prompt + completion tokens per sequence (default 4096).")
     srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before a 429 (default 256).")
-    srv.add_argument("--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int, default=2048,
+    srv.add_argument("--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int, metavar="N", default=2048,
                      help="tokens per engine step (default 2048).")
     srv.add_argument("--prefill-wait-steps", type=int, default=None,
                      help="while others decode, hold a new request up to this many steps so that several start "
@@ -68,7 +68,7 @@ def add_serve_parser(sub) -> None:
                      help="the model names clients may send (answers carry the first; default: the model argument "
                           "as given).")
     add_spec_args(srv)
-    srv.add_argument("--pipeline-parallel-size", "-pp", "--pp-size", dest="pp_size", type=int, default=None,
+    srv.add_argument("--pipeline-parallel-size", "-pp", "--pp-size", dest="pp_size", type=int, metavar="N", default=None,
                      help="pipeline stages, one process each over torch.distributed: N >= 2 spawns ranks 1..N-1 on "
                           "this machine; under torchrun every rank runs this command and rank 0 serves HTTP "
                           "(default: 1, or torchrun's WORLD_SIZE).")

@@ -46,9 +46,9 @@ _REFUSED = (
 
 
 def add_vllm_flags(srv: argparse.ArgumentParser) -> None:
-    srv.add_argument("--model", dest="model_flag", default=None,
+    srv.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                      help="the model, as vLLM's older --model flag names it (the same as the model argument).")
-    srv.add_argument("--gpu-memory-utilization", type=float, default=None,
+    srv.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                      help="the share of the GPU's whole memory this server may take, weights included, as in vLLM; "
                           "the KV cache gets what is left after the weights (on CPU: a share of the available "
                           "RAM, as --kv-fraction). Default: --kv-fraction of the free memory.")
@@ -67,9 +67,9 @@ def add_vllm_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--override-generation-config", default=None, metavar="JSON",
                      help="sampling defaults as a JSON object (e.g. '{\"temperature\": 0.5}'), on top of "
                           "--generation-config's, as in vLLM.")
-    srv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    srv.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                      help="only 1: memra splits a model across GPUs by layers; use --pipeline-parallel-size.")
-    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                      help="only 1: run one memra serve per GPU behind a load balancer instead.")
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted and without effect: memra never runs code from a checkpoint.")
