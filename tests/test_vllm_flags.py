@@ -131,3 +131,20 @@ def test_no_cuda_message_speaks_the_command_lines_language():
     with pytest.raises(MemraError) as err:
         resolve_device("cuda")
     assert "--device cpu" in str(err.value) and "device='cpu'" not in str(err.value)
+
+
+def test_gpu_memory_utilization_is_a_share_of_the_whole_gpu(monkeypatch):
+    """vLLM's meaning: F of the GPU's whole memory for everything the server holds, so the KV cache gets
+    F * total minus what is already in use (the weights). CUDA's memory query is replaced by fixed figures."""
+    import torch
+
+    from memra.errors import MemraError
+    from memra.pools import KvBudget
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))  # 20 GiB in use
+    cuda = torch.device("cuda")
+    assert KvBudget(None, 0.9, of_total=True).bytes_on(cuda) == 52 * gib  # 72 GiB allowed - 20 in use
+    assert KvBudget(None, 0.9).bytes_on(cuda) == int(0.9 * 60 * gib)  # memra's --kv-fraction: of the free memory
+    with pytest.raises(MemraError, match="--gpu-memory-utilization 0.2 leaves the KV cache no room"):
+        KvBudget(None, 0.2, of_total=True).bytes_on(cuda)
