@@ -47,13 +47,13 @@ class ResponseStore:
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]]:
+    def get(self, rid: str, param: str | None = "previous_response_id") -> tuple[dict, list[dict]]:
         with self._lock:
             hit = self._items.get(rid)
             if hit is None:
                 raise ApiError(404, f"response {rid[:80]!r} is not stored on this server (it keeps the last "
                                     f"{self.size} responses sent with store true, in memory)",
-                               param="previous_response_id", code="response_not_found")
+                               param=param, code="response_not_found")
             self._items.move_to_end(rid)
             return hit
 
@@ -218,11 +218,11 @@ def install_responses(app: FastAPI, read: Callable, start_chat: Callable, model_
 
     @app.get("/v1/responses/{rid}")
     async def retrieve(rid: str):
-        return JSONResponse(store.get(rid)[0])
+        return JSONResponse(store.get(rid, None)[0])
 
     @app.post("/v1/responses/{rid}/cancel")
     async def cancel(rid: str):
-        store.get(rid)
+        store.get(rid, None)
         raise ApiError(400, "only a background response can be cancelled, and memra runs none; this one is "
                             "complete", param="response_id")
 
