@@ -5,6 +5,7 @@ with the subcommand's usage, `memra generate` never taking a model's name for th
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_version_and_help_import_no_torch():
 
 def test_the_help_texts_the_issue_found_cut_are_whole_sentences():
     parser = build_parser("bench")
-    subs = {a.dest: a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)}
+    subs = {a.dest: a for a in parser._actions if isinstance(a, argparse._SubParsersAction)}
     bench_serve = subs["command"].choices["bench"]._subparsers._group_actions[0].choices["serve"]
     helps = {a.option_strings[0]: a.help for a in bench_serve._actions if a.option_strings}
     for flag in ("--launch", "--dynamic-k", "--draft-k", "--speculative"):
