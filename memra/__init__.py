@@ -7,13 +7,29 @@ Public surface:
     c = m.new_cache(max_ctx)
     logits = m.prime(prompt_ids, c); logits = m.decode_step(token, c)
     rows = m.decode_step_batch(tokens, caches)          # each row bit-identical to its B=1 run
+
+The names are imported on first use (PEP 562), so `import memra.cli` — and `memra --version` / `--help`
+— does not pay for torch.
 """
 
-from memra.engine.llm import LLM, CompletionOutput, RequestOutput
-from memra.errors import MemraError
-from memra.loading.checkpoint import load
-from memra.sampling import DevSamp, SamplingParams
-from memra.structured import StructuredOutputs
+from importlib import import_module
+
+# public name -> the module that defines it
+_EXPORTS = {"LLM": "memra.engine.llm", "CompletionOutput": "memra.engine.llm", "RequestOutput": "memra.engine.llm",
+            "MemraError": "memra.errors", "load": "memra.loading.checkpoint", "DevSamp": "memra.sampling",
+            "SamplingParams": "memra.sampling", "StructuredOutputs": "memra.structured"}
 
 __all__ = ["load", "LLM", "RequestOutput", "CompletionOutput", "MemraError", "SamplingParams", "DevSamp", "StructuredOutputs"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'memra' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

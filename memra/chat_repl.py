@@ -9,7 +9,8 @@ end of input or /exit ends the chat; /reset clears the conversation.
 
 A message may span lines, in the two ways people know from llama.cpp and Ollama: a line ending in a
 backslash continues on the next, and a line of three double quotes opens a block that the next such line
-closes. Turn t samples with seed + t, so a conversation replays from its seed (printed when sampling).
+closes. Turn t samples with seed + t, so a conversation replays from its seed (the banner prints it).
+Commands (/help, /reset, /exit) are handled here and never reach the model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import threading
 from memra.cli_common import drawn_seed, fit, sampling_params
 from memra.errors import MemraError
 
+HELP = ("commands: /help shows this, /reset clears the conversation, /exit (or Ctrl-D) ends the chat; Ctrl-C stops "
+        "a reply. End a line with \\ to continue it, or put a message between lines of \"\"\".")
+COMMANDS = ("/help", "/reset", "/exit")
+
 
 def chat_loop(args, model) -> int:
     from memra.engine.llm import LLM
@@ -33,12 +38,12 @@ def chat_loop(args, model) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
-    # one engine for the session: its warm-up, graphs and prefix cache serve every turn
-    llm = LLM(model, max_batch=1, enable_prefix_caching=args.prefix_caching)
+    llm = None  # one engine for the session, built at the first message: its warm-up, graphs and prefix cache serve every turn
     seed = drawn_seed(args)
     params = sampling_params(args, seed)  # checked once, before the first turn
-    if not params.greedy:
-        print(f"[seed {seed}: --seed {seed} replays this conversation]", file=sys.stderr)
+    sampling = "greedy (--temperature 0)" if params.greedy else f"seed {seed} (--seed {seed} replays this conversation)"
+    print(f"memra chat: {args.model} ({model.cfg.arch}, {model.device}); {sampling}. Type /help for the commands.",
+          file=sys.stderr, flush=True)
     turn = 0
     while True:
         try:
@@ -52,8 +57,16 @@ def chat_loop(args, model) -> int:
             history.clear()
             print("[conversation cleared]", file=sys.stderr)
             continue
+        if text.strip() == "/help":
+            print(HELP, file=sys.stderr, flush=True)
+            continue
+        if text.strip().startswith("/") and len(text.split()) == 1:  # a mistyped command is not a message
+            print(f"[unknown command {text.strip()[:40]}; /help lists them]", file=sys.stderr, flush=True)
+            continue
         if not text.strip():
             continue
+        if llm is None:
+            llm = LLM(model, max_batch=1, enable_prefix_caching=args.prefix_caching)
         history.append({"role": "user", "content": text})
         ids = tok.encode(tok.apply_chat_template(system + history, add_generation_prompt=True))
         turn_params = fit(dataclasses.replace(params, seed=seed + turn), len(ids), model.cfg.max_position)

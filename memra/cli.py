@@ -12,13 +12,15 @@ import time
 from pathlib import Path
 
 from memra.cli_common import (
-    add_load_args, add_model_args, add_sampling_args, add_spec_args, drawn_seed, fit as _fit, load_model, sampling_params,
+    BENCH_HELP, add_load_args, add_model_args, add_sampling_args, add_spec_args, drawn_seed, fit as _fit, load_model, sampling_params,
     spec_config,
 )
 from memra.errors import MemraError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
+    """The whole command line. command: the subcommand about to run; `bench`'s flags are built only when it
+    is the one (they need torch, which `memra --version` and `--help` should not wait for)."""
     parser = argparse.ArgumentParser(prog="memra", description="memra: exact LLM inference")
     parser.add_argument("--version", action="version", version=f"memra {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for --chat")
     add_spec_args(gen)
 
-    chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /reset, /exit; "
-                                       "a line ending in \\ continues, and \"\"\" opens and closes a multi-line message")
+    chat = sub.add_parser("chat", help="talk to a model turn by turn (chat template applied); /help lists the "
+                                       "commands (/reset, /exit); a line ending in \\ continues, and \"\"\" opens and "
+                                       "closes a multi-line message.")
     chat.add_argument("model", nargs="?", default="demo",
                       help="model directory, .gguf file or hub name ORG/NAME[:FILE.gguf] (default: the demo)")
     add_load_args(chat)
@@ -62,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     from memra.server.serve_command import add_serve_parser
 
     add_serve_parser(sub)
-    from memra.bench.command import add_bench_parser
+    if command == "bench":
+        from memra.bench.command import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP)
     gate = sub.add_parser("gate", help="run the exactness battery (exit code 1 on any failure)")
     add_model_args(gate)
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
@@ -84,8 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from memra.gate import run_battery
-
     pp, prefix = args.mode == "pp", args.mode == "prefix"
     steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24, "prefix": 8}.get(args.mode, 32)
     dist = args.transport == "dist"
@@ -105,7 +109,28 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if not (pp or prefix) and len(batches) != 1:
         raise MemraError("--batch takes one width outside --mode pp and --mode prefix")
     model = load_model(args, args.model, tokenizer=False)
-    out = lambda line: print(line, flush=True)
+    bar = _gate_bar()
+    out = (lambda line: print(line, flush=True)) if bar is None else (lambda line: (bar.write(line), bar.update()))
+    try:
+        ok = _run_gate(args, model, out, pp, prefix, dist, steps, batches, ts)
+    finally:
+        if bar is not None:
+            bar.close()
+    return 0 if ok else 1
+
+
+def _gate_bar():
+    """A tqdm bar of the gate's checks (lines written above it) on an interactive terminal; None when piped."""
+    from memra.settings import show_progress
+
+    if not show_progress():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc="gate", unit="check", file=sys.stderr, leave=False)
+
+
+def _run_gate(args, model, out, pp: bool, prefix: bool, dist: bool, steps: int, batches, ts) -> bool:
     if pp and dist:
         from memra.gate.pp_battery import run_pp_dist_battery
 
@@ -129,18 +154,20 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
         ok = run_ppspec_battery(model, stages=args.stages, ts=ts, rounds=steps, reps=args.reps, plen=args.plen, out=out)
     else:
+        from memra.gate import run_battery
+
         ok = run_battery(model, steps=steps, batch=batches[0], mode=args.mode, plen=args.plen, out=out)
-    return 0 if ok else 1
+    return ok
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    model_path, prompt = _model_and_prompt(args.args, args.file)  # a missing prompt before any slow import
     from memra.engine.llm import LLM
     from memra.generate import GenerationStats, generate_tokens
     from memra.tokenizer import TextStream
 
     seed = drawn_seed(args)
     params = sampling_params(args, seed)
-    model_path, prompt = _model_and_prompt(args.args, args.file)
     from memra.spec import check_model
 
     spec = spec_config(args)
@@ -186,19 +213,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names_model(word: str) -> bool:
+    """Whether one word names a model rather than being a prompt: an existing path, a .gguf file name,
+    a hub name ORG/NAME[:FILE.gguf], random:SHAPE or demo."""
+    from memra.loading.hub import looks_like_hub_name
+
+    return (word in ("demo",) or word.startswith("random:") or word.endswith(".gguf") or Path(word).exists()
+            or looks_like_hub_name(word))
+
+
 def _model_and_prompt(words: list[str], file: str | None) -> tuple[str, str]:
     """generate's [MODEL] PROMPT: two words are both; one word is the prompt to the demo model, unless it
-    names a model on disk (then the prompt comes from -f or standard input, or it is an error); the prompt
-    comes from -f FILE, or from standard input when it is not a terminal."""
+    names a model (_names_model: then the prompt comes from -f or standard input, or it is a one-line
+    error, never taken for the prompt); the prompt comes from -f FILE, or from standard input when it is
+    not a terminal."""
     if len(words) > 2 or (file is not None and len(words) > 1):
         raise MemraError(f"generate takes [MODEL] PROMPT, got {len(words)} arguments (quote the prompt)")
-    piped = file is not None or not sys.stdin.isatty()  # a prompt can come from elsewhere
-    is_model = len(words) == 1 and (words[0].startswith("random:") or Path(words[0]).is_dir()
-                                    or (Path(words[0]).is_file() and words[0].endswith(".gguf"))
-                                    or (words[0] == "demo" and piped))
     if len(words) == 2:
         return words[0], words[1]
-    if len(words) == 1 and not is_model and file is None:
+    piped = file is not None or not sys.stdin.isatty()  # a prompt can come from elsewhere
+    if len(words) == 1 and not _names_model(words[0]):
+        if file is not None:
+            raise MemraError(f"generate got a prompt ({words[0][:40]!r}) and -f {file}; give one of them")
         return "demo", words[0]
     model = words[0] if words else "demo"
     if file is not None and file != "-":
@@ -207,12 +243,15 @@ def _model_and_prompt(words: list[str], file: str | None) -> tuple[str, str]:
                 return model, f.read()
         except OSError as e:
             raise MemraError(f"cannot read the prompt file {file}: {e.strerror or e}") from None
-    if file == "-" or not sys.stdin.isatty():
+    if piped:
         prompt = sys.stdin.read()
         if prompt:
             return model, prompt[:-1] if prompt.endswith("\n") else prompt  # echo's newline is not the prompt's
-    raise MemraError(f"generate got the model {model!r} but no prompt; usage: memra generate [MODEL] PROMPT "
-                     "(or -f FILE, or the prompt on standard input)")
+    if Path(model).is_file() and not model.endswith(".gguf"):
+        raise MemraError(f"{model} is a file, not a model or a prompt; to read the prompt from it, use -f {model}")
+    raise MemraError(f"{model!r} names a model, and no prompt came with it; usage: memra generate [MODEL] PROMPT "
+                     f"(or -f FILE, or the prompt on standard input); to send it as the prompt, name the model "
+                     f"first: memra generate demo {model!r}")
 
 
 def _version() -> str:
@@ -287,8 +326,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand parser `args` went through (`memra bench serve`: bench serve's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((w for w in words if not w.startswith("-")), None))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would print the top-level usage; the subcommand's says what it takes
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     commands = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "eval-ppl": cmd_eval_ppl,
                 "gate": cmd_gate, "chat": cmd_chat, "serve": _cmd_serve, "bench": _cmd_bench}
     try:

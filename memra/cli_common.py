@@ -6,10 +6,25 @@ import argparse
 
 from memra.errors import MemraError
 
+# --dtype's names (vLLM's included) -> memra.load's; auto: memra's per-device default
+DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+          "float32": "float32"}
+
+# `memra bench`'s help line (memra.cli shows it without importing the benchmarks)
+BENCH_HELP = ("benchmarks: serve (load-test a server), model (tokens/s against the roofline and HF), throughput "
+              "(an offline batch through memra.LLM).")
+
+
+def dtype_of(flag: str):
+    """--dtype's value as memra.load takes it (memra's own names, bf16 and kin, pass as they are)."""
+    return DTYPES.get(flag, flag)
+
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu (default) or cuda[:N]")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--dtype", default="auto",
+                   help="the weights' and activations' type: auto (the default) is float32 on CPU and bfloat16 on "
+                        "CUDA; half and float are vLLM's names for float16 and float32")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="keep a GGUF's Q8_0 / Q4_K / Q5_K / Q6_K weights, or an FP8 / NVFP4 checkpoint's, packed in memory, "
                         "multiplied in int8 block dot products on CPU (GGUF; MEMRA_CPU_QDOT=0: decoded a tile at a time, the "
@@ -56,12 +71,16 @@ def drawn_seed(args: argparse.Namespace) -> int:
 
 
 def add_spec_args(p: argparse.ArgumentParser, where: str = "") -> None:
-    """The speculative-decoding flags `memra generate`, `memra serve` and `memra bench serve --launch` share."""
+    """The speculative-decoding flags `memra generate`, `memra serve` and `memra bench serve --launch` share;
+    `where` ends each help sentence (bench: " (with --launch: the server's)")."""
     p.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
-                   help=f"{where}draft-and-verify decoding: the checkpoint's MTP head, or n-gram prompt lookup "
-                        "(the output is token-identical to plain decoding; only the speed changes)")
-    p.add_argument("--draft-k", type=int, default=4, help=f"{where}draft tokens per verify with --speculative (default 4)")
-    p.add_argument("--dynamic-k", action="store_true", help=f"{where}adapt the draft length (1..K) to the acceptance")
+                   help="draft-and-verify decoding: the checkpoint's MTP head, or n-gram prompt lookup (the output "
+                        f"is token-identical to plain decoding; only the speed changes){where}.")
+    p.add_argument("--draft-k", type=int, default=4,
+                   help=f"draft tokens per verify with --speculative (default 4){where}.")
+    p.add_argument("--dynamic-k", action="store_true",
+                   help="adapt the draft length (1..K) to how many drafted tokens the model has been accepting"
+                        f"{where}.")
 
 
 def spec_config(args: argparse.Namespace):
@@ -86,16 +105,25 @@ def load_model(args: argparse.Namespace, path, tokenizer: bool = True):
 
     from memra.pools import KvBudget
 
-    return memra.load(path, device=args.device, dtype=args.dtype, tokenizer=tokenizer, check_tensors=args.check_tensors,
-                      kv_budget=KvBudget(args.kv_memory, args.kv_fraction), packed_weights=args.packed_weights)
+    util = getattr(args, "gpu_memory_utilization", None)  # memra serve's vLLM flag (memra.server.vllm_flags)
+    budget = KvBudget(args.kv_memory, util, of_total=True) if util is not None else KvBudget(args.kv_memory,
+                                                                                            args.kv_fraction)
+    return memra.load(path, device=args.device, dtype=dtype_of(args.dtype), tokenizer=tokenizer,
+                      check_tensors=args.check_tensors, kv_budget=budget, packed_weights=args.packed_weights,
+                      settings=getattr(args, "settings", None))
 
 
 def fit(params, prompt_tokens: int, max_position: int):
-    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops
-    at the end of the context), or a one-line refusal when the prompt alone fills it."""
+    """max_tokens cut to what the model's context leaves after the prompt (as offline generation stops at
+    the end of the context), said in one line on stderr when it cuts; or a one-line refusal when the
+    prompt alone fills the context."""
     import dataclasses
+    import sys
 
     room = max_position - prompt_tokens
     if room < 1:
         raise MemraError(f"the prompt has {prompt_tokens} tokens; the model's context is {max_position}")
+    if params.max_tokens > room:
+        print(f"[--max-tokens {params.max_tokens} clipped to {room}: the model's context is {max_position} tokens "
+              f"and the prompt takes {prompt_tokens}]", file=sys.stderr, flush=True)
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))

@@ -28,6 +28,9 @@ class KvBudget:
 
     gib: float | None = None
     fraction: float = 0.9
+    # vLLM's --gpu-memory-utilization: `fraction` is then of the GPU's whole memory for everything this
+    # process holds (weights included), so the caches get what is left of it once the weights are placed
+    of_total: bool = False
 
     def __post_init__(self) -> None:
         if self.gib is not None and not 0 < self.gib < 1 << 20:
@@ -39,9 +42,16 @@ class KvBudget:
         if self.gib is not None:
             return int(self.gib * (1 << 30))
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
+            free, total = torch.cuda.mem_get_info(device)
+            if self.of_total:
+                room = free - (1 - self.fraction) * total
+                if room <= 0:
+                    raise MemraError(f"--gpu-memory-utilization {self.fraction:g} leaves the KV cache no room: "
+                                     f"{(total - free) / (1 << 30):.1f} of {total / (1 << 30):.1f} GiB are already "
+                                     "in use; raise it")
+                return int(room)
         else:
-            free = _available_ram()
+            free = _available_ram()  # on CPU, --gpu-memory-utilization is a share of the available RAM
         return int(self.fraction * free)
 
 

@@ -97,7 +97,7 @@ def test_version_and_the_usage_line():
 def test_a_model_without_a_prompt_is_an_error_and_a_prompt_can_come_from_a_file_or_stdin(tmp_path):
     r = subprocess.run([sys.executable, "-m", "memra", "generate", str(hf_dir("llama")), "--max-tokens", "3"],
                        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert r.returncode == 2 and r.stderr.startswith("error: generate got the model") and "no prompt" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "names a model, and no prompt came with it" in r.stderr
     prompt = tmp_path / "p.txt"
     prompt.write_text("ROMEO:", encoding="utf-8")
     from_file = run("generate", str(hf_dir("llama")), "-f", str(prompt), "--max-tokens", "4")
@@ -133,7 +133,7 @@ def test_chat_takes_generates_sampling_flags_and_replays_from_its_seed():
     talk = 'Good morrow,\\\nsweet lady.\n"""\nWhat news\nfrom Verona?\n"""\n'
     first = subprocess.run(args, input=talk, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    seed = int(first.stderr.split("[seed ", 1)[1].split(":")[0])
+    seed = int(first.stderr.split("; seed ", 1)[1].split(" ")[0])  # the banner's
     again = subprocess.run(args + ["--seed", str(seed)], input=talk, capture_output=True, text=True, timeout=120)
     assert again.stdout == first.stdout and len(first.stdout.strip().splitlines()) >= 1
     assert first.stderr.count("prompt tokens") == 2  # two messages, each over two lines
@@ -158,3 +158,12 @@ def test_every_flag_of_every_command_says_what_it_does():
 
     walk(build_parser(), "memra")
     assert not silent, silent
+
+
+def test_chat_prints_a_banner_and_answers_help_itself():
+    out = subprocess.run([sys.executable, "-m", "memra", "chat", "--max-tokens", "2"], input="/help\n/nope\n/exit\n",
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "memra chat: demo (" in out.stderr and "Type /help for the commands." in out.stderr
+    assert "commands: /help shows this, /reset" in out.stderr and "[unknown command /nope; /help lists them]" in out.stderr
+    assert "prompt tokens" not in out.stderr  # nothing reached the model

@@ -294,3 +294,41 @@ def test_llm_chat_renders_tools_and_a_history():
     want = model.tokenizer.apply_chat_template(_as_hf(HISTORY, False), add_generation_prompt=True, tools=TOOLS)
     assert out[0].prompt_token_ids == model.tokenizer.encode(want)
     assert '<parameter=city>\nParis\n</parameter>' in want  # the string arguments reached the template as a mapping
+
+
+def _accepts(tok, spec, text: str) -> bool:
+    """Whether the constraint's grammar takes `text` whole (fed as the tokenizer's ids)."""
+    from memra.structured import compile_for
+
+    state = compile_for(tok, spec).start()
+    state.advance(tok.encode(text, add_special=False))
+    return not state.matcher.is_error() and state.matcher.is_accepting()
+
+
+def test_tool_schemas_keep_their_defs_and_refs_under_every_tool_choice():
+    """Issue 46: pydantic_function_tool's parameters refer to "#/$defs/..." (enums, nested models); wrapped
+    as `required`'s call list, those references must still resolve, one tool's definitions apart from
+    another's of the same name; a reference to the schema itself ("#") and to its properties too."""
+    tok = memra.load("demo").tokenizer
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "required": ["mood", "place"], "additionalProperties": False,
+        "properties": {"mood": {"$ref": "#/$defs/Mood"}, "place": {"$ref": "#/$defs/Place"}},
+        "$defs": {"Mood": {"enum": ["happy", "sad"], "type": "string"},
+                  "Place": {"type": "object", "required": ["city"], "additionalProperties": False,
+                            "properties": {"city": {"type": "string", "maxLength": 8}}}}}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "required": ["mood"], "additionalProperties": False,
+        "properties": {"mood": {"$ref": "#/definitions/Mood"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                       "same": {"$ref": "#/properties/mood"}},
+        "definitions": {"Mood": {"const": 7}}}}}  # another tool's Mood: an integer, not the note's enum
+    required = ToolSpec.from_request([note, tree], "required").constraint()
+    assert "note__Mood" in required.key[1] and "tree__Mood" in required.key[1]
+    good = ('[{"name":"note","arguments":{"mood":"sad","place":{"city":"Rome"}}},'
+            '{"name":"tree","arguments":{"mood":7,"kids":[{"mood":7,"same":7}]}}]')
+    assert _accepts(tok, required, good)
+    for bad in (good.replace('"sad"', '"glad"'), good.replace('"mood":7,"kids"', '"mood":"sad","kids"'),
+                good.replace('"same":7', '"same":8')):  # canaries: each reference is held, not dropped
+        assert not _accepts(tok, required, bad), bad
+    named = ToolSpec.from_request([note, tree], {"type": "function", "function": {"name": "note"}}).constraint()
+    assert _accepts(tok, named, '{"mood":"happy","place":{"city":"Oslo"}}')
+    assert not _accepts(tok, named, '{"mood":"glad","place":{"city":"Oslo"}}')

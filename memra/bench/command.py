@@ -21,7 +21,7 @@ from memra.bench.serve_checks import (check_against_offline, check_metrics, engi
                                       scrape_metrics)
 from memra.bench.serve_client import auto_client_processes, run_serve_bench
 from memra.bench.serve_launch import launch_server
-from memra.cli_common import add_spec_args, spec_config
+from memra.cli_common import BENCH_HELP, add_spec_args, spec_config
 from memra.bench.serve_report import ServeBenchConfig
 from memra.errors import MemraError
 
@@ -29,17 +29,17 @@ from memra.errors import MemraError
 def add_bench_parser(sub) -> None:
     """`memra bench serve ...` and `memra bench model ...` on the CLI's subparsers (memra.cli wires it;
     `python -m memra bench ...` runs the same)."""
-    bench = sub.add_parser("bench", help="benchmarks: serve (load-test a server), model (tokens/s vs roofline and HF)")
+    bench = sub.add_parser("bench", help=BENCH_HELP)
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve,model,throughput}")
     p = kinds.add_parser("serve", help="load-test an OpenAI-compatible server; checks that no request is lost")
     d = ServeBenchConfig()
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     p.add_argument("--launch", metavar="MODEL", default=None,
                    help="start `memra serve MODEL` in a process of its own on a free loopback port, test it, "
-                        "stop it, then check every answer against offline generation; 'demo' = the bundled model")
-    p.add_argument("--max-batch", type=int, default=32, help="with --launch: the server's --max-batch")
-    p.add_argument("--max-ctx", type=int, default=1024, help="with --launch: the server's --max-ctx")
-    add_spec_args(p, "with --launch: the server's ")
+                        "stop it, then check every answer against offline generation ('demo' is the bundled model).")
+    p.add_argument("--max-batch", type=int, default=32, help="the server's --max-batch (with --launch).")
+    p.add_argument("--max-ctx", type=int, default=1024, help="the server's --max-ctx (with --launch).")
+    add_spec_args(p, " (with --launch: the server's)")
     p.add_argument("--model", default=None, help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests to send (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight at once (default %(default)s)")

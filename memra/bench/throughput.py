@@ -176,7 +176,7 @@ class ThroughputReport:
 def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     """Load the model, build the workload, time one LLM.generate over all of it. -> the report."""
     from memra.engine.llm import LLM
-    from memra.loading.checkpoint import load
+    from memra.loading.checkpoint import load, progress
 
     held = cfg.constraint()  # a bad --structured fails before the load
     model = load(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_budget=KvBudget(fraction=cfg.kv_fraction))
@@ -201,7 +201,8 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
                               sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines())
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
-    for i in _spread(len(reqs), cfg.check):  # alone: B=1 from submit to end
+    checks = _spread(len(reqs), cfg.check)
+    for i in progress(checks, len(checks), "check alone", unit="req"):  # alone: B=1 from submit to end
         report.checked += 1
         alone = llm.generate([reqs[i].prompt], [params[i]], use_tqdm=False)[0].outputs[0].token_ids
         if alone != outs[i].outputs[0].token_ids:

@@ -264,8 +264,6 @@ class Engine:
                 for rid in rids:
                     s = self.seqs.get(rid)
                     if s is not None:
-                        if reason is not None and self.metrics is not None:
-                            self.metrics.request_success.labels(finish_reason=reason).inc()
                         self._finish(s, reason or "abort")
 
     def _step(self, plan) -> None:
@@ -349,7 +347,7 @@ class Engine:
         if finish is not None:
             s.done = True
             if self.metrics is not None:
-                self.metrics.request_success.labels(finish_reason=finish).inc()
+                self.metrics.request_success.labels(finished_reason=finish).inc()
 
     def _land(self) -> bool:
         """Wait for the step in flight and give each sequence its token (events to the outbox); end the
@@ -387,6 +385,8 @@ class Engine:
         finally:  # the sequence ends even when freeing its cache fails (a pipeline rank just died)
             if not s.done:
                 s.done = True
+                if self.metrics is not None:  # as vLLM counts them: an abort too (finished_reason="abort")
+                    self.metrics.request_success.labels(finished_reason=reason).inc()
                 s.sink(TokenEvent(s.index, None, finish_reason=reason, prompt_tokens=len(s.prompt),
                                   completion_tokens=len(s.out), error=error, error_kind=kind if error else None))
 

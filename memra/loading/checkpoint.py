@@ -43,17 +43,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     except RuntimeError as e:
         raise MemraError(f"invalid device {device!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MemraError(f"device {device!r} requested but CUDA is not available on this machine; use device='cpu'")
+        raise MemraError(f"device {device!r} requested but CUDA is not available on this machine; run on the CPU "
+                         "(--device cpu on the command line, device=\"cpu\" in Python)")
     return dev
 
 
-def progress(iterable, total: int, desc: str):
+def progress(iterable, total: int, desc: str, unit: str = "layer"):
     """A tqdm bar on an interactive terminal; the bare iterable when piped or under CI."""
     if not show_progress():
         return iterable
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit="layer", leave=False)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False)
 
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI; run by memra.server.http under uvicorn).
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks in OpenAI's format, then [DONE])
+    POST /v1/responses, GET /v1/responses/{id}  (the chat route's answer as Response items: memra.server.responses)
     GET  /v1/models, /health, /metrics           POST /tokenize, /detokenize
 
 What each request costs the others is bounded (memra.server.options): the body is read within its size
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +41,8 @@ from memra.server.errors import ApiError, error_response, install_error_handlers
 from memra.server.options import ServerOptions
 from memra.sampling import fresh_seed, truncate_prompt
 from memra.server.reasoning import ReasoningFormat
-from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from memra.server.responses import install_responses
+from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, sampling_defaults
 from memra.server.scored import Scored, ScoredReply
 from memra.server.tools import ChoiceCalls, forced_constraint, tool_spec
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
@@ -51,8 +54,13 @@ _CHARS_SLACK = 2
 INLINE_ENCODE_CHARS = 1024  # a prompt this short is encoded on the event loop (module docstring)
 
 
-def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOptions(), metrics=None,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def build_app(engine: Engine, model_name: str | tuple[str, ...], options: ServerOptions = ServerOptions(),
+              metrics=None, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """model_name: the name clients send, or several (vLLM's --served-model-name; answers carry the first)."""
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    model_name = names[0]
+    seeds = random.Random(options.seed) if options.seed is not None else None  # --seed: a repeatable stream
+    defaults = sampling_defaults(options.sampling_defaults)
     tok = engine.model.tokenizer
     max_len = engine.max_len
     pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="memra-tokenize")
@@ -82,13 +90,23 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
     honoured = frozenset({"include_reasoning"} if reasoning is not None else ())
     tool_format = options.tool_call_parser or detect_format(tok.chat_template)  # auto's format (memra.server.tools)
 
+    async def read(request: Request):
+        return await read_json(request, options.max_body_bytes, options.max_json_depth)
+
     async def body_of(request: Request, schema, route: str | None = None):
-        raw = await read_json(request, options.max_body_bytes, options.max_json_depth)
+        return checked(schema, await read(request), route)
+
+    def checked(schema, raw, route: str | None = None):
+        """A request body validated as `schema`, for a model this server serves, with the server's
+        sampling defaults where it leaves a field out."""
         if route is not None:
             refuse_unhonoured(raw, route, honoured)
         body = validate(schema, raw)
-        if body.model is not None and body.model != model_name:
-            raise model_not_found(body.model, model_name)
+        if body.model is not None and body.model not in names:
+            raise model_not_found(body.model, names)
+        for key, value in defaults.get(schema, ()):  # --generation-config: the fields the request left out
+            if getattr(body, key) is None:
+                setattr(body, key, value)
         return body
 
     async def off_loop(fn, *args):
@@ -142,8 +160,8 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "memra", "max_model_len": max_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "memra", "max_model_len": max_len} for name in names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -188,13 +206,18 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         scored = await scored_reply(body, ids, texts, body.echo, body.logprobs if body.echo else None)
         if not max_tokens:
             return echo_only(body, ids, scored)
-        return await serve(request, body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens,
-                           arrival=arrival, scored=scored)
+        out, head = await launch(body, ids, chat=False, logprobs=body.logprobs, max_tokens=max_tokens, scored=scored)
+        return await respond(request, body, out, head, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.perf_counter()
         body = await body_of(request, ChatRequest, CHAT)
+        return await respond(request, body, *await start_chat(body), arrival)
+
+    async def start_chat(body: ChatRequest) -> tuple[RequestOutputs, ReplyHeader]:
+        """A validated chat request queued on the engine: its outputs and its reply's header (the chat
+        route and /v1/responses, which builds a ChatRequest, answer from these)."""
         body.check_supported()
         want = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if want is not None:
@@ -206,9 +229,11 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         ids = truncated(body, ids)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         scored = await scored_reply(body, [ids], [None], False, None)
-        return await serve(request, body, [ids], chat=True, logprobs=logprobs,
-                           max_tokens=want if want is not None else max(max_len - len(ids), 1), arrival=arrival,
-                           scored=scored, opened=opened, tools=tools)
+        return await launch(body, [ids], chat=True, logprobs=logprobs,
+                            max_tokens=want if want is not None else max(max_len - len(ids), 1),
+                            scored=scored, opened=opened, tools=tools)
+
+    install_responses(app, read, lambda chat: start_chat(checked(ChatRequest, chat)), model_name, tok)
 
     def truncated(body, ids: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the context's length)."""
@@ -244,10 +269,11 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         usage = {"prompt_tokens": head.prompt_tokens, "completion_tokens": 0, "total_tokens": head.prompt_tokens}
         return JSONResponse(reply_body(head, choices, usage))
 
-    async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
-                    max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False,
-                    tools=None):
-        params = body.sampling(max_tokens, body.seed if body.seed is not None else fresh_seed())
+    async def launch(body, prompts: list[list[int]], chat: bool, logprobs: int | None, max_tokens: int,
+                     scored: ScoredReply | None = None, opened: bool = False,
+                     tools=None) -> tuple[RequestOutputs, ReplyHeader]:
+        seed = body.seed if body.seed is not None else seeds.getrandbits(62) if seeds is not None else fresh_seed()
+        params = body.sampling(max_tokens, seed)
         if tools is not None and tools.forced:  # required / named: the tools' grammar (memra.server.tools)
             params = dataclasses.replace(params, structured_outputs=forced_constraint(tools, params.structured_outputs))
         if body.speculative and not engine.spec.enabled:
@@ -278,6 +304,10 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
         head = ReplyHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()), model_name,
                            chat, sum(len(p) for p in prompts), logprobs is not None,
                            bool(body.return_tokens_as_token_ids), scored, body.n)
+        return out, head
+
+    async def respond(request: Request, body, out: RequestOutputs, head: ReplyHeader, arrival: float):
+        """The answer in OpenAI's chat / completion shape: a stream of chunks, or one body."""
         if body.stream:
             first = None if metrics is None else lambda: metrics.http_ttft.observe(time.perf_counter() - arrival)
             return StreamingResponse(out.events(head, body.include_usage, first), media_type="text/event-stream")

@@ -212,7 +212,12 @@ class RequestOutputs:
     # --- a whole (non-streaming) answer ---
     async def whole(self, request: Request, head: ReplyHeader) -> Response:
         """The complete body, or an error body; cancels everything if the client leaves meanwhile."""
-        collect = asyncio.ensure_future(self._collect(head))
+        return await self.until_done(request, self._collect(head))
+
+    async def until_done(self, request: Request, work) -> Response:
+        """`work` (a coroutine that reads `deltas()` to the end and makes the body), or a 499 where the
+        client leaves first; either way nothing is left running on the engine."""
+        collect = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -6,7 +6,8 @@
                            and `param` name the field), a prompt over the context. Validation
                            failures are 400, as OpenAI and vLLM answer, never FastAPI's 422.
 401 authentication_error   a missing or wrong API key
-404 invalid_request_error  an unknown route, or an unknown model (code "model_not_found")
+404 invalid_request_error  an unknown route (an endpoint of OpenAI's that memra does not serve is named as
+                           not supported), or an unknown model (code "model_not_found")
 405 invalid_request_error  a known route with another method (the Allow header says which)
 413 invalid_request_error  a body over the server's limit (--max-body-mb)
 429 rate_limit_error       the waiting queue is full; Retry-After says when to come back
@@ -27,6 +28,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memra.errors import MemraError
 
+# OpenAI's and vLLM's endpoints that memra does not serve (path prefix -> what it is): a request for one
+# is told so, not answered with a bare "no route"
+UNSUPPORTED = (("/v1/embeddings", "embeddings"), ("/v1/audio", "audio"), ("/v1/images", "images"),
+               ("/v1/moderations", "moderations"), ("/v1/files", "files"), ("/v1/batches", "batches"),
+               ("/v1/fine_tuning", "fine-tuning"), ("/v1/uploads", "uploads"), ("/v1/vector_stores", "vector stores"),
+               ("/v1/assistants", "assistants"), ("/v1/threads", "threads"), ("/v1/realtime", "realtime"),
+               ("/v1/conversations", "conversations"), ("/v1/containers", "containers"), ("/v1/videos", "videos"),
+               ("/v1/evals", "evals"), ("/v1/score", "scoring"), ("/v1/rerank", "reranking"),
+               ("/v2/rerank", "reranking"), ("/rerank", "reranking"), ("/score", "scoring"),
+               ("/pooling", "pooling"), ("/classify", "classification"), ("/v1/load_lora_adapter", "LoRA adapters"),
+               ("/v1/unload_lora_adapter", "LoRA adapters"))
+SERVED = "/v1/completions, /v1/chat/completions and /v1/responses"
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait: the queue drains by whole requests, so soon
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -56,9 +69,17 @@ def too_many_requests(message: str) -> ApiError:
     return ApiError(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def model_not_found(name: str, served: str) -> ApiError:
-    return ApiError(404, f"the model {name!r} does not exist; this server serves {served!r}", param="model",
-                    code="model_not_found")
+def model_not_found(name: str, served: str | tuple[str, ...]) -> ApiError:
+    served = (served,) if isinstance(served, str) else served
+    return ApiError(404, f"the model {name!r} does not exist; this server serves {' or '.join(map(repr, served))}",
+                    param="model", code="model_not_found")
+
+
+def _not_found(path: str) -> str:
+    for prefix, what in UNSUPPORTED:
+        if path == prefix or path.startswith(prefix + "/"):
+            return f"{path}: {what} is not supported by memra, which serves text generation ({SERVED})"
+    return f"no route {path}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -68,7 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing(request: Request, err: StarletteHTTPException):  # 404 no such route, 405 wrong method
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        message = {404: _not_found(request.url.path), 405: f"{request.method} is not allowed on {request.url.path}"}
         return error_response(err.status_code, message.get(err.status_code, str(err.detail)),
                               headers=getattr(err, "headers", None))
 

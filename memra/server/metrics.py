@@ -35,8 +35,9 @@ class Metrics:
         self.kv_usage = Gauge("memra:kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1)", registry=r)
         self.prompt_tokens = Counter("memra:prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("memra:generation_tokens", "Tokens generated", registry=r)
-        self.request_success = Counter("memra:request_success", "Sequences finished normally",
-                                       ["finish_reason"], registry=r)
+        self.request_success = Counter("memra:request_success", "Sequences finished, by why: stop, length, "
+                                       "or abort (cancelled, the client gone, shutdown or an error), as vLLM counts them",
+                                       ["finished_reason"], registry=r)  # vLLM's label name
         self.preemptions = Counter("memra:num_preemptions", "Sequences swapped out to make room", registry=r)
         self.ttft = Histogram("memra:time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)

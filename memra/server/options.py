@@ -30,6 +30,10 @@ class ServerOptions:
     log_requests: bool = False  # one access-log line per request (memra serve turns it on)
     reasoning_parser: str | None = None  # chat answers' <think>…</think> -> reasoning_content (memra.server.reasoning)
     tool_call_parser: str | None = None  # tool_choice auto's call format (memra.tools); None: the template's
+    seed: int | None = None  # --seed: the stream unseeded requests draw their seeds from; None: a random one
+    # --generation-config / --override-generation-config: (request field, value) defaults for fields a
+    # chat or completion request leaves out (memra.server.vllm_flags.generation_defaults)
+    sampling_defaults: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

@@ -255,3 +255,16 @@ class DetokenizeRequest(BaseModel):
 
 
 AnyRequest = Union[CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest]
+
+
+def sampling_defaults(pairs: tuple[tuple[str, object], ...]) -> dict:
+    """--generation-config's defaults, checked as a request's fields would be (MemraError naming the bad
+    one), per request schema: {schema: ((field, value), ...)}. max_tokens is a default of the chat route
+    only: a completion's is OpenAI's 16."""
+    if not pairs:
+        return {}
+    try:
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": ""}], **dict(pairs)})
+    except ValueError as e:
+        raise MemraError(f"--generation-config gives a sampling default memra cannot take ({str(e).splitlines()[-1]})")
+    return {ChatRequest: pairs, CompletionRequest: tuple((k, v) for k, v in pairs if k != "max_tokens")}

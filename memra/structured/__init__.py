@@ -11,7 +11,6 @@ what else runs in the batch (docs/EXACTNESS.md, E10).
 """
 
 from memra.structured.params import StructuredOutputs
-from memra.structured.state import GrammarState
 
 __all__ = ["GrammarState", "StructuredOutputs", "compile_for"]
 
@@ -22,3 +21,12 @@ def compile_for(*args, **kwargs):
     from memra.structured.compile import compile_for as compile_now
 
     return compile_now(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    """GrammarState on first use: it needs torch, which `memra --help` should not pay for."""
+    if name == "GrammarState":
+        from memra.structured.state import GrammarState
+
+        return GrammarState
+    raise AttributeError(f"module 'memra.structured' has no attribute {name!r}")

@@ -81,12 +81,56 @@ class ToolSpec:
             return None
         if self.choice == "named":
             return StructuredOutputs(json=self.parameters(self.name), strict=False)
+        defs: dict = {}
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"enum": [n]}, "arguments": self.parameters(n)}} for n in self.names]
+                "properties": {"name": {"enum": [n]}, "arguments": hoisted(self.parameters(n), n, defs)}}
+               for n in self.names]
         schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+        if defs:
+            schema["$defs"] = defs
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutputs(json=schema, strict=False)
+
+
+# keywords whose values are data, not schemas: a "$ref" inside them is not a reference
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def hoisted(params: dict, tool: str, defs: dict) -> dict:
+    """A tool's parameters schema made to work below the root of the `required` schema: its local
+    references ("#", "#/$defs/X", "#/definitions/X", "#/properties/...") point from the root of the
+    document, so its definitions move to the root's $defs as `<tool>__<name>` (`defs`, shared by every
+    tool) and each reference is rewritten to match; a reference into the schema itself gets the whole
+    schema as $defs/<tool>. -> the schema to place as the call's arguments."""
+    own = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    into_self = []
+
+    def ref(target: str) -> str:
+        if target != "#" and not target.startswith("#/"):
+            return target  # another document's: left alone
+        parts = target[2:].split("/") if target != "#" else []
+        if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+            name = tool + "__" + parts[1].replace("~1", "/").replace("~0", "~")
+            return "#/$defs/" + "/".join([name.replace("~", "~0").replace("/", "~1")] + parts[2:])
+        into_self.append(target)  # the reference reaches into the schema itself
+        return "#/$defs/" + "/".join([tool] + parts)
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: (ref(v) if k == "$ref" and isinstance(v, str) else v if k in _DATA_KEYWORDS else walk(v))
+                for k, v in node.items()}
+
+    whole = walk(own)
+    if into_self:
+        defs[tool] = whole
+    for key in ("$defs", "definitions"):
+        for name, sub in (params.get(key) or {}).items():
+            defs[f"{tool}__{name}"] = walk(sub)
+    return whole
 
 
 def _check_tool(tool, i: int) -> str:
