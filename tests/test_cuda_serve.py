@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import memra
-from cuda_marks import DEVICES, cuda_only
+from cuda_marks import cuda_only, needs_cuda
 
 GPU_GROWTH_BOUND = 64 << 20  # bytes of torch-allocated GPU memory a soak may add (caches are pooled up front)
 RSS_GROWTH_BOUND = 256 << 20  # bytes of host RSS
@@ -30,12 +30,14 @@ LOAD = {"cpu": ["--requests", "12", "--concurrency", "6", "--max-tokens", "12", 
         "cuda": ["--requests", "200", "--concurrency", "32"]}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_load_test_loses_nothing_and_answers_as_offline(device, capsys):
+@pytest.mark.parametrize("device,seed", [("cpu", 1), *(pytest.param("cuda", s, marks=needs_cuda) for s in range(1, 6))])
+def test_load_test_loses_nothing_and_answers_as_offline(device, seed, capsys):
+    """On the GPU at seeds 1-5: seed 1's request #170 (129 tokens, cut at 128 by a snapshot stop) once
+    answered other text than offline (issue 44)."""
     from memra.cli import main
 
-    code = main(["bench", "serve", "--launch", "demo", "--device", device, "--cancel-fraction", "0.1", "--seed", "1",
-                 *LOAD[device]])
+    code = main(["bench", "serve", "--launch", "demo", "--device", device, "--cancel-fraction", "0.1", "--seed",
+                 str(seed), *LOAD[device]])
     out = capsys.readouterr().out
     assert code == 0, out  # 0 only with nothing lost / duplicated / failed and every check passed
     assert "check failed" not in out
