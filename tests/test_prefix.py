@@ -84,12 +84,15 @@ def test_copy_on_write_and_refcounts(demo):
 
 
 # --- the battery: every fixture architecture and the demo ---
+LOAD_ARCHS = ("demo", "llama", "qwen3_5_moe", "step3p5")
 @pytest.mark.parametrize("arch", ["demo"] + HF_ARCHS + ["gguf:qwen3_5-q8_0"])
 def test_prefix_gate_is_green(arch, demo):
     path = gguf_file(arch[5:]) if arch.startswith("gguf:") else hf_dir(arch)
     model = demo if arch == "demo" else memra.load(path, device=DEVICE, tokenizer=False)
     lines = []
-    assert run_prefix_battery(model, batches=(1, 2, 4), steps=6, out=lines.append), "\n".join(lines)
+    load = arch in LOAD_ARCHS  # the load arm (memra.gate.prefix_load_arm) on one model of each kind: seconds each
+    assert run_prefix_battery(model, batches=(1, 2, 4), steps=6, out=lines.append, load=load), "\n".join(lines)
+    assert load == any(line.startswith("prefix-load") for line in lines)
 
 
 @pytest.mark.parametrize("arch", ["demo", "llama"])

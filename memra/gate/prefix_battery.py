@@ -91,7 +91,8 @@ def plant_decoded(engine: Engine, prompt: list[int]) -> None:
 
 
 def run_prefix_battery(model, batches: tuple[int, ...] = (1, 2, 4), steps: int = 8, out: Callable = print,
-                       kv_blocks: int | None = None, canary: bool | None = None) -> bool:
+                       kv_blocks: int | None = None, canary: bool | None = None, load: bool = True) -> bool:
+    """Both arms (load=False: the batch arm alone) -> whether everything was green."""
     seed = model.settings.gate_seed
     canary = model.settings.gate_canary if canary is None else canary
     led = Ledger(out)
@@ -130,7 +131,8 @@ def run_prefix_battery(model, batches: tuple[int, ...] = (1, 2, 4), steps: int =
         led.fail("liveness", f"prefix_cached_tokens +{live['prefix_cached_tokens']}, distinct cuts {sorted(cuts)}")
     led.verdict("liveness", f"prefix_cached_tokens +{live['prefix_cached_tokens']}, prefix_snapshots "
                             f"+{live['prefix_snapshots']}, prefix_evicted_blocks +{live['prefix_evicted_blocks']}")
-    run_prefix_load_arm(model, led, steps, out, kv_blocks, plant_decoded if canary else None)
+    if load:
+        run_prefix_load_arm(model, led, steps, out, kv_blocks, plant_decoded if canary else None)
     ok = not led.failed
     out("ALL GREEN: prefix-cache battery" if ok else f"FAILED: {', '.join(sorted(led.failed))}")
     return ok
