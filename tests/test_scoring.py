@@ -39,7 +39,7 @@ def llm():
 
 def test_llm_score_equals_generate_logprobs(llm):
     prompt = llm.tokenizer.encode("KING LEAR:\nBlow, winds, and crack your cheeks!", True)
-    for params in (memra.SamplingParams(max_tokens=30, logprobs=3, ignore_eos=True),
+    for params in (memra.SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
                    memra.SamplingParams(max_tokens=30, logprobs=3, temperature=1.0, top_k=40, seed=9, n=2,
                                         ignore_eos=True)):
         outs = llm.generate([prompt], params)[0].outputs
@@ -51,7 +51,7 @@ def test_llm_score_equals_generate_logprobs(llm):
 
 def test_prompt_logprobs_in_generate(llm):
     prompt = llm.tokenizer.encode("HAMLET:\nTo be, or not to be, that is the question.", True)
-    out = llm.generate([prompt], memra.SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    out = llm.generate([prompt], memra.SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))[0]
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(prompt)
     cache = llm.model.new_cache(len(prompt))
@@ -69,4 +69,4 @@ def test_score_refusals(llm):
     with pytest.raises(MemraError, match="empty"):
         llm.score([[5, 6]], [[]])
     with pytest.raises(MemraError, match="prompt_logprobs"):
-        memra.SamplingParams(prompt_logprobs=-1)
+        memra.SamplingParams(temperature=0.0, max_tokens=128, prompt_logprobs=-1)

@@ -67,7 +67,7 @@ def _memra(path: str, tokens: int, threads: int) -> dict:
     llm = memra.LLM(path, device="cpu", max_batch=1, max_ctx=len(PROMPT) + tokens + 1)
     load_s, after = time.perf_counter() - t0, _status_bytes("VmRSS")
     times: list[float] = []  # when each token reached its reader; no end token, as llama.cpp's generate
-    llm.engine.submit(PROMPT, memra.SamplingParams(max_tokens=tokens),
+    llm.engine.submit(PROMPT, memra.SamplingParams(temperature=0.0, max_tokens=tokens),
                       lambda ev: ev.token_id is not None and times.append(time.perf_counter()))
     llm.engine.run_until_idle()
     return dict(load_s=load_s, rss_bytes=_delta(before, after), base_bytes=before, tok_s=_rate(times))

@@ -189,7 +189,7 @@ def memra_offline(model_path, device: str | None = None, dtype: str | None = Non
 
     def offline(prompt: str, max_tokens: int) -> str:
         ids = tok.encode(prompt, add_special=True)
-        out = list(generate_tokens(model, ids, SamplingParams(max_tokens=max_tokens), eos_ids=tok.eos_ids))
+        out = list(generate_tokens(model, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), eos_ids=tok.eos_ids))
         return tok.decode(out, skip_special=True)
 
     return offline

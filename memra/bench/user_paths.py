@@ -26,7 +26,7 @@ def time_engine_decode(model, batch: int, steps: int, warmup: int, prompts: list
     engine = Engine(model, EngineConfig(max_batch=batch, max_ctx=prompt_tokens + warmup + steps + 2,
                                         token_budget=max(2048, batch * prompt_tokens), max_waiting=batch))
     counts = [0] * batch
-    params = SamplingParams(max_tokens=warmup + steps + 1)  # greedy; a random model has no end token
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1)  # greedy; a random model has no end token
     for i, ids in enumerate(prompts):
         engine.submit(ids, params, lambda ev, i=i: counts.__setitem__(i, counts[i] + (ev.token_id is not None)))
     while min(counts) < 1 + warmup:  # every prefill done, then the warm-up decode steps

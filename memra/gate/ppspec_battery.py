@@ -73,7 +73,7 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
             ref_pos.append(c.pos)
             chunk = logits.argmax(-1).tolist()
         c.free()
-        plain = list(generate_tokens(shut, prompt, SamplingParams(max_tokens=rounds * t + 4)))
+        plain = list(generate_tokens(shut, prompt, SamplingParams(temperature=0.0, max_tokens=rounds * t + 4)))
         return inputs, ref_logits, ref_seed, ref_pos, plain
 
     # Every reference first: the runtime shards the weights onto the stage devices in place, after
@@ -124,7 +124,7 @@ def run_ppspec_battery(model, stages: int = 2, ts: tuple[int, ...] = (2, 5, 9), 
 
         # ---- arm3: a whole speculative stream under the split == plain greedy with the door shut ----
         spec = SpecConfig("mtp" if model.mtp else "ngram", k=max(t - 1, 1))
-        params = SamplingParams(max_tokens=rounds * t + 4)
+        params = SamplingParams(temperature=0.0, max_tokens=rounds * t + 4)
         before = counters.snapshot()
         spec_out = list(generate_tokens(split, prompt, params, speculative=spec))
         walks = counters.delta(before)["spec_verify_split_walks"]

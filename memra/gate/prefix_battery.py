@@ -47,7 +47,7 @@ def workload(batches: tuple[int, ...], seed: int, vocab: int, steps: int):
         reqs = []
         for j in range(b):
             tail = _tokens(5 + 3 * j, seed * 31 + b * 7 + j + 1, vocab)
-            params = (SamplingParams(max_tokens=steps, logprobs=2) if j % 2 == 0 else
+            params = (SamplingParams(temperature=0.0, max_tokens=steps, logprobs=2) if j % 2 == 0 else
                       SamplingParams(max_tokens=steps, temperature=0.8, top_p=0.95, seed=seed + j, logprobs=2))
             reqs.append((base[: PREFIXES[j % len(PREFIXES)] + (j // len(PREFIXES)) * 9] + tail, params))
         runs.append(reqs)
@@ -106,7 +106,7 @@ def run_prefix_battery(model, batches: tuple[int, ...] = (1, 2, 4), steps: int =
     warm = engine(True)
     if canary:  # the shared prefix's second page decoded, not primed: requests resuming past it must differ
         plant_decoded(warm, primers[-1])
-    run_requests(warm, [(p, SamplingParams(max_tokens=1)) for p in primers])
+    run_requests(warm, [(p, SamplingParams(temperature=0.0, max_tokens=1)) for p in primers])
     before = counters.snapshot()
     cuts = set()
     for b, reqs, ref in zip(batches, runs, want):

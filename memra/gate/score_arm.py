@@ -56,7 +56,7 @@ def run_score_battery(model, steps: int = 24, plen: int = 20, out: Callable[[str
     engine = Engine(model, EngineConfig(max_batch=len(prompts), max_ctx=ctx, max_waiting=64))
     before = counters.snapshot()
     expected_decode = 0
-    draws = {"greedy": SamplingParams(max_tokens=steps), "seeded": SamplingParams(max_tokens=steps, temperature=0.9,
+    draws = {"greedy": SamplingParams(temperature=0.0, max_tokens=steps), "seeded": SamplingParams(max_tokens=steps, temperature=0.9,
                                                                                   top_p=0.95, seed=7)}
     for name, params in draws.items():
         for prompt, evs in zip(prompts, _sample(engine, prompts, params)):
