@@ -80,8 +80,9 @@ def test_choices_stops_logprobs_and_streaming(llm):
     assert cut.finish_reason == "stop" and cut.text == whole[: whole.index(stop)]
     lp = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)).pop().outputs[0]
     assert len(lp.logprobs) == len(lp.top_logprobs) == 6
-    for tok, chosen, top in zip(lp.token_ids, lp.logprobs, lp.top_logprobs):
+    for tok, chosen, pos, top in zip(lp.token_ids, lp.token_logprobs, lp.logprobs, lp.top_logprobs):
         assert chosen <= 0 and len(top) == 3 and top[tok] == chosen  # greedy: the chosen one is the best
+        assert len(pos) == 3 and pos[tok].rank == 1 and [e.rank for e in pos.values()] == [1, 2, 3]  # vLLM's dicts
     stats = GenerationStats()
     streamed = "".join(llm.stream("ROMEO:", SamplingParams(temperature=0.0, max_tokens=40), stats))
     assert streamed == whole and stats.generated_tokens == 40 and stats.finish_reason == "length"

@@ -159,7 +159,7 @@ def test_http_min_tokens_rows_get_their_solo_tokens(llm, client):
         got = list(pool.map(ask, PROMPTS, params))
     for choice, prompt, sp in zip(got, PROMPTS, params):
         want = _one(llm, prompt, sp)
-        assert _ids(choice) == want.token_ids and choice.logprobs.token_logprobs == want.logprobs
+        assert _ids(choice) == want.token_ids and choice.logprobs.token_logprobs == want.token_logprobs
         assert choice.text == want.text and choice.finish_reason == want.finish_reason
     assert len(_ids(got[0])) > 4 > len(_ids(got[1]))
 

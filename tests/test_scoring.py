@@ -46,7 +46,7 @@ def test_llm_score_equals_generate_logprobs(llm):
         scored = llm.score([prompt] * len(outs), [o.token_ids for o in outs], top_logprobs=3)
         for o, s in zip(outs, scored):
             assert s.token_ids == o.token_ids and s.prompt_token_ids == prompt
-            assert s.logprobs == o.logprobs and s.top_logprobs == o.top_logprobs
+            assert s.logprobs == o.token_logprobs and s.top_logprobs == o.top_logprobs
 
 
 def test_prompt_logprobs_in_generate(llm):
@@ -59,8 +59,11 @@ def test_prompt_logprobs_in_generate(llm):
     cache.free()
     for i in range(1, len(prompt)):
         logp = torch.log_softmax(rows[i - 1].float(), -1)
-        assert plp[i][prompt[i]] == float(logp[prompt[i]].double())
-        assert int(logp.argmax()) in plp[i]
+        own = plp[i][prompt[i]]  # vLLM's Logprob: the value, its rank, its text
+        assert own.logprob == float(logp[prompt[i]].double())
+        assert own.rank == 1 + int((logp > logp[prompt[i]]).sum()) and own.decoded_token == llm.tokenizer.decode([prompt[i]])
+        top = int(logp.argmax())
+        assert top in plp[i] and plp[i][top].rank == 1
 
 
 def test_score_refusals(llm):
