@@ -94,6 +94,8 @@ class SamplingParams:
     # (memra.sampling_vllm says why and what to use instead)
     best_of: int | None = field(default=None, repr=False)
     use_beam_search: bool = field(default=False, repr=False)
+    length_penalty: float = field(default=1.0, repr=False)
+    early_stopping: bool | str = field(default=False, repr=False)
     bad_words: list[str] | None = field(default=None, repr=False)
     allowed_token_ids: list[int] | None = field(default=None, repr=False)
     logits_processors: list | None = field(default=None, repr=False)

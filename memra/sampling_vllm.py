@@ -11,6 +11,8 @@ from memra.errors import MemraError
 REFUSED: dict[str, tuple[tuple, str]] = {
     "best_of": ((None, 1), "memra does not rank candidates; ask for n choices and compare their cumulative_logprob"),
     "use_beam_search": ((False,), "memra has no beam search; sample n choices instead"),
+    "length_penalty": ((1.0, 1), "it scores beams, and memra has no beam search; sample n choices instead"),
+    "early_stopping": ((False,), "it ends beams, and memra has no beam search; sample n choices instead"),
     "bad_words": ((None, []), "give each word's tokens a bias of -100 in logit_bias instead"),
     "allowed_token_ids": ((None,), "hold the output to a set with structured_outputs (choice, regex or grammar) "
                                    "instead"),
