@@ -108,7 +108,9 @@ def check_tokenizer(tokenizer, model) -> None:
         return
     if not isinstance(tokenizer, (str, Path)):
         raise MemraError(f"LLM(tokenizer=...) must be a path or a model name, got {type(tokenizer).__name__}")
-    if not Path(tokenizer).exists():
+    from memra.loading.hub import looks_like_hub_name
+
+    if not Path(tokenizer).exists() and not looks_like_hub_name(str(tokenizer)):
         raise MemraError(f"LLM(tokenizer={str(tokenizer)!r}): no such file or folder")
     if isinstance(model, (str, Path)) and Path(model).exists() and Path(tokenizer).resolve() == Path(model).resolve():
         return
