@@ -104,10 +104,10 @@ class LLM:
     def _model(model, device, load_options: dict, gpu_memory_utilization, enforce_eager: bool):
         """The model: loaded here from a path (with the options that shape loading), or given loaded."""
         if not isinstance(model, (str, Path)):
-            named = ("gpu_memory_utilization" if gpu_memory_utilization is not None else "enforce_eager"
-                     if enforce_eager else next((k for k in load_options if k != "dtype"), None))
-            if named is None and load_options.get("dtype") is not None:
-                named = "dtype"
+            given = {"gpu_memory_utilization": gpu_memory_utilization is not None, "enforce_eager": enforce_eager,
+                     "device": device not in (None, "auto", str(model.device), model.device.type),
+                     **{k: v is not None for k, v in load_options.items()}}  # dtype "auto" arrives as None
+            named = next((k for k, on in given.items() if on), None)
             if named is not None:
                 raise MemraError(f"LLM({named}=...) applies when LLM loads the model; pass it to memra.load instead")
             return model
