@@ -172,7 +172,7 @@ def test_generation_config_sets_the_defaults_and_chat_continues_a_message(tmp_pa
     convo = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well"}]
     [cont] = auto.chat(convo, SamplingParams(max_tokens=1), add_generation_prompt=False, continue_final_message=True,
                        use_tqdm=False)
-    assert cont.prompt_token_ids == auto.tokenizer.encode("user: Hi|END\nassistant: Well")
+    assert cont.prompt == "user: Hi|END\nassistant: Well" and cont.prompt_token_ids == auto.tokenizer.encode(cont.prompt)
     with pytest.raises(MemraError, match="chat_template"):
         auto.chat(convo, chat_template="{{ messages }}")
 
@@ -183,6 +183,16 @@ def test_progress_bar_on_a_terminal_only_when_asked(llm, capsys, monkeypatch):
     assert "generate" in capsys.readouterr().err
     llm.generate(["ROMEO:"] * 2, SamplingParams(max_tokens=2), use_tqdm=False)
     assert capsys.readouterr().err == ""
+    made = []
+
+    def own_bar(**kw):  # vLLM's use_tqdm may be a callable that makes the bar
+        from tqdm import tqdm
+
+        made.append(kw["total"])
+        return tqdm(**kw, disable=True)
+
+    llm.generate(["ROMEO:"] * 2, SamplingParams(max_tokens=2, n=2), use_tqdm=own_bar)
+    assert made == [4]
 
 
 def test_structured_outputs_params_is_vllms_name():

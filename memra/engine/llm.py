@@ -138,7 +138,8 @@ class LLM:
         (or vLLM's name, `sampling_params`) is one SamplingParams for all or one per prompt (none: the
         model's defaults, get_default_sampling_params). A seed of None is drawn here (LLM's seed stream),
         and the output's `seed` says which; max_tokens None runs to the end of the context.
-        use_tqdm: a bar of finished prompts on an interactive terminal (never when piped or under CI)."""
+        use_tqdm: a bar of finished sequences on an interactive terminal (never when piped or under CI); a
+        callable (vLLM's, e.g. functools.partial(tqdm, leave=True)) makes the bar, wherever the output goes."""
         if lora_request is not None:
             raise MemraError("LLM.generate(lora_request=...) is not supported: memra serves no adapters; merge the "
                              "LoRA into the weights first")
@@ -159,7 +160,7 @@ class LLM:
         scored = [jobs.submit(ScoreJob(tuple(i), None, p.prompt_logprobs)) if p.prompt_logprobs is not None else None
                   for i, p in zip(ids, plist)]
         runs, arrivals = [], []
-        bar = _progress_bar(sum(p.n for p in plist)) if use_tqdm else None
+        bar = _progress_bar(sum(p.n for p in plist), use_tqdm)
         for prompt_ids, p in zip(ids, plist):
             choices, rids = [Choice(TextStream.for_params(self.tokenizer, p)) for _ in range(p.n)], []
             arrivals.append(time.time())
@@ -292,14 +293,14 @@ class LLM:
         extra = dict(chat_template_kwargs or {})
         if tools is not None:
             extra["tools"] = tools
-        ids = []
+        texts = []
         for c in convs:
             messages = template_messages(list(c))
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
-            if continue_final_message:
-                text = cut_after_final(text, messages)
-            ids.append(self.tokenizer.encode(text))
-        return self.generate(ids, params, use_tqdm, lora_request=lora_request)
+            texts.append(cut_after_final(text, messages) if continue_final_message else text)
+        # encoded without added specials (the template writes them); each output's prompt is the rendered text
+        outs = self.generate([self.tokenizer.encode(t) for t in texts], params, use_tqdm, lora_request=lora_request)
+        return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts)]
 
     def get_tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""
@@ -346,9 +347,12 @@ class LLM:
         return sink
 
 
-def _progress_bar(total: int):
-    """A tqdm bar of finished choices on an interactive terminal; None when piped or under CI."""
-    if not show_progress():
+def _progress_bar(total: int, use_tqdm):
+    """A tqdm bar of finished choices: use_tqdm's own (a callable), or on an interactive terminal tqdm's;
+    None when use_tqdm is off, or when piped or under CI."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate", unit="seq")
+    if not use_tqdm or not show_progress():
         return None
     from tqdm import tqdm
 

@@ -32,7 +32,7 @@ def main():
     assert len(outputs) == 3 and all(len(o.outputs[0].token_ids) <= 10 for o in outputs)
     tokenizer = llm.get_tokenizer()
     rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-    assert outputs[0].prompt_token_ids == tokenizer.encode(rendered)
+    assert outputs[0].prompt == rendered and outputs[0].prompt_token_ids == tokenizer.encode(rendered)
 
 
 if __name__ == "__main__":
