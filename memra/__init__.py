@@ -2,7 +2,7 @@
 
 Public surface:
     llm = memra.LLM(path, device="cuda")                 # batches of prompts through the serving engine
-    outs = llm.generate(["a", "b"], memra.SamplingParams(max_tokens=64, seed=1))
+    outs = llm.generate(["a", "b"], memra.SamplingParams(max_tokens=64, seed=1))   # vLLM's LLM and SamplingParams
     m = memra.load(path, device="cpu" | "cuda:0", dtype=None)   # HF directory or .gguf file
     c = m.new_cache(max_ctx)
     logits = m.prime(prompt_ids, c); logits = m.decode_step(token, c)
@@ -15,11 +15,13 @@ The names are imported on first use (PEP 562), so `import memra.cli` — and `me
 from importlib import import_module
 
 # public name -> the module that defines it
-_EXPORTS = {"LLM": "memra.engine.llm", "CompletionOutput": "memra.engine.llm", "RequestOutput": "memra.engine.llm",
-            "MemraError": "memra.errors", "load": "memra.loading.checkpoint", "DevSamp": "memra.sampling",
-            "SamplingParams": "memra.sampling", "StructuredOutputs": "memra.structured"}
+_EXPORTS = {"LLM": "memra.engine.llm", "CompletionOutput": "memra.engine.outputs", "RequestOutput": "memra.engine.outputs",
+            "Logprob": "memra.engine.outputs", "MemraError": "memra.errors", "load": "memra.loading.checkpoint",
+            "DevSamp": "memra.sampling", "SamplingParams": "memra.sampling", "StructuredOutputs": "memra.structured",
+            "StructuredOutputsParams": "memra.sampling_params"}
 
-__all__ = ["load", "LLM", "RequestOutput", "CompletionOutput", "MemraError", "SamplingParams", "DevSamp", "StructuredOutputs"]
+__all__ = ["load", "LLM", "RequestOutput", "CompletionOutput", "Logprob", "MemraError", "SamplingParams", "DevSamp",
+           "StructuredOutputs", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

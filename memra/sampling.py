@@ -17,6 +17,7 @@ import torch
 
 from memra import counters
 from memra.errors import MemraError
+from memra.sampling_vllm import refuse_unsupported
 from memra.structured.params import StructuredOutputs
 
 _MASK64 = (1 << 64) - 1
@@ -52,21 +53,22 @@ MAX_N = 16  # choices per prompt
 MAX_LOGPROBS = 20  # top logprobs per token
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """What a user asks for. temperature 0 means greedy (argmax).
+    """What a user asks for, with vLLM's names and defaults (temperature 1.0, max_tokens 16, seed None);
+    temperature 0 means greedy (argmax). docs/VLLM.md lists every vLLM field and what memra does with it.
 
     Penalties follow vLLM/OpenAI: repetition_penalty divides positive (multiplies negative) logits of
     every token seen in the prompt or output; presence_penalty subtracts once per token present in the
     output, frequency_penalty once per occurrence; logit_bias adds a bias in [-100, 100] per token id.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
+    temperature: float = 1.0
+    top_k: int = 0  # 0 (or vLLM's -1) = off
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = 0  # None: a fresh random seed, drawn when the request is submitted
-    max_tokens: int = 128
+    seed: int | None = None  # None: drawn when the request is submitted (memra.LLM: from its seed stream)
+    max_tokens: int | None = 16  # None: up to the context's end (memra.LLM fills it in per prompt)
     stop: tuple[str, ...] = field(default_factory=tuple)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -87,10 +89,39 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # with skip_special_tokens=False: " " around their text (HF's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's length)
     structured_outputs: StructuredOutputs | None = None  # hold the output to a schema / regex / choice / grammar
+    detokenize: bool = True  # vLLM's: False leaves the outputs' text empty (token ids only)
+    # vLLM's fields memra does not implement: refused where given anything but their no-op value
+    # (memra.sampling_vllm says why and what to use instead)
+    best_of: int | None = field(default=None, repr=False)
+    use_beam_search: bool = field(default=False, repr=False)
+    length_penalty: float = field(default=1.0, repr=False)
+    early_stopping: bool | str = field(default=False, repr=False)
+    bad_words: list[str] | None = field(default=None, repr=False)
+    allowed_token_ids: list[int] | None = field(default=None, repr=False)
+    logits_processors: list | None = field(default=None, repr=False)
+    guided_decoding: object | None = field(default=None, repr=False)
+    extra_args: dict | None = field(default=None, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    logprob_token_ids: list[int] | None = field(default=None, repr=False)
+    thinking_token_budget: int | None = field(default=None, repr=False)
+    # vLLM's, accepted with no effect on what memra.LLM returns (docs/VLLM.md): generate returns whole outputs
+    # (output_kind, stream_interval), and the prefix cache never changes a token (E8: skip_reading_prefix_cache)
+    output_kind: object | None = field(default=None, repr=False, compare=False)
+    stream_interval: int | None = field(default=None, repr=False, compare=False)
+    skip_reading_prefix_cache: bool | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        refuse_unsupported(self)
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None or isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        if self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", ())
         if not isinstance(self.stop_token_ids, tuple):
             try:
                 object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -119,8 +150,9 @@ class SamplingParams:
             raise MemraError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise MemraError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise MemraError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens <= 0):
+            raise MemraError(f"max_tokens must be a positive integer (or None: up to the context's end), "
+                             f"got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise MemraError(f"seed must be a non-negative integer or None (a fresh random one), got {self.seed!r}")
         stops = tuple(self.stop)
@@ -149,14 +181,17 @@ class SamplingParams:
     def _validate_vllm_fields(self) -> None:
         if not all(type(t) is int and t >= 0 for t in self.stop_token_ids):
             raise MemraError(f"stop_token_ids must be non-negative token ids, got {list(self.stop_token_ids)!r}")
-        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+        top = self.max_tokens if self.max_tokens is not None else float("inf")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= top:
             raise MemraError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise MemraError(f"{name} must be true or false, got {getattr(self, name)!r}")
         k = self.truncate_prompt_tokens
         if k is not None and not (type(k) is int and (k >= 1 or k == -1)):
             raise MemraError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (the context's length), got {k!r}")
+        if not self.detokenize and self.stop:
+            raise MemraError("stop strings need the text: they cannot be used with detokenize=False (as in vLLM)")
 
     @property
     def penalized(self) -> bool:

@@ -85,7 +85,7 @@ def test_structured_runs_hold_every_request_to_the_grammar(tmp_path, capsys):
     llm = LLM("demo", max_batch=1)
     from memra.sampling import SamplingParams
 
-    text = llm.generate(["ROMEO:"], SamplingParams(max_tokens=10, structured_outputs=cfg.constraint()),
+    text = llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=cfg.constraint()),
                         use_tqdm=False)[0].outputs[0].text
     assert re.fullmatch("[a-z ]*", text)
     assert main(["bench", "throughput", "demo", "--structured", "yaml"]) == 2

@@ -54,7 +54,7 @@ def test_bad_input_is_one_clear_line(args, message):
 def test_greedy_generation_equals_reference(arch, load_model):
     ref = reference(arch)
     stats = GenerationStats()
-    out = list(generate_tokens(load_model(hf_dir(arch)), ref["prompt0"].tolist(), SamplingParams(max_tokens=16), stats))
+    out = list(generate_tokens(load_model(hf_dir(arch)), ref["prompt0"].tolist(), SamplingParams(temperature=0.0, max_tokens=16), stats))
     assert out == ref["greedy0"].tolist()
     assert stats.finish_reason == "length" and stats.generated_tokens == 16
 
@@ -62,7 +62,7 @@ def test_greedy_generation_equals_reference(arch, load_model):
 def test_generation_stops_at_eos(load_model):
     ref = reference("qwen3")
     first = ref["greedy0"][3].item()  # pretend the 4th greedy token ends the sequence
-    out = list(generate_tokens(load_model(hf_dir("qwen3")), ref["prompt0"].tolist(), SamplingParams(max_tokens=16), eos_ids=[first]))
+    out = list(generate_tokens(load_model(hf_dir("qwen3")), ref["prompt0"].tolist(), SamplingParams(temperature=0.0, max_tokens=16), eos_ids=[first]))
     assert out == ref["greedy0"][:4].tolist()
 
 

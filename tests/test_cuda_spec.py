@@ -88,7 +88,7 @@ def test_9b_shape_speculation_is_token_identical(shape_9b, case, monkeypatch):
     spec = {"mtp K=1": SpecConfig("mtp", k=1), "mtp K=2 replay": SpecConfig("mtp", k=2, rollback="replay"),
             "oracle K=2": SpecConfig("ngram", k=2), "oracle K=4": SpecConfig("ngram", k=4)}[case]
     ids = [(7 + 31 * j) % shape_9b.cfg.vocab_size for j in range(32)]
-    plain, got, s = plain_and_spec(shape_9b, ids, SamplingParams(max_tokens=48), spec, monkeypatch,
+    plain, got, s = plain_and_spec(shape_9b, ids, SamplingParams(temperature=0.0, max_tokens=48), spec, monkeypatch,
                                    oracle=case.startswith("oracle"))
     assert got == plain, f"{case}: speculation changed the stream ({s.summary()})"
     if case.startswith("oracle"):

@@ -20,12 +20,12 @@ from memra.sampling import SamplingParams
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo,", "First Citizen:\nBefore we proceed any further, hear me speak.",
            "KING LEAR:\nBlow, winds,", "HAMLET:\nTo be, or not to be"]
 PARAMS = [
-    SamplingParams(max_tokens=24),
+    SamplingParams(temperature=0.0, max_tokens=24),
     SamplingParams(max_tokens=30, temperature=0.8, seed=7),
     SamplingParams(max_tokens=20, temperature=1.1, top_k=40, top_p=0.9, seed=3),
     SamplingParams(max_tokens=28, temperature=0.7, min_p=0.05, seed=11, repetition_penalty=1.3,
                    presence_penalty=0.5, frequency_penalty=0.4, logit_bias={17: 3.0, 99: -100.0}),
-    SamplingParams(max_tokens=16, repetition_penalty=0.8, logit_bias={5: 2.5}),
+    SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=0.8, logit_bias={5: 2.5}),
 ]
 
 
@@ -74,26 +74,27 @@ def test_choices_stops_logprobs_and_streaming(llm):
         assert choice.index == i
         assert choice.token_ids == reference(llm.model, "ROMEO:", SamplingParams(max_tokens=20, temperature=0.9,
                                                                                  seed=5 + i))
-    whole = llm.generate("ROMEO:", SamplingParams(max_tokens=40)).pop().outputs[0].text
+    whole = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=40)).pop().outputs[0].text
     stop = whole.strip()[4:9]
-    cut = llm.generate("ROMEO:", SamplingParams(max_tokens=40, stop=(stop,))).pop().outputs[0]
+    cut = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,))).pop().outputs[0]
     assert cut.finish_reason == "stop" and cut.text == whole[: whole.index(stop)]
-    lp = llm.generate("ROMEO:", SamplingParams(max_tokens=6, logprobs=3)).pop().outputs[0]
+    lp = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)).pop().outputs[0]
     assert len(lp.logprobs) == len(lp.top_logprobs) == 6
-    for tok, chosen, top in zip(lp.token_ids, lp.logprobs, lp.top_logprobs):
+    for tok, chosen, pos, top in zip(lp.token_ids, lp.token_logprobs, lp.logprobs, lp.top_logprobs):
         assert chosen <= 0 and len(top) == 3 and top[tok] == chosen  # greedy: the chosen one is the best
+        assert len(pos) == 3 and pos[tok].rank == 1 and [e.rank for e in pos.values()] == [1, 2, 3]  # vLLM's dicts
     stats = GenerationStats()
-    streamed = "".join(llm.stream("ROMEO:", SamplingParams(max_tokens=40), stats))
+    streamed = "".join(llm.stream("ROMEO:", SamplingParams(temperature=0.0, max_tokens=40), stats))
     assert streamed == whole and stats.generated_tokens == 40 and stats.finish_reason == "length"
 
 
 def test_token_id_prompts_and_refusals(llm):
     ids = llm.tokenizer.encode("JULIET:", add_special=True)
-    a = llm.generate(ids, SamplingParams(max_tokens=8)).pop()
-    b = llm.generate(["JULIET:"], SamplingParams(max_tokens=8)).pop()
+    a = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=8)).pop()
+    b = llm.generate(["JULIET:"], SamplingParams(temperature=0.0, max_tokens=8)).pop()
     assert a.prompt is None and a.prompt_token_ids == ids and a.outputs[0].token_ids == b.outputs[0].token_ids
     with pytest.raises(memra.MemraError, match="maximum context length"):
-        llm.generate(["ROMEO:", "x " * 300], SamplingParams(max_tokens=8))
+        llm.generate(["ROMEO:", "x " * 300], SamplingParams(temperature=0.0, max_tokens=8))
     assert not llm.engine.busy()  # the refusal came before anything was queued
     with pytest.raises(memra.MemraError, match="SamplingParams"):
         llm.generate(PROMPTS, PARAMS[:2])
@@ -101,7 +102,7 @@ def test_token_id_prompts_and_refusals(llm):
 
 def test_the_engine_step_is_the_pooled_batch(llm):
     """The engine's caches come from one pool, so its decode rows run as one batch (graphed on CUDA)."""
-    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4))
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=4))
     backend = llm.engine.backend
     assert backend.kv is backend.pools.kv and isinstance(backend.kv.k[3], torch.Tensor)
 
@@ -113,7 +114,7 @@ def test_events_reach_the_reader_when_and_in_the_order_expected(llm):
     and none is held back when the engine falls idle; each sequence's events keep their order."""
     engine, ids = llm.engine, llm.tokenizer.encode(PROMPTS[1], add_special=True)
     events = []
-    engine.submit(ids, SamplingParams(max_tokens=3), events.append)
+    engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=3), events.append)
     for n in (0, 1, 2, 3):
         assert engine.step()
         assert [e.completion_tokens for e in events] == list(range(1, n + 1))
@@ -124,12 +125,12 @@ def test_events_reach_the_reader_when_and_in_the_order_expected(llm):
     try:
         got: list = []
         done = threading.Event()
-        served.engine.submit(ids, SamplingParams(max_tokens=5),
+        served.engine.submit(ids, SamplingParams(temperature=0.0, max_tokens=5),
                              lambda ev: (got.append(ev), ev.finish_reason is not None and done.set()))
         assert done.wait(60), "the last event never arrived"
         assert [e.completion_tokens for e in got] == [1, 2, 3, 4, 5]
         assert got[-1].finish_reason == "length"
-        assert [e.token_id for e in got] == llm.generate([ids], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
+        assert [e.token_id for e in got] == llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0].token_ids
     finally:
         served.engine.shutdown(drain_timeout=1)
 
@@ -163,7 +164,7 @@ def test_decode_ids_take_each_rows_last_token_from_where_it_is():
     from memra.engine.seq_state import SeqState
 
     def seq(last: int) -> SeqState:
-        return SeqState(f"s{last}", 0, [1], SamplingParams(), None, frozenset(), lambda ev: None, out=[last])
+        return SeqState(f"s{last}", 0, [1], SamplingParams(temperature=0.0, max_tokens=128), None, frozenset(), lambda ev: None, out=[last])
 
     a, b, c, d = seq(10), seq(11), seq(12), seq(13)
     flight = InFlight([a, b, c], PendingPick(torch.tensor([20, 21, 22]), [], None))

@@ -21,7 +21,7 @@ def llm():
 def test_vllm_names_and_prompt_forms(llm):
     assert llm.engine.max_len == 256
     assert llm.get_tokenizer() is llm.tokenizer
-    sp = memra.SamplingParams(max_tokens=6)
+    sp = memra.SamplingParams(temperature=0.0, max_tokens=6)
     ids = llm.get_tokenizer().encode("ROMEO:", add_special=True)
     outs = llm.generate(["ROMEO:", {"prompt": "ROMEO:"}, {"prompt_token_ids": ids}, ids], sampling_params=sp)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1  # four spellings of one prompt
@@ -36,12 +36,12 @@ def test_vllm_names_and_prompt_forms(llm):
 ])
 def test_bad_prompts_are_one_error_naming_the_prompt(llm, bad, names):
     with pytest.raises(MemraError, match=names):
-        llm.generate(bad, memra.SamplingParams(max_tokens=2))
+        llm.generate(bad, memra.SamplingParams(temperature=0.0, max_tokens=2))
 
 
 def test_bad_arguments_name_themselves(llm):
     with pytest.raises(MemraError, match="sampling_params"):
-        llm.generate("x", memra.SamplingParams(max_tokens=2), sampling_params=memra.SamplingParams(max_tokens=3))
+        llm.generate("x", memra.SamplingParams(temperature=0.0, max_tokens=2), sampling_params=memra.SamplingParams(temperature=0.0, max_tokens=3))
     with pytest.raises(MemraError, match="sampling_params"):
         llm.generate("x", sampling_params={"max_tokens": 2})
     with pytest.raises(MemraError, match="max_model_len"):
@@ -51,7 +51,7 @@ def test_bad_arguments_name_themselves(llm):
     with pytest.raises(MemraError, match="gpu_memory_utilization"):
         memra.LLM(llm.model, gpu_memory_utilization=0.5)
     with pytest.raises(MemraError, match="seed"):
-        memra.SamplingParams(seed=-3)
+        memra.SamplingParams(temperature=0.0, max_tokens=128, seed=-3)
 
 
 def test_a_seed_left_to_llm_is_drawn_reported_and_repeatable(llm):
@@ -74,7 +74,7 @@ def test_chat_passes_template_kwargs_and_tools(tmp_path):
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", encoding="utf-8")
     llm = memra.LLM(str(d), max_batch=2, max_model_len=128, warm_up=False)
     convo = [{"role": "user", "content": "Hello"}]
-    sp = memra.SamplingParams(max_tokens=2)
+    sp = memra.SamplingParams(temperature=0.0, max_tokens=2)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     plain = llm.chat(convo, sampling_params=sp)[0].prompt_token_ids
     dressed = llm.chat([convo], sp, chat_template_kwargs={"flavour": "terse"}, tools=tools)[0].prompt_token_ids

@@ -57,7 +57,8 @@ def demo():
 
 def offline(model, prompt: str, **params) -> str:
     ids = model.tokenizer.encode(prompt, add_special=True)
-    tokens = generate_tokens(model, ids, SamplingParams(**params), eos_ids=model.tokenizer.eos_ids)
+    tokens = generate_tokens(model, ids, SamplingParams(**{"temperature": 0.0, **params}),  # greedy unless told
+                             eos_ids=model.tokenizer.eos_ids)
     return model.tokenizer.decode(list(tokens), skip_special=True)
 
 
@@ -188,7 +189,7 @@ def test_pipeline_refuses_what_it_cannot_do(served):
     with pytest.raises(MemraError, match="kv_blocks=14 .* never swaps"):
         Engine(pipe, EngineConfig(max_batch=4, max_ctx=256, kv_blocks=14))
     with pytest.raises(PipelineError, match="MTP drafter is not wired across processes"):
-        list(generate_tokens(pipe, [1, 2, 3], SamplingParams(max_tokens=4), speculative=SpecConfig("mtp")))
+        list(generate_tokens(pipe, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4), speculative=SpecConfig("mtp")))
     assert _complete(srv.url, prompt=PROMPTS[0], max_tokens=3, temperature=0).status_code == 200
 
 

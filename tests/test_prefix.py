@@ -111,7 +111,7 @@ def test_under_load_with_evictions_every_answer_equals_cold(demo):
     for r in range(3):
         for k, base in (reversed if r % 2 else list)(list(enumerate(bases))):  # LRU's worst case is a cycle
             tail = _tokens(3 + r, 100 * r + k, vocab)
-            p = SamplingParams(max_tokens=5, logprobs=1) if k % 2 else \
+            p = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1) if k % 2 else \
                 SamplingParams(max_tokens=5, temperature=0.9, seed=k + r, logprobs=1)
             reqs.append((base[: 130 + 20 * r] + tail, p))
     cfg = dict(max_batch=4, max_ctx=256, token_budget=256, kv_blocks=48)
@@ -134,7 +134,7 @@ def test_choices_and_shared_prompts_prime_once_with_unchanged_tokens(demo):
         llm = memra.LLM(demo, max_batch=8, max_ctx=512, warm_up=False, enable_prefix_caching=on)
         got, live = [], []
         for prompts, params in [([prompt], SamplingParams(max_tokens=6, temperature=0.9, seed=3, n=4, logprobs=1)),
-                                ([prompt[:200] + [i] for i in range(4)], SamplingParams(max_tokens=6, logprobs=1)),
+                                ([prompt[:200] + [i] for i in range(4)], SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)),
                                 ([fresh] * 4, SamplingParams(max_tokens=6, temperature=0.7, seed=9, logprobs=1)),
                                 ([prompt[:5]], SamplingParams(max_tokens=6, temperature=0.9, seed=1, n=3, logprobs=1))]:
             before = counters.snapshot()
@@ -229,7 +229,7 @@ def test_speculating_requests_with_the_cache_keep_their_tokens(demo, method):
     state) while others resume from the pages they add. Either way: the tokens of plain, uncached decoding."""
     base = _tokens(260, 21, demo.cfg.vocab_size)
     prompts = [base[:200] + [k] for k in range(3)] + [base + [1, 2]]
-    p = SamplingParams(max_tokens=8, logprobs=1)
+    p = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
     plain = memra.LLM(demo, max_batch=4, max_ctx=512, warm_up=False, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, p)]
     llm = memra.LLM(demo, max_batch=4, max_ctx=512, warm_up=False, speculative=method)

@@ -25,14 +25,14 @@ def test_noise_is_a_pure_function_of_seed_step_and_token():
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
-    p = SamplingParams(temperature=1.0, seed=1)
+    p = SamplingParams(max_tokens=128, temperature=1.0, seed=1)
     counts = torch.bincount(torch.tensor([sample(logits, p, ctr) for ctr in range(4000)]), minlength=4).double()
     assert torch.allclose(counts / 4000, torch.softmax(logits.double(), 0), atol=0.03)
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(500)
-    assert sample(logits, SamplingParams(), 0) == int(logits.argmax())
+    assert sample(logits, SamplingParams(temperature=0.0, max_tokens=128), 0) == int(logits.argmax())
 
 
 def test_filters_keep_the_right_tokens():
@@ -44,7 +44,7 @@ def test_filters_keep_the_right_tokens():
     assert keep(top_p=0.01) == [True, False, False, False]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
+@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-2),
                                 dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0), dict(max_tokens=0), dict(seed=-3)])
 def test_bad_params_are_refused(kw):
     with pytest.raises(MemraError):
@@ -55,16 +55,16 @@ def test_penalties_and_logit_bias():
     from memra.sampling import apply_penalties
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
-    p = SamplingParams(repetition_penalty=2.0)
+    p = SamplingParams(temperature=0.0, max_tokens=128, repetition_penalty=2.0)
     assert apply_penalties(logits, p, [0], [1]).tolist() == [1.0, -2.0, 0.5, 3.0]
-    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    p = SamplingParams(temperature=0.0, max_tokens=128, presence_penalty=0.5, frequency_penalty=0.25)
     assert apply_penalties(logits, p, [], [2, 2, 3]).tolist() == [2.0, -1.0, 0.5 - 0.5 - 0.5, 3.0 - 0.5 - 0.25]
-    p = SamplingParams(logit_bias={1: 100, 3: -100})
+    p = SamplingParams(temperature=0.0, max_tokens=128, logit_bias={1: 100, 3: -100})
     out = apply_penalties(logits, p, [], [])
     assert out.tolist() == [2.0, 99.0, 0.5, -97.0] and sample(out, p, 0) == 1
-    assert apply_penalties(logits, SamplingParams(), [0], [1]) is logits  # no work when nothing is asked
+    assert apply_penalties(logits, SamplingParams(temperature=0.0, max_tokens=128), [0], [1]) is logits  # no work when nothing is asked
     with pytest.raises(MemraError, match="outside the vocabulary"):
-        apply_penalties(logits, SamplingParams(logit_bias={9: 1.0}), [], [])
+        apply_penalties(logits, SamplingParams(temperature=0.0, max_tokens=128, logit_bias={9: 1.0}), [], [])
 
 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),

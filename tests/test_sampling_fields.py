@@ -49,8 +49,8 @@ def _one(llm, prompt, params):
     return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
 
 
-MIN_GREEDY = SP(max_tokens=16, logit_bias=PUSH_EOS, min_tokens=4, logprobs=2)
-PLAIN = SP(max_tokens=16, logit_bias=PUSH_EOS, logprobs=2)
+MIN_GREEDY = SP(temperature=0.0, max_tokens=16, logit_bias=PUSH_EOS, min_tokens=4, logprobs=2)
+PLAIN = SP(temperature=0.0, max_tokens=16, logit_bias=PUSH_EOS, logprobs=2)
 MIN_SAMPLED = SP(max_tokens=16, logit_bias=PUSH_EOS, min_tokens=5, temperature=0.9, seed=7, logprobs=2)
 
 
@@ -74,7 +74,7 @@ def test_min_tokens_masks_the_stop_ids_of_its_own_row_only(llm):
 def test_min_tokens_with_speculation_gives_the_plain_tokens(llm):
     """E4 with the mask: the accept walk chooses each column by the same rule (penalized rows: column by column)."""
     spec = memra.LLM(llm.model, max_batch=4, warm_up=False, speculative="ngram")
-    long = SP(max_tokens=40, logit_bias=PUSH_EOS, min_tokens=30, logprobs=1)  # n-gram drafts land in its mask
+    long = SP(temperature=0.0, max_tokens=40, logit_bias=PUSH_EOS, min_tokens=30, logprobs=1)  # n-gram drafts land in its mask
     params = [MIN_GREEDY, PLAIN, MIN_SAMPLED, long, SP(**{**vars(long), "temperature": 0.7, "seed": 3})]
     prompts = PROMPTS + ["ROMEO: ROMEO: ROMEO: ROMEO:"] * 2
     plain = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
@@ -87,35 +87,35 @@ def test_min_tokens_with_speculation_gives_the_plain_tokens(llm):
 
 
 def test_stop_token_ids_ignore_eos_and_the_stop_text(llm):
-    plain = _one(llm, PROMPTS[0], SP(max_tokens=12))
+    plain = _one(llm, PROMPTS[0], SP(temperature=0.0, max_tokens=12))
     stop_id = plain.token_ids[3]
     cut = plain.token_ids[: plain.token_ids.index(stop_id) + 1]
-    out = _one(llm, PROMPTS[0], SP(max_tokens=12, stop_token_ids=[stop_id]))
+    out = _one(llm, PROMPTS[0], SP(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))
     assert out.token_ids == cut and out.finish_reason == "stop"
     assert out.text == llm.tokenizer.decode(cut[:-1], skip_special=True)  # the stop token's text is left out
-    kept = _one(llm, PROMPTS[0], SP(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True))
+    kept = _one(llm, PROMPTS[0], SP(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=True))
     assert kept.text == llm.tokenizer.decode(cut, skip_special=True) != out.text
     # ignore_eos runs through EOS to max_tokens; a stop token still ends it
-    assert len(_one(llm, PROMPTS[1], SP(max_tokens=10, logit_bias=PUSH_EOS)).token_ids) < 10
-    run = _one(llm, PROMPTS[1], SP(max_tokens=10, logit_bias=PUSH_EOS, ignore_eos=True))
+    assert len(_one(llm, PROMPTS[1], SP(temperature=0.0, max_tokens=10, logit_bias=PUSH_EOS)).token_ids) < 10
+    run = _one(llm, PROMPTS[1], SP(temperature=0.0, max_tokens=10, logit_bias=PUSH_EOS, ignore_eos=True))
     assert len(run.token_ids) == 10 and EOS in run.token_ids and run.finish_reason == "length"
-    stopped = _one(llm, PROMPTS[1], SP(max_tokens=10, logit_bias=PUSH_EOS, ignore_eos=True, stop_token_ids=[EOS]))
+    stopped = _one(llm, PROMPTS[1], SP(temperature=0.0, max_tokens=10, logit_bias=PUSH_EOS, ignore_eos=True, stop_token_ids=[EOS]))
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == EOS
 
 
 def test_include_stop_str_and_special_token_text(llm):
-    text = _one(llm, PROMPTS[2], SP(max_tokens=20)).text
+    text = _one(llm, PROMPTS[2], SP(temperature=0.0, max_tokens=20)).text
     stop = text.strip()[4:7]
-    without = _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop]))
-    with_it = _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop], include_stop_str_in_output=True))
+    without = _one(llm, PROMPTS[2], SP(temperature=0.0, max_tokens=20, stop=[stop]))
+    with_it = _one(llm, PROMPTS[2], SP(temperature=0.0, max_tokens=20, stop=[stop], include_stop_str_in_output=True))
     assert with_it.text == without.text + stop and without.text == text[: text.index(stop)]
     # as in vLLM, a stop string counts only in text that comes after min_tokens tokens
-    full = _one(llm, PROMPTS[2], SP(max_tokens=20, min_tokens=20))
+    full = _one(llm, PROMPTS[2], SP(temperature=0.0, max_tokens=20, min_tokens=20))
     assert full.text == text and full.finish_reason == "length"
-    assert _one(llm, PROMPTS[2], SP(max_tokens=20, stop=[stop], min_tokens=20)).text == text
+    assert _one(llm, PROMPTS[2], SP(temperature=0.0, max_tokens=20, stop=[stop], min_tokens=20)).text == text
     # special tokens' text: forced with a bias; skipped by default, kept (spaced as HF decodes) on request
     tok = llm.tokenizer
-    forced = dict(max_tokens=3, logit_bias={1: 100.0})
+    forced = dict(temperature=0.0, max_tokens=3, logit_bias={1: 100.0})
     piece = tok.decode([1])
     assert piece and tok.is_special(1)
     assert _one(llm, PROMPTS[0], SP(**forced)).text == ""
@@ -126,10 +126,10 @@ def test_include_stop_str_and_special_token_text(llm):
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     ids = llm.tokenizer.encode(PROMPTS[1] + " " + PROMPTS[2], add_special=True)
-    r = llm.generate(PROMPTS[1] + " " + PROMPTS[2], SP(max_tokens=8, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    r = llm.generate(PROMPTS[1] + " " + PROMPTS[2], SP(temperature=0.0, max_tokens=8, truncate_prompt_tokens=5), use_tqdm=False)[0]
     assert r.prompt_token_ids == ids[-5:]
-    assert r.outputs[0].token_ids == _one(llm, ids[-5:], SP(max_tokens=8)).token_ids
-    assert llm.generate(ids, SP(max_tokens=8, truncate_prompt_tokens=-1), use_tqdm=False)[0].prompt_token_ids == ids
+    assert r.outputs[0].token_ids == _one(llm, ids[-5:], SP(temperature=0.0, max_tokens=8)).token_ids
+    assert llm.generate(ids, SP(temperature=0.0, max_tokens=8, truncate_prompt_tokens=-1), use_tqdm=False)[0].prompt_token_ids == ids
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -159,16 +159,16 @@ def test_http_min_tokens_rows_get_their_solo_tokens(llm, client):
         got = list(pool.map(ask, PROMPTS, params))
     for choice, prompt, sp in zip(got, PROMPTS, params):
         want = _one(llm, prompt, sp)
-        assert _ids(choice) == want.token_ids and choice.logprobs.token_logprobs == want.logprobs
+        assert _ids(choice) == want.token_ids and choice.logprobs.token_logprobs == want.token_logprobs
         assert choice.text == want.text and choice.finish_reason == want.finish_reason
     assert len(_ids(got[0])) > 4 > len(_ids(got[1]))
 
 
 def test_http_stop_fields_and_special_text(llm, client):
-    plain = _one(llm, PROMPTS[0], SP(max_tokens=12))
+    plain = _one(llm, PROMPTS[0], SP(temperature=0.0, max_tokens=12))
     stop_id = plain.token_ids[3]
     for include in (False, True):
-        want = _one(llm, PROMPTS[0], SP(max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include))
+        want = _one(llm, PROMPTS[0], SP(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], include_stop_str_in_output=include))
         r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={
             "stop_token_ids": [stop_id], "include_stop_str_in_output": include})
         assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"

@@ -39,19 +39,19 @@ def llm():
 
 def test_llm_score_equals_generate_logprobs(llm):
     prompt = llm.tokenizer.encode("KING LEAR:\nBlow, winds, and crack your cheeks!", True)
-    for params in (memra.SamplingParams(max_tokens=30, logprobs=3, ignore_eos=True),
+    for params in (memra.SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True),
                    memra.SamplingParams(max_tokens=30, logprobs=3, temperature=1.0, top_k=40, seed=9, n=2,
                                         ignore_eos=True)):
         outs = llm.generate([prompt], params)[0].outputs
         scored = llm.score([prompt] * len(outs), [o.token_ids for o in outs], top_logprobs=3)
         for o, s in zip(outs, scored):
             assert s.token_ids == o.token_ids and s.prompt_token_ids == prompt
-            assert s.logprobs == o.logprobs and s.top_logprobs == o.top_logprobs
+            assert s.logprobs == o.token_logprobs and s.top_logprobs == o.top_logprobs
 
 
 def test_prompt_logprobs_in_generate(llm):
     prompt = llm.tokenizer.encode("HAMLET:\nTo be, or not to be, that is the question.", True)
-    out = llm.generate([prompt], memra.SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    out = llm.generate([prompt], memra.SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))[0]
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(prompt)
     cache = llm.model.new_cache(len(prompt))
@@ -59,8 +59,11 @@ def test_prompt_logprobs_in_generate(llm):
     cache.free()
     for i in range(1, len(prompt)):
         logp = torch.log_softmax(rows[i - 1].float(), -1)
-        assert plp[i][prompt[i]] == float(logp[prompt[i]].double())
-        assert int(logp.argmax()) in plp[i]
+        own = plp[i][prompt[i]]  # vLLM's Logprob: the value, its rank, its text
+        assert own.logprob == float(logp[prompt[i]].double())
+        assert own.rank == 1 + int((logp > logp[prompt[i]]).sum()) and own.decoded_token == llm.tokenizer.decode([prompt[i]])
+        top = int(logp.argmax())
+        assert top in plp[i] and plp[i][top].rank == 1
 
 
 def test_score_refusals(llm):
@@ -69,4 +72,4 @@ def test_score_refusals(llm):
     with pytest.raises(MemraError, match="empty"):
         llm.score([[5, 6]], [[]])
     with pytest.raises(MemraError, match="prompt_logprobs"):
-        memra.SamplingParams(prompt_logprobs=-1)
+        memra.SamplingParams(temperature=0.0, max_tokens=128, prompt_logprobs=-1)

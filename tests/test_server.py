@@ -59,7 +59,7 @@ def _text(model, events) -> str:
 
 def offline(model, prompt: str, **params) -> str:
     ids = model.tokenizer.encode(prompt, add_special=True)
-    p = SamplingParams(**params)
+    p = SamplingParams(**{"temperature": 0.0, **params})  # greedy unless told
     return model.tokenizer.decode(list(generate_tokens(model, ids, p, eos_ids=model.tokenizer.eos_ids)), skip_special=True)
 
 
@@ -287,7 +287,7 @@ def test_preemption_swaps_state_out_and_back_without_changing_a_token(demo):
             return sink
 
         for i, p in enumerate(PROMPTS):
-            engine.submit(demo.tokenizer.encode(p, add_special=True), SamplingParams(max_tokens=60), sink_for(i),
+            engine.submit(demo.tokenizer.encode(p, add_special=True), SamplingParams(temperature=0.0, max_tokens=60), sink_for(i),
                           eos_ids=demo.tokenizer.eos_ids)
         assert done.wait(300)
         assert engine.metrics.preemptions._value.get() > 0  # the pool really was too small
@@ -376,7 +376,7 @@ def test_engine_serves_through_the_pipeline_split(demo):
             return sink
 
         for i, p in enumerate(PROMPTS[:2]):
-            engine.submit(demo.tokenizer.encode(p, add_special=True), SamplingParams(max_tokens=12), sink_for(i),
+            engine.submit(demo.tokenizer.encode(p, add_special=True), SamplingParams(temperature=0.0, max_tokens=12), sink_for(i),
                           eos_ids=demo.tokenizer.eos_ids)
         assert done.wait(120)
     finally:

@@ -71,7 +71,8 @@ def assert_openai_error(r: httpx.Response, status: int, needle: str = "") -> dic
 
 def offline(model, prompt: str, **params) -> str:
     ids = model.tokenizer.encode(prompt, add_special=True)
-    tokens = generate_tokens(model, ids, SamplingParams(**params), eos_ids=model.tokenizer.eos_ids)
+    tokens = generate_tokens(model, ids, SamplingParams(**{"temperature": 0.0, **params}),  # greedy unless told
+                             eos_ids=model.tokenizer.eos_ids)
     return model.tokenizer.decode(list(tokens), skip_special=True)
 
 

@@ -119,7 +119,7 @@ SPEC_ARCHS = [a for a in HF_ARCHS if a != "llama_tied"]  # llama_tied is llama's
 def test_greedy_speculation_is_token_identical(load_model, arch):
     """64 greedy tokens, every drafter the checkpoint has, K in {1, 4, 8}: the plain stream exactly."""
     model = load_model(hf_dir(arch))
-    params = SamplingParams(max_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
     plain = list(generate_tokens(model, PROMPT, params))
     methods = ["ngram"] + (["mtp"] if model.mtp else [])
     for method in methods:
@@ -135,7 +135,7 @@ def test_greedy_speculation_is_token_identical(load_model, arch):
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_demo_model_speculation_is_token_identical_and_accepts(demo, method):
     ids = demo.tokenizer.encode("ROMEO: But soft, what light through yonder window breaks?", add_special=True)
-    params = SamplingParams(max_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
     for k in (1, 4, 8):
         plain, got, stats = _plain_and_spec(demo, params, SpecConfig(method, k=k), ids)
         assert got == plain, f"demo {method} K={k}"
@@ -163,7 +163,7 @@ def test_penalties_stops_dynamic_k_and_replay_keep_the_stream(load_model):
         plain, got, _ = _plain_and_spec(model, params, spec)
         assert got == plain, spec
     # an end-of-sequence id inside an accepted run ends the stream at the same token
-    greedy = SamplingParams(max_tokens=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40)
     stream = list(generate_tokens(model, PROMPT, greedy))
     eos = stream[11]
     plain = list(generate_tokens(model, PROMPT, greedy, eos_ids=[eos]))
@@ -185,7 +185,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
 def test_mtp_drafter_refuses_a_model_without_mtp(load_model):
     model = load_model(hf_dir("llama"))
     with pytest.raises(MemraError, match="no MTP block; use --speculative ngram"):
-        MtpDrafter(model, model.new_cache(16), SamplingParams())
+        MtpDrafter(model, model.new_cache(16), SamplingParams(temperature=0.0, max_tokens=128))
     with pytest.raises(MemraError):
         SpecConfig("medusa")
     with pytest.raises(MemraError):

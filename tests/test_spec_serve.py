@@ -150,7 +150,7 @@ def _outputs(llm, prompts, params):
             for r in llm.generate(prompts, params)]
 
 
-PARAMS = [SamplingParams(max_tokens=14, logprobs=2, stop=("\n\n",)),
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=14, logprobs=2, stop=("\n\n",)),
           SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=2, frequency_penalty=0.5, logprobs=0),
           SamplingParams(max_tokens=10, temperature=0.7, top_k=30, seed=9, logit_bias={13: 3.0})]
 
@@ -162,7 +162,7 @@ def test_llm_speculative_equals_plain_and_preemption_keeps_it(demo):
         assert _outputs(memra.LLM(demo, max_batch=4, max_ctx=128, warm_up=False, speculative=spec), prompts,
                         PARAMS) == plain, spec
     # a pool too small for every sequence at once: speculating sequences are swapped out and back
-    long = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=0.8, seed=2)] * 2
+    long = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(max_tokens=40, temperature=0.8, seed=2)] * 2
     plain = _outputs(memra.LLM(demo, max_batch=4, max_ctx=128, warm_up=False), PROMPTS[:4], long)
     llm = memra.LLM(demo, max_batch=4, max_ctx=128, warm_up=False)
     llm.engine = Engine(demo, EngineConfig(max_batch=4, max_ctx=128, kv_blocks=8, max_waiting=64,

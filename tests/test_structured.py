@@ -123,9 +123,9 @@ def test_grammars_are_cached_by_constraint_and_bad_ones_refused(demo):
             compile_for(tok, bad)
     with pytest.raises(MemraError, match="exactly one"):
         StructuredOutputs(regex="a", choice=["b"])
-    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs.key[0] == "choice"
+    assert SamplingParams(temperature=0.0, max_tokens=128, structured_outputs={"choice": ["a", "b"]}).structured_outputs.key[0] == "choice"
     with pytest.raises(MemraError, match="structured_outputs"):
-        SamplingParams(structured_outputs={"jsonn": {}})
+        SamplingParams(temperature=0.0, max_tokens=128, structured_outputs={"jsonn": {}})
     # a non-strict schema may use what the compiler does not implement; a strict one may not
     odd = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
     with pytest.raises(MemraError, match="refused"):
@@ -135,7 +135,7 @@ def test_grammars_are_cached_by_constraint_and_bad_ones_refused(demo):
 
 def test_llm_takes_structured_outputs(demo):
     llm = memra.LLM(demo)
-    out = llm.generate(["ROMEO:"], SamplingParams(max_tokens=60, structured_outputs=StructuredOutputs(choice=CHOICES)),
+    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputs(choice=CHOICES)),
                        use_tqdm=False)
     assert out[0].outputs[0].text in CHOICES
 

@@ -290,7 +290,7 @@ def test_llm_chat_renders_tools_and_a_history():
     model = memra.load("demo")
     model.tokenizer.chat_template = QWEN35.read_text()
     llm = memra.LLM(model)
-    out = llm.chat(HISTORY, memra.SamplingParams(max_tokens=2), use_tqdm=False, tools=TOOLS)
+    out = llm.chat(HISTORY, memra.SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, tools=TOOLS)
     want = model.tokenizer.apply_chat_template(_as_hf(HISTORY, False), add_generation_prompt=True, tools=TOOLS)
     assert out[0].prompt_token_ids == model.tokenizer.encode(want)
     assert '<parameter=city>\nParis\n</parameter>' in want  # the string arguments reached the template as a mapping

@@ -55,7 +55,7 @@ def run(model, device, ids, params, spec=None, oracle=None):
 
 
 def compare(model, device, name, ids, params, specs, table, oracle_k=()):
-    run(model, device, ids, SamplingParams(max_tokens=8))  # warm the kernels
+    run(model, device, ids, SamplingParams(temperature=0.0, max_tokens=8))  # warm the kernels
     plain, plain_rate, _ = run(model, device, ids, params)
     table.append((f"{name} plain", f"{plain_rate:7.1f} tok/s"))
     cases = [(f"{s.method} K={s.k}{' dyn' if s.dynamic_k else ''}{' replay' if s.rollback == 'replay' else ''}", s, None)
@@ -113,7 +113,7 @@ def main() -> None:
     ids = demo.tokenizer.encode("ROMEO:\nBut soft, what light through yonder window breaks?\n", add_special=True)
     specs = [SpecConfig("mtp", k=1), SpecConfig("mtp", k=2), SpecConfig("mtp", k=4), SpecConfig("mtp", k=4, dynamic_k=True),
              SpecConfig("mtp", k=2, rollback="replay"), SpecConfig("ngram", k=4)]
-    compare(demo, device, "demo", ids, SamplingParams(max_tokens=192), specs, table, oracle_k=(4,))
+    compare(demo, device, "demo", ids, SamplingParams(temperature=0.0, max_tokens=192), specs, table, oracle_k=(4,))
     compare(demo, device, "demo T=0.8", ids, SamplingParams(max_tokens=192, temperature=0.8, seed=5),
             [SpecConfig("mtp", k=2)], table)
 
@@ -122,7 +122,7 @@ def main() -> None:
         verify_cost(big, device, table)
         if left() > 60:
             compare(big, device, "9B-shape", [(7 + 31 * j) % big.cfg.vocab_size for j in range(32)],
-                    SamplingParams(max_tokens=48), [SpecConfig("mtp", k=1), SpecConfig("mtp", k=2, rollback="replay")],
+                    SamplingParams(temperature=0.0, max_tokens=48), [SpecConfig("mtp", k=1), SpecConfig("mtp", k=2, rollback="replay")],
                     table, oracle_k=(2, 4))
     where = torch.cuda.get_device_name() if device.startswith("cuda") else device
     print(f"\n{where}, torch {torch.__version__}, {time.time() - start:.0f}s")

@@ -59,7 +59,7 @@ def chat(model, args, on: bool):
             conv.append({"role": "user", "content": " ".join(words[(37 * c + 11 * turn + j) % len(words)]
                                                              for j in range(12))})
         prompts = [tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True)) for conv in convs]
-        out, ttft = run_wave(engine, prompts, SamplingParams(max_tokens=args.answer_tokens))
+        out, ttft = run_wave(engine, prompts, SamplingParams(temperature=0.0, max_tokens=args.answer_tokens))
         answers.append(out)
         ttfts += ttft
         for conv, ids in zip(convs, out):

@@ -343,7 +343,7 @@ class Engine:
         s.last_token_at = now
         finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
         self._outbox.append((s, TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt),
-                                           len(s.out), cached_tokens=s.cached)))
+                                           len(s.out), cached_tokens=s.cached, rank=picked.rank)))
         if finish is not None:
             s.done = True
             if self.metrics is not None:

@@ -94,12 +94,14 @@ class Picked:
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # the chosen token's rank in its row (1 = the likeliest), where logprobs were asked
 
 
 @dataclass
 class PendingPick:
     """A batch's choices still on the device: `tokens` [B] int64 (what the next decode step feeds), and
-    their copy to the host under way: the tokens, then each asking row's logprob numbers (float64)."""
+    their copy to the host under way: the tokens, then each asking row's logprob numbers (float64): the
+    chosen token's logprob and rank, then the top n ids and their logprobs."""
 
     tokens: torch.Tensor
     asked: list[tuple[int, int]]  # (row, top-n) of the rows that asked for logprobs, in payload order
@@ -112,10 +114,10 @@ class PendingPick:
         out = [Picked(int(t)) for t in host[:b]]
         at = b
         for i, n in self.asked:
-            lp, at = host[at], at + 1
+            lp, rank, at = host[at], int(host[at + 1]), at + 2
             top = tuple(zip((int(x) for x in host[at : at + n]), host[at + n : at + 2 * n])) if n else ()
             at += 2 * n
-            out[i] = Picked(out[i].token, lp, top)
+            out[i] = Picked(out[i].token, lp, top, rank)
         return out
 
 
@@ -151,7 +153,9 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
         pieces = [tokens.double()]
         for i, n in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
             logp = torch.log_softmax(logits[i].float(), dim=-1)
-            pieces.append(logp.index_select(0, tokens[i : i + 1]).double())  # not logp[tokens[i]]: .item()
+            chosen = logp.index_select(0, tokens[i : i + 1])  # [1]; not logp[tokens[i]]: .item()
+            # its rank (vLLM's Logprob.rank): 1 + how many tokens have a strictly higher logprob
+            pieces += [chosen.double(), (logp > chosen).sum().double().unsqueeze(0) + 1]
             if n:
                 vals, ids = torch.topk(logp, n)
                 pieces += [ids.double(), vals.double()]

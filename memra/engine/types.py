@@ -78,6 +78,7 @@ class TokenEvent:
     error: str | None = None  # why an aborted sequence ended, in words a client may read
     error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (memra.prefix)
+    rank: int | None = None  # the token's rank in the row it was drawn from (1 = the likeliest), with logprob
 
 
 def public_error(err: BaseException) -> str:
@@ -94,6 +95,8 @@ def refuse_request(prompt: list[int], params: SamplingParams, limit: int, vocab:
     a prompt over the context needs no look at its ids."""
     if not prompt:
         raise MemraError("the prompt is empty")
+    if params.max_tokens is None:  # memra.LLM turns None into the rest of the context before it submits
+        raise MemraError("max_tokens must be a number here; None (up to the context's end) is memra.LLM's")
     if len(prompt) + params.max_tokens > limit:
         raise ContextOverflowError(
             f"this model's maximum context length is {limit} tokens; the request needs {len(prompt)} prompt "

@@ -51,7 +51,7 @@ def load_workload(seed: int, vocab: int, steps: int) -> tuple[list[int], list[tu
     rng.shuffle(reqs)
     out = []
     for j, prompt in enumerate(reqs):
-        params = (SamplingParams(max_tokens=steps, logprobs=2) if j % 2 == 0 else
+        params = (SamplingParams(max_tokens=steps, temperature=0.0, logprobs=2) if j % 2 == 0 else
                   SamplingParams(max_tokens=steps, temperature=0.8, top_p=0.95, seed=seed + j, logprobs=2))
         out.append((prompt, params))
     return base, out

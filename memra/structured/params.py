@@ -21,11 +21,23 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    json_object: bool = False
+    json_object: bool | None = False  # None: vLLM's spelling of False
     strict: bool = True
+    # vLLM's StructuredOutputsParams options memra does not take: refused where set
+    disable_any_whitespace: bool = field(default=False, repr=False)
+    disable_additional_properties: bool = field(default=False, repr=False)
+    whitespace_pattern: str | None = field(default=None, repr=False)
+    structural_tag: str | None = field(default=None, repr=False)
     key: tuple = field(init=False, repr=False, compare=False)  # (kind, text, strict): the compile cache's key
 
     def __post_init__(self) -> None:
+        for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name) not in (None, False):
+                raise MemraError(f"StructuredOutputsParams({name}=...) is not supported: memra holds the output to "
+                                 "the schema's own grammar (llguidance); state it in the schema or use a regex / "
+                                 "grammar constraint")
+        if self.json_object is None:
+            object.__setattr__(self, "json_object", False)
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise MemraError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "

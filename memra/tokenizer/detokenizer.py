@@ -72,6 +72,11 @@ class TextStream:
         """A stop string has appeared: nothing more will be released."""
         return self._stops.stopped
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, once `stopped` (vLLM's CompletionOutput.stop_reason)."""
+        return self._stops.matched
+
     def push(self, token_id: int, stop_token: bool = False) -> str:
         """The text released by this token. stop_token: it is the EOS / stop token that ends the sequence,
         whose text is left out (as vLLM does) unless the stop is to be included."""

@@ -46,6 +46,7 @@ class StopStringFilter:
         self._matched = [0] * len(self.stops)  # per stop: chars of it that end the text seen so far
         self.pending = ""  # held back: exactly the longest of those partial matches
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it (vLLM's stop_reason)
 
     def push(self, text: str, armed: bool = True) -> str:
         """The text that can be released now (possibly empty). armed=False: a stop string completed in this
@@ -61,6 +62,8 @@ class StopStringFilter:
             length = self._advance(ch)
             if length is not None and armed:  # a stop string of this length ends at this character
                 self.stopped = True
+                seen = held[: offset + i + 1]
+                self.matched = next((s for s in self.stops if len(s) == length and seen.endswith(s)), None)
                 self.pending = ""
                 return held[: offset + i + 1 - (0 if self.include else length)]
         keep = max(self._matched)
