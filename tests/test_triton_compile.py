@@ -1,0 +1,144 @@
+"""Every Triton kernel memra launches, in every variant its loaders and plans choose, compiled by Triton's
+real compiler for Hopper (sm_90) and Ampere (sm_80), on a machine with no GPU. CI's CPU suite runs the
+kernels in Triton's interpreter, which accepts code the compiler refuses (7f3a875's prefill kernel named
+an int32 and then a [64, 64] bool `seen`: no model loaded on CUDA); this test fails on such a kernel.
+
+Where the variants come from: the models themselves, not a list. tests/triton_launches.py runs every
+fixture model (tests/fixtures/hf/*, in each dtype the loader takes) through the engine on CPU as a GPU
+serves it (prefill waves of several prompts' pieces, stacked decode, mixed steps, sampled and filtered
+rows), the model API's solo prime and decode, random-weight models for the shapes the fixtures lack
+(a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan), and
+every packed layout in memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
+is answered twice: first recorded as a CUDA model's table would launch it -- each family's launcher
+computing tiles, buckets, splits and flags as on a GPU (`_interpreting()` answers False), each kernel
+launch kept (argument types as Triton specializes them, constexprs, options) and not run -- then by the
+pure-torch twin, whose values the model goes on with. So a new kernel, flag or tile bucket is compiled
+as soon as a model path launches it, with no one listing it. Why not record the interpreter's own
+launches: the launchers choose other constexprs under the interpreter (one tile for every M, IEEE dots,
+no libdevice), so those are not the kernels a GPU compiles; and running the models at the twin's speed
+keeps the collection to seconds.
+
+What makes it fail, besides a kernel that does not compile (or asks for more shared memory than the
+GPU gives a block): a @triton.jit function in memra that no collected launch compiles (neither
+launched nor called by a launched kernel), and a boolean constexpr of a launched kernel compiled one
+way only (a path the drive no longer reaches), but for the values a GPU never chooses (GPU_NEVER).
+
+The compiles run in two worker processes, one per target, without TRITON_INTERPRET (under it every
+@triton.jit is an interpreted function the compiler cannot take), with Triton's cache in this test's
+temporary directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from conftest import FIXTURES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = (90, 80)  # sm_90 (H100 / H200), sm_80 (A100)
+# Boolean constexprs a GPU never takes one way, with why; every other one must be compiled both ways.
+GPU_NEVER = {
+    ("LIBDEVICE", False): "libdevice is off only under the interpreter, which has none",
+    ("ROUND_IN_INTEGERS", True): "bf16 rounding in integers is for the interpreter, whose cast truncates",
+}
+
+
+def _collect() -> list:
+    import memra
+    from memra.kernels.table import KernelTable
+    from memra.loading.checkpoint import _DTYPES
+
+    import triton_launches as tl
+
+    launches = tl.Launches()
+    table = tl.recording_table(launches)
+    with pytest.MonkeyPatch.context() as mp, tl.self_test_passed():
+        mp.setattr(KernelTable, "build", classmethod(lambda cls, device, settings: table))
+        for dtype in sorted(set(_DTYPES.values()), key=str):
+            for path in sorted((FIXTURES / "hf").iterdir()):
+                model = memra.load(path, device="cpu", dtype=dtype)
+                tl.drive_model(model)
+                tl.drive_solo(model)
+            long_llama, moe = tl.tiny_models(dtype)
+            tl.drive_api(long_llama, (3, 600))
+            tl.drive_api(moe, (3, 40))
+            tl.drive_solo(moe)
+            tl.drive_packed(table, dtype)
+    return launches.records()
+
+
+def _compile(records: list, tmp: Path) -> dict[int, list]:
+    """Each target's results (tests/triton_compile_worker.py, in a process without the interpreter)."""
+    (tmp / "launches.json").write_text(json.dumps(records))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp / "cache"))
+    jobs = max(1, min(4, len(os.sched_getaffinity(0))))
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_worker.py"), ",".join(map(str, TARGETS)),
+                          str(tmp / "launches.json"), str(tmp / "results.json"), str(jobs)],
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, f"the compile worker failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
+    results = {cap: [] for cap in TARGETS}
+    for r in json.loads((tmp / "results.json").read_text()):
+        results[r["target"]].append(r)
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    records = _collect()
+    return records, _compile(records, tmp_path_factory.mktemp("triton_compile"))
+
+
+def _why(error: str) -> str:
+    """A compile error's own message: the last line that says something (Triton prints the source first)."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip() and not set(ln.strip()) <= {"^", "~"}]
+    return lines[-1] if lines else error
+
+
+def test_every_launched_variant_compiles_for_hopper_and_ampere(compiled):
+    records, results = compiled
+    failed = [f"sm_{cap} {r['kernel']} {r['constexprs']}: {_why(r['error'])}"
+              for cap, rs in results.items() for r in rs if not r["ok"]]
+    assert not failed, f"{len(failed)} kernel variants do not compile:\n" + "\n".join(failed)
+    counts = {cap: len(rs) for cap, rs in results.items()}
+    assert len(set(counts.values())) == 1 and counts[TARGETS[0]] >= 40, f"variants compiled per target: {counts}"
+    print(f"\n{len(records)} distinct launches -> {counts[TARGETS[0]]} kernel variants compiled for each of "
+          f"{', '.join(f'sm_{c}' for c in TARGETS)}")
+
+
+def test_every_triton_function_in_memra_is_compiled(compiled):
+    """A kernel or helper no collected launch reaches is one this test cannot vouch for."""
+    from triton_launches import jit_functions
+
+    _, results = compiled
+    reached = set()
+    for rs in results.values():
+        for r in rs:
+            reached.add(r["kernel"])
+            reached.update(r.get("called", ()))
+    missing = sorted(set(jit_functions()) - reached)
+    assert not missing, ("no launch the drive collects compiles these @triton.jit functions (drive their path in "
+                         "tests/triton_launches.py): " + ", ".join(missing))
+
+
+def test_every_boolean_constexpr_is_compiled_both_ways(compiled):
+    _, results = compiled
+    seen = collections.defaultdict(set)
+    for r in results[TARGETS[0]]:
+        for name, value in r["constexprs"].items():
+            if value in ("True", "False"):
+                seen[(r["kernel"], name)].add(value == "True")
+    one_way = [f"{kernel} {name}={not only} never compiled" for (kernel, name), (only,) in
+               ((key, tuple(values)) for key, values in sorted(seen.items()) if len(values) == 1)
+               if (name, not only) not in GPU_NEVER]
+    assert not one_way, "a flag's other value is no longer reached by any driven path:\n" + "\n".join(one_way)
+    assert len(seen) > 10  # liveness: the flags were read off the compiled variants
