@@ -23,9 +23,14 @@ GPU gives a block): a @triton.jit function in memra that no collected launch com
 launched nor called by a launched kernel), and a boolean constexpr of a launched kernel compiled one
 way only (a path the drive no longer reaches), but for the values a GPU never chooses (GPU_NEVER).
 
-The compiles run in two worker processes, one per target, without TRITON_INTERPRET (under it every
-@triton.jit is an interpreted function the compiler cannot take), with Triton's cache in this test's
-temporary directory.
+Budget: the collected launches make some 270 variants per target, ~550 compiles to a cubin, minutes of
+CPU (a K-quant or IEEE-dot tile takes seconds, GDN's chunk prep for sm_80 tens). The default run sends
+every variant through Triton's code generator for both targets (where an interpreter-only kernel is
+refused: it types the kernel; the 7f3a875 fault fails there) and each kernel's first variant on to a
+cubin (the backends, ptxas and the shared-memory limit, once per kernel); the `slow` test takes every
+variant to a cubin. Compiles run in a worker process without TRITON_INTERPRET (under it every
+@triton.jit is an interpreted function the compiler cannot take), over the CPUs this process may use,
+with Triton's cache in the test's temporary directory.
 """
 
 from __future__ import annotations
@@ -76,14 +81,14 @@ def _collect() -> list:
     return launches.records()
 
 
-def _compile(records: list, tmp: Path) -> dict[int, list]:
+def _compile(records: list, tmp: Path, how: str) -> dict[int, list]:
     """Each target's results (tests/triton_compile_worker.py, in a process without the interpreter)."""
     (tmp / "launches.json").write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp / "cache"))
     jobs = max(1, min(4, len(os.sched_getaffinity(0))))
     run = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_worker.py"), ",".join(map(str, TARGETS)),
-                          str(tmp / "launches.json"), str(tmp / "results.json"), str(jobs)],
+                          str(tmp / "launches.json"), str(tmp / "results.json"), str(jobs), how],
                          env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, f"the compile worker failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
     results = {cap: [] for cap in TARGETS}
@@ -93,9 +98,13 @@ def _compile(records: list, tmp: Path) -> dict[int, list]:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    records = _collect()
-    return records, _compile(records, tmp_path_factory.mktemp("triton_compile"))
+def records():
+    return _collect()
+
+
+@pytest.fixture(scope="module")
+def compiled(records, tmp_path_factory):
+    return records, _compile(records, tmp_path_factory.mktemp("triton_compile"), "quick")
 
 
 def _why(error: str) -> str:
@@ -104,15 +113,28 @@ def _why(error: str) -> str:
     return lines[-1] if lines else error
 
 
-def test_every_launched_variant_compiles_for_hopper_and_ampere(compiled):
-    records, results = compiled
+def _all_compiled(records, results) -> None:
     failed = [f"sm_{cap} {r['kernel']} {r['constexprs']}: {_why(r['error'])}"
               for cap, rs in results.items() for r in rs if not r["ok"]]
     assert not failed, f"{len(failed)} kernel variants do not compile:\n" + "\n".join(failed)
     counts = {cap: len(rs) for cap, rs in results.items()}
+    cubins = {cap: sum(r["stage"] == "cubin" for r in rs) for cap, rs in results.items()}
     assert len(set(counts.values())) == 1 and counts[TARGETS[0]] >= 40, f"variants compiled per target: {counts}"
-    print(f"\n{len(records)} distinct launches -> {counts[TARGETS[0]]} kernel variants compiled for each of "
-          f"{', '.join(f'sm_{c}' for c in TARGETS)}")
+    print(f"\n{len(records)} distinct launches -> {counts[TARGETS[0]]} kernel variants for each of "
+          f"{', '.join(f'sm_{c}' for c in TARGETS)} ({cubins[TARGETS[0]]} to a cubin)")
+
+
+def test_every_launched_variant_compiles_for_hopper_and_ampere(compiled):
+    """Every variant through Triton's code generator for both targets (what the interpreter never does:
+    type the kernel), and each kernel's first variant all the way to a cubin."""
+    _all_compiled(*compiled)
+
+
+@pytest.mark.slow
+def test_every_launched_variant_compiles_to_a_cubin(records, tmp_path_factory):
+    """The whole sweep: every variant to a cubin for both targets (minutes; the default run takes the code
+    generator for most of them)."""
+    _all_compiled(records, _compile(records, tmp_path_factory.mktemp("triton_full"), "full"))
 
 
 def test_every_triton_function_in_memra_is_compiled(compiled):

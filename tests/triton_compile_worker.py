@@ -1,11 +1,12 @@
 """Compile recorded memra kernel launches with Triton's real compiler for GPU targets, on a machine with no
-GPU: `python tests/triton_compile_worker.py 90,80 launches.json results.json JOBS`.
+GPU: `python tests/triton_compile_worker.py 90,80 launches.json results.json JOBS full|quick`.
 
 Run in its own process without TRITON_INTERPRET (the test suite's interpreter makes every @triton.jit an
 interpreted function, which the compiler cannot take). Each record (tests/triton_launches.py) is bound and
 specialized by Triton's own binder for the target's backend, exactly as `kernel[grid](...)` would on that
-GPU, then compiled through to a cubin (ptxas ships in the Triton wheel). A kernel that compiles but asks
-for more shared memory than the GPU gives a block would fail at launch: that fails here too.
+GPU, then compiled through to a cubin (ptxas ships in the Triton wheel; "quick": every variant through
+the code generator, each kernel's first variant to a cubin). A kernel that compiles but asks for more
+shared memory than the GPU gives a block would fail at launch: that fails here too.
 Writes, per distinct kernel variant: its kernel, constexprs, whether it compiled (else the error's
 message), and the @triton.jit functions it called (read off the module before inlining)."""
 
@@ -20,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 from triton import knobs
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import MockTensor, create_function_from_signature
@@ -75,21 +77,38 @@ def variant(capability: int, record) -> str:
     return json.dumps([record[0], shown, signature, sorted(options.__dict__.items(), key=str)], default=str)
 
 
-def compile_one(capability: int, record) -> dict:
+def _frontend(src: ASTSource, target: GPUTarget, options) -> str:
+    """The kernel as Triton's code generator types and emits it (TTIR, before any pass): where a kernel the
+    interpreter runs can still be refused (a name retyped in a loop, a constexpr misused)."""
+    backend = make_backend(target)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    return str(src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                           context))
+
+
+def compile_one(capability: int, record, stage: str) -> dict:
+    """One variant for one target: through the code generator only (stage "ttir"), or to a cubin."""
     target = GPUTarget("cuda", capability, 32)
     fn, (options, signature, constexprs, attrs) = _bind(capability, record)
-    result = {"kernel": record[0], "target": capability,
+    result = {"kernel": record[0], "target": capability, "stage": stage,
               "constexprs": {fn.arg_names[k[0]]: repr(v) for k, v in constexprs.items()},
               "signature": {k: v for k, v in signature.items() if v != "constexpr"}}
     start = time.perf_counter()
+    src = ASTSource(fn, signature, constexprs, attrs)
     try:
-        compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        assert "cubin" in compiled.asm, "no cubin"
-        shared = compiled.metadata.shared
-        if shared > SHARED_MEMORY[capability]:
-            raise RuntimeError(f"needs {shared} bytes of shared memory; sm_{capability} gives a block "
-                               f"{SHARED_MEMORY[capability]}")
-        result["called"] = sorted(set(CALLED.findall(compiled.asm["source"])))
+        if stage == "ttir":
+            source = _frontend(src, target, options)
+        else:
+            compiled = compile(src, target=target, options=options.__dict__)
+            assert "cubin" in compiled.asm, "no cubin"
+            shared = compiled.metadata.shared
+            if shared > SHARED_MEMORY[capability]:
+                raise RuntimeError(f"needs {shared} bytes of shared memory; sm_{capability} gives a block "
+                                   f"{SHARED_MEMORY[capability]}")
+            source = compiled.asm["source"]
+        result["called"] = sorted(set(CALLED.findall(source)))
         result["ok"] = True
     except Exception as e:  # noqa: BLE001 -- every failure is reported, with its message
         result["ok"] = False
@@ -98,20 +117,25 @@ def compile_one(capability: int, record) -> dict:
     return result
 
 
-def compile_all(capabilities: list[int], records: list, jobs: int) -> list[dict]:
+def compile_all(capabilities: list[int], records: list, jobs: int, full: bool) -> list[dict]:
     """Every distinct variant of the records for every target, over `jobs` processes (each takes the next
-    compile as it finishes one: the compiles' lengths differ by 100x)."""
-    tasks = {}
+    compile as it finishes one: their lengths differ by 100x). full: every variant to a cubin; else every
+    variant through the code generator, and each kernel's first variant to a cubin (module docstring)."""
+    tasks, cubins = {}, set()
     for cap in capabilities:
         for record in records:
-            tasks.setdefault((cap, variant(cap, record)), (cap, record))
+            key = (cap, variant(cap, record))
+            if key not in tasks:
+                stage = "cubin" if full or (cap, record[0]) not in cubins else "ttir"
+                cubins.add((cap, record[0]))
+                tasks[key] = (cap, record, stage)
     with ProcessPoolExecutor(jobs) as pool:
         return list(pool.map(compile_one, *zip(*tasks.values()), chunksize=1))
 
 
 if __name__ == "__main__":
-    caps, src, dst, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    caps, src, dst, jobs, how = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     with open(src) as f:
         records = json.load(f)
     with open(dst, "w") as f:
-        json.dump(compile_all([int(c) for c in caps.split(",")], records, jobs), f)
+        json.dump(compile_all([int(c) for c in caps.split(",")], records, jobs, how == "full"), f)
