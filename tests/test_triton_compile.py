@@ -7,7 +7,8 @@ Where the variants come from: the models themselves, not a list. tests/triton_la
 fixture model (tests/fixtures/hf/*, in each dtype the loader takes) through the engine on CPU as a GPU
 serves it (prefill waves of several prompts' pieces, stacked decode, mixed steps, sampled and filtered
 rows), the model API's solo prime and decode, random-weight models for the shapes the fixtures lack
-(a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan), and
+(a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan, an MoE
+FFN without its residual as Gemma's sandwich norms call it), and
 every packed layout in memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
 is answered twice: first recorded as a CUDA model's table would launch it -- each family's launcher
 computing tiles, buckets, splits and flags as on a GPU (`_interpreting()` answers False), each kernel
@@ -77,6 +78,7 @@ def _collect() -> list:
             tl.drive_api(long_llama, (3, 600))
             tl.drive_api(moe, (3, 40))
             tl.drive_solo(moe)
+            tl.drive_ffn_alone(moe)
             tl.drive_packed(table, dtype)
     return launches.records()
 
@@ -114,7 +116,7 @@ def _why(error: str) -> str:
 
 
 def _all_compiled(records, results) -> None:
-    failed = [f"sm_{cap} {r['kernel']} {r['constexprs']}: {_why(r['error'])}"
+    failed = [f"sm_{cap} {r['kernel']} {r['constexprs']} {sorted(set(r['signature'].values()))}: {_why(r['error'])}"
               for cap, rs in results.items() for r in rs if not r["ok"]]
     assert not failed, f"{len(failed)} kernel variants do not compile:\n" + "\n".join(failed)
     counts = {cap: len(rs) for cap, rs in results.items()}

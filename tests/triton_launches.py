@@ -238,6 +238,16 @@ def drive_api(model, lengths) -> None:
         model.decode_step_batch([int(x.argmax()) for x in lasts], caches)
 
 
+def drive_ffn_alone(model) -> None:
+    """Each MoE block's FFN called without the residual, as Gemma's sandwich norms call it
+    (h + norm(ffn(norm(h))): memra.model.block): a decode row and a few prompt rows."""
+    with torch.inference_mode():
+        for block in model.blocks:
+            if type(block.ffn).__name__ == "Moe":
+                for rows in (1, 8):
+                    block.ffn.forward(torch.randn(rows, model.cfg.hidden_size).to(model.dtype))
+
+
 def drive_solo(model) -> None:
     """The model API's own one-sequence paths (memra.load users, the gates): a prompt primed alone (the
     prefill kernels without a pieces table) and a lone decode step."""
