@@ -139,30 +139,46 @@ def test_every_launched_variant_compiles_to_a_cubin(records, tmp_path_factory):
     _all_compiled(records, _compile(records, tmp_path_factory.mktemp("triton_full"), "full"))
 
 
-def test_every_triton_function_in_memra_is_compiled(compiled):
-    """A kernel or helper no collected launch reaches is one this test cannot vouch for."""
-    from triton_launches import jit_functions
-
-    _, results = compiled
-    reached = set()
-    for rs in results.values():
-        for r in rs:
-            reached.add(r["kernel"])
-            reached.update(r.get("called", ()))
-    missing = sorted(set(jit_functions()) - reached)
-    assert not missing, ("no launch the drive collects compiles these @triton.jit functions (drive their path in "
-                         "tests/triton_launches.py): " + ", ".join(missing))
+def _unreached(defined, results: list) -> list[str]:
+    """The @triton.jit functions (qualified names) that no result launched or called."""
+    reached = {r["kernel"] for r in results} | {f for r in results for f in r.get("called", ())}
+    return sorted(set(defined) - reached)
 
 
-def test_every_boolean_constexpr_is_compiled_both_ways(compiled):
-    _, results = compiled
+def _one_way(results: list) -> tuple[list[str], int]:
+    """(each boolean constexpr compiled with one value only, but for GPU_NEVER's; how many flags were read)."""
     seen = collections.defaultdict(set)
-    for r in results[TARGETS[0]]:
+    for r in results:
         for name, value in r["constexprs"].items():
             if value in ("True", "False"):
                 seen[(r["kernel"], name)].add(value == "True")
     one_way = [f"{kernel} {name}={not only} never compiled" for (kernel, name), (only,) in
                ((key, tuple(values)) for key, values in sorted(seen.items()) if len(values) == 1)
                if (name, not only) not in GPU_NEVER]
+    return one_way, len(seen)
+
+
+def test_every_triton_function_in_memra_is_compiled(compiled):
+    """A kernel or helper no collected launch reaches is one this test cannot vouch for."""
+    from triton_launches import jit_functions
+
+    _, results = compiled
+    missing = _unreached(jit_functions(), [r for rs in results.values() for r in rs])
+    assert not missing, ("no launch the drive collects compiles these @triton.jit functions (drive their path in "
+                         "tests/triton_launches.py): " + ", ".join(missing))
+
+
+def test_every_boolean_constexpr_is_compiled_both_ways(compiled):
+    _, results = compiled
+    one_way, flags = _one_way(results[TARGETS[0]])
     assert not one_way, "a flag's other value is no longer reached by any driven path:\n" + "\n".join(one_way)
-    assert len(seen) > 10  # liveness: the flags were read off the compiled variants
+    assert flags > 10  # liveness: the flags were read off the compiled variants
+
+
+def test_the_coverage_gates_fail_on_what_they_guard():
+    """Canaries: a helper no kernel calls, and a flag compiled one way, are caught (GPU_NEVER's values aside)."""
+    results = [{"kernel": "m.k", "called": ["m.helper"], "constexprs": {"PIECES": "True", "LIBDEVICE": "True"}}]
+    assert _unreached(["m.k", "m.helper", "m.orphan"], results) == ["m.orphan"]
+    assert _one_way(results) == (["m.k PIECES=False never compiled"], 2)
+    results.append({"kernel": "m.k", "constexprs": {"PIECES": "False", "LIBDEVICE": "True"}})
+    assert _one_way(results) == ([], 2)
