@@ -48,6 +48,7 @@ from memra.engine.scoring import ScoreJobs
 from memra.engine.seq_state import SeqState
 from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
+from memra.engine.weight_swap import WeightSwaps
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
 from memra.errors import MemraError
@@ -90,6 +91,7 @@ class Engine:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.score_jobs = ScoreJobs(self)  # scoring runs between steps; .submit(job) queues one
+        self.weight_swaps = WeightSwaps(self)  # weight updates between steps, no request on two versions
 
     @property
     def max_len(self) -> int:
@@ -184,7 +186,8 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs or self.score_jobs or self._outbox or self._inflight) or not self._commands.empty()
+        return (bool(self.seqs or self.score_jobs or self._outbox or self._inflight or self.weight_swaps.pending)
+                or not self._commands.empty())
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -192,6 +195,7 @@ class Engine:
         went out. Offline callers (memra.LLM, `memra generate`) call it in a loop; the serving thread
         between waits. A step's tokens land, and their events go out, during the next step."""
         self._drain_commands()
+        self.weight_swaps.advance()  # an update waiting: admission held until it lands (memra.engine.weight_swap)
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
         self.score_jobs.run_ready()  # a job that ran alone sends no event: the idle wait after it is short
@@ -240,6 +244,7 @@ class Engine:
                 except queue.Empty:
                     break
                 queued += arg if what == "add" else ()
+            queued += self.weight_swaps.fail_all(Unavailable(error))
             for s in queued + list(self.seqs.values()):
                 with contextlib.suppress(MemraError):  # a free on a pipeline that just failed: it still ends
                     self._finish(s, "abort", error=error, kind=kind)
@@ -250,15 +255,10 @@ class Engine:
                 what, arg = self._commands.get_nowait()
             except queue.Empty:  # then: how much of each request that could start is cached (memra.prefix)
                 return self.backend.prefix.offer(self.scheduler, self.seqs)
-            if what == "add":
-                for s in arg:
-                    try:
-                        self.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
-                    except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
-                        s.done = True
-                        s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
-                        continue
-                    self.seqs[s.rid] = s
+            if what == "add" and self.weight_swaps.pending:
+                self.weight_swaps.held.append(arg)  # they start on the new weights
+            elif what == "add":
+                self._add(arg)
             else:
                 rids, reason = arg
                 for rid in rids:
@@ -267,6 +267,17 @@ class Engine:
                         if reason is not None and self.metrics is not None:
                             self.metrics.request_success.labels(finish_reason=reason).inc()
                         self._finish(s, reason or "abort")
+
+    def _add(self, seqs) -> None:
+        """Queued requests' sequences into the scheduler (a refused one ends at once with its error)."""
+        for s in seqs:
+            try:
+                self.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
+            except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
+                s.done = True
+                s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
+                continue
+            self.seqs[s.rid] = s
 
     def _step(self, plan) -> None:
         t0 = time.perf_counter()  # launch to launch: in steady state, the GPU's time per step

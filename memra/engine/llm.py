@@ -54,6 +54,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position {token id: logprob} of its own token and the top n
     # (vLLM's shape; None at position 0, which nothing predicts)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    weights_version: int = 0  # which weights answered: 0 as loaded, +1 per update_weights (memra.weights)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ class LLM:
             raise MemraError(failed)
         return [RequestOutput(p if isinstance(p, str) else None, i,
                               [_output(k, c, sp.seed + k) for k, c in enumerate(choices)],
-                              None if f is None else [_as_dict(i[k], t) for k, t in enumerate(f.result())])
+                              None if f is None else [_as_dict(i[k], t) for k, t in enumerate(f.result())],
+                              getattr(self.model, "weights_version", 0))
                 for p, i, choices, f, sp in zip(batch, ids, runs, scored, plist)]
 
     def score(self, prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -262,6 +264,17 @@ class LLM:
                                                                         add_generation_prompt=True, **extra))
                for c in convs]
         return self.generate(ids, params, use_tqdm)
+
+    def update_weights(self, weights, abort: bool = False) -> int:
+        """New values for some or all weights, in the checkpoint's own names: a mapping or (name, tensor) pairs
+        (e.g. memra.train.Trainer.weights()), or a safetensors file or directory. Checked whole before anything
+        changes, copied into the same storage, the prefix cache dropped (memra.weights.update). -> the new
+        weights version (RequestOutput.weights_version)."""
+        from memra.weights.update import prepare
+
+        fut = self.engine.weight_swaps.submit(prepare(self.model, weights), abort=abort)
+        self.engine.run_until_idle()
+        return fut.result()
 
     def get_tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""
