@@ -68,6 +68,8 @@ class WeightSwaps:
                 held, self.held = self.held, []
                 for seqs in held:
                     e._add(seqs)
+            # the waiting requests' cache lookups were made against the dropped pages: made again now
+            e.backend.prefix.offer(e.scheduler, e.seqs)
 
     def _started(self) -> list:
         return [s for s in self.engine.seqs.values() if s.cache is not None or s.swapped is not None or s.out]
