@@ -160,3 +160,15 @@ def test_canary_a_trainer_on_the_plain_forward_is_not_the_sampler():
     got = generated(lp, seqs, [0, 1, 2, 3])
     assert any(got[k] != seqs[k][2] for k in got)
     assert max(abs(a - b) for k in got for a, b in zip(got[k], seqs[k][2])) < 1e-3  # close, not equal
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5"])
+def test_the_train_gate_is_green_and_its_canary_fails(arch, load_model):
+    from memra.gate.train_arm import run_train_battery
+
+    model = load_model(hf_dir(arch))
+    lines: list[str] = []
+    assert run_train_battery(model, steps=6, plen=8, out=lines.append), "\n".join(lines)
+    lines = []
+    assert not run_train_battery(model.with_doors(MEMRA_GATE_CANARY="1"), steps=6, plen=8, out=lines.append)
+    assert any(line.startswith("e11:") and "FAIL" in line for line in lines), "\n".join(lines)
