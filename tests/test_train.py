@@ -14,8 +14,6 @@ from memra import counters
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
 from memra.train import Trainer
-from memra.train.walk import Seq, Walk
-from memra.train.params import derive
 
 from conftest import hf_dir
 
@@ -61,12 +59,13 @@ def test_trainer_logprobs_equal_the_sampled_ones_whatever_the_packing(arch):
     after = counters.snapshot()
     assert after["train_exact_tokens"] > before["train_exact_tokens"]
     assert after["train_grad_tokens"] > before["train_grad_tokens"]
-    # the walk in the sampler's grouping (the model's own layers on autograd-capable ops) gives the same bits
-    w = derive(llm.model, trainer.named_weights())
+    # the CPU's default values come from the walk in the sampler's grouping (the model's own layers on the
+    # reference ops); the scorer (the sampler's own path, any device) gives the same bits
+    assert trainer.values == "walk"
     with torch.no_grad():
-        walked = Walk(llm.model, w).logprobs([Seq(torch.tensor(ids), s) for ids, s, _ in seqs], "sampler")
-    for (ids, s, want), lp in zip(seqs, walked):
-        assert lp[s - 1 :].tolist() == want, arch
+        lp = Trainer(llm, values="scorer")(*pack(seqs, order))
+    for k, got in generated(lp, seqs, order).items():
+        assert got == seqs[k][2], (arch, "scorer", k)
 
 
 def _hf_grad(ref: dict, name: str) -> torch.Tensor | None:

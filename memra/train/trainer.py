@@ -25,29 +25,39 @@ from torch import nn
 
 from memra import counters
 from memra.errors import MemraError
-from memra.train.exact import sampler_logprobs
+from memra.train.exact import sampler_logprobs, walked_logprobs
 from memra.train.ops import SamplerValues
 from memra.train.params import derive, read_checkpoint
 from memra.train.walk import Seq, Walk
 from memra.weights.update import open_source
 
 GRAD_WALKS = ("prompt", "sampler")
+VALUES = ("auto", "walk", "scorer")
 
 
 class Trainer(nn.Module):
-    def __init__(self, llm_or_model, checkpointing: bool = False, grad_walk: str = "prompt", canary: bool = False):
+    def __init__(self, llm_or_model, checkpointing: bool = False, grad_walk: str = "prompt", values: str = "auto",
+                 canary: bool = False):
         """checkpointing: recompute each layer in the backward (activation checkpointing per layer).
-        canary: the values from the differentiable walk instead of the sampler's (a plain trainer's numbers:
+        values: where the sampler's logprobs come from (memra.train.exact): "walk" (auto on a CPU, where the
+        model's kernel table is the reference) or "scorer" (auto elsewhere: the model's own kernels).
+        canary: the values from the prompt-form walk instead of the sampler's (a plain trainer's numbers:
         `memra gate --mode train` must FAIL on it)."""
         super().__init__()
         model = getattr(llm_or_model, "model", llm_or_model)
         if grad_walk not in GRAD_WALKS:
             raise MemraError(f"grad_walk must be one of {', '.join(GRAD_WALKS)}, got {grad_walk!r}")
+        if values not in VALUES:
+            raise MemraError(f"values must be one of {', '.join(VALUES)}, got {values!r}")
+        if values == "walk" and model.device.type != "cpu":
+            raise MemraError("values='walk' reproduces the sampler only where its kernels are the reference ops "
+                             "(a CPU); use values='scorer' on a GPU")
         cfg = model.cfg
         if cfg.ple_dim or any(cfg.attn_of(i).kv_from is not None for i in range(cfg.n_layers)
                               if cfg.mixers[i] == "attention"):
             raise MemraError(f"memra.train does not run {cfg.arch} yet (per-layer embeddings / shared KV layers)")
         self.model, self.checkpointing, self.grad_walk, self.canary = model, checkpointing, grad_walk, canary
+        self.values = ("walk" if model.device.type == "cpu" else "scorer") if values == "auto" else values
         self._opened = open_source(model)
         tensors = read_checkpoint(model)
         self.names = list(tensors)
@@ -86,14 +96,20 @@ class Trainer(nn.Module):
         seqs = self._split(ids, lens, starts)
         self._check_in_step()
         counters.bump("train_forwards")
-        walked = None
-        if torch.is_grad_enabled() or self.canary:
-            w = derive(self.model, self.named_weights(), opened=self._opened)
-            walked = _flat(Walk(self.model, w).logprobs(seqs, self.grad_walk, self.checkpointing))
+        w = derive(self.model, self.named_weights(), opened=self._opened)
+        walk = Walk(self.model, w)
         if self.canary:
-            return walked
-        exact = _flat([sampler_logprobs(self._view, s).to(self.model.device) for s in seqs])
-        return exact if walked is None else SamplerValues.apply(walked, exact)
+            return _flat(walk.logprobs(seqs, "prompt", self.checkpointing))
+        if self.values == "walk" and self.grad_walk == "sampler":  # one walk: the values and their gradient
+            counters.bump("train_exact_tokens", sum(s.ids.numel() - 1 for s in seqs))
+            return _flat(walk.logprobs(seqs, "sampler", self.checkpointing))
+        if self.values == "walk":
+            exact = _flat(walked_logprobs(self.model, {k: t.detach() for k, t in w.items()}, seqs))
+        else:
+            exact = _flat([sampler_logprobs(self._view, s).to(self.model.device) for s in seqs])
+        if not torch.is_grad_enabled():
+            return exact
+        return SamplerValues.apply(_flat(walk.logprobs(seqs, self.grad_walk, self.checkpointing)), exact)
 
     def _split(self, ids, lens, starts) -> list[Seq]:
         ids = torch.as_tensor(ids)

@@ -64,18 +64,28 @@ class Walk:
         sub = lambda p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}  # noqa: E731
         self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), OPS) for i in range(cfg.n_layers)]
         self.lm_head = weights.get("lm_head", weights["embed"])
+        self._rope: dict[tuple[int, int], tuple] = {}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.w["embed"][ids]
         scale = self.model.embed_scale
         return e if scale is None else e * scale
 
+    def _tables(self, a: int, b: int):
+        """Positions a..b-1's rotary tables, computed per forward as the sampler's context computes them (an
+        elementwise op's bits can depend on the call's shape on a CPU), once for every layer."""
+        key = (a, b)
+        if key not in self._rope:
+            m = self.model
+            positions = torch.arange(a, b, device=m.device)
+            cos, sin = OPS.rope_cos_sin(positions, m.inv_freq, m.dtype)
+            self._rope[key] = positions, cos, sin, torch.arange(b, device=m.device)
+        return self._rope[key]
+
     def _ctx(self, cache: TrainCache, a: int, b: int, recurrent: bool) -> StepContext:
-        m = self.model
-        positions = torch.arange(a, b, device=m.device)
-        cos, sin = OPS.rope_cos_sin(positions, m.inv_freq, m.dtype)  # per forward, as the sampler's context
+        positions, cos, sin, prefix = self._tables(a, b)
         return StepContext(cache=cache, pos0=a, n_tokens=b - a, cos=cos, sin=sin, recurrent=recurrent,
-                           kv_write_rows=positions, kv_read_rows=torch.arange(b, device=m.device))
+                           kv_write_rows=positions, kv_read_rows=prefix)
 
     def _layer(self, block: Block, seqs: list[Seq], grouping: str, *hs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
