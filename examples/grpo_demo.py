@@ -1,6 +1,6 @@
 """A GRPO-style RL loop on the bundled demo model, on a CPU in a few minutes, with no data.
 
-    python examples/grpo_demo.py [--steps 20] [--group 8] [--tokens 24] [--lr 3e-4]
+    python examples/grpo_demo.py [--steps 12] [--group 6] [--tokens 16] [--lr 1e-3]
 
 Each step: memra.LLM samples `group` completions per prompt (seeded, temperature 1: the policy itself); a reward
 that needs no data scores them (the share of uppercase letters among the generated characters: the demo learnt
@@ -29,15 +29,16 @@ def reward(text: str) -> float:
     return sum(c.isupper() for c in text) / max(len(text), 1)
 
 
-def step_batch(llm, step: int, group: int, tokens: int):
+def step_batch(llm, step: int, group: int, tokens: int, prompts: list[str] = PROMPTS):
     """Sample `group` choices per prompt. -> (prompt ids, [(completion ids, sampled logprobs, reward)] per prompt)."""
     params = SamplingParams(n=group, max_tokens=tokens, temperature=1.0, top_p=1.0, top_k=0, seed=1000 * step + 1,
                             logprobs=0, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.prompt_token_ids, [(c.token_ids, c.logprobs, reward(c.text)) for c in o.outputs]) for o in outs]
 
 
-def run(steps: int = 20, group: int = 8, tokens: int = 24, lr: float = 3e-4, seed: int = 1, out=print) -> list[dict]:
+def run(steps: int = 12, group: int = 6, tokens: int = 16, lr: float = 1e-3, seed: int = 1, out=print,
+        prompts: list[str] = PROMPTS) -> list[dict]:
     torch.manual_seed(seed)
     llm = memra.LLM("demo", warm_up=False, seed=seed)
     trainer = Trainer(llm)
@@ -45,7 +46,7 @@ def run(steps: int = 20, group: int = 8, tokens: int = 24, lr: float = 3e-4, see
     history = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = step_batch(llm, step, group, tokens)
+        batch = step_batch(llm, step, group, tokens, prompts)
         t1 = time.perf_counter()
         ids, lens, starts, adv, sampled = [], [], [], [], []
         for prompt, choices in batch:
@@ -84,10 +85,10 @@ def run(steps: int = 20, group: int = 8, tokens: int = 24, lr: float = 3e-4, see
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--group", type=int, default=8, help="choices sampled per prompt")
-    ap.add_argument("--tokens", type=int, default=24, help="tokens per choice")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--group", type=int, default=6, help="choices sampled per prompt")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per choice")
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the demo's ops are small: more threads "
                                                            "mostly spin-wait)")

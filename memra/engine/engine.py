@@ -45,7 +45,7 @@ from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.scoring import ScoreJobs
-from memra.engine.seq_state import SeqState
+from memra.engine.seq_state import SeqState, queue_seqs
 from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
 from memra.engine.weight_swap import WeightSwaps
@@ -186,8 +186,7 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return (bool(self.seqs or self.score_jobs or self._outbox or self._inflight or self.weight_swaps.pending)
-                or not self._commands.empty())
+        return bool(self.seqs or self.score_jobs or self.weight_swaps or self._outbox or self._inflight) or not self._commands.empty()
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -255,10 +254,8 @@ class Engine:
                 what, arg = self._commands.get_nowait()
             except queue.Empty:  # then: how much of each request that could start is cached (memra.prefix)
                 return self.backend.prefix.offer(self.scheduler, self.seqs)
-            if what == "add" and self.weight_swaps.pending:
-                self.weight_swaps.held.append(arg)  # they start on the new weights
-            elif what == "add":
-                self._add(arg)
+            if what == "add":  # held while a weight update waits: they start on the new weights (weight_swap)
+                self.weight_swaps.held.append(arg) if self.weight_swaps.pending else queue_seqs(self, arg)
             else:
                 rids, reason = arg
                 for rid in rids:
@@ -267,17 +264,6 @@ class Engine:
                         if reason is not None and self.metrics is not None:
                             self.metrics.request_success.labels(finish_reason=reason).inc()
                         self._finish(s, reason or "abort")
-
-    def _add(self, seqs) -> None:
-        """Queued requests' sequences into the scheduler (a refused one ends at once with its error)."""
-        for s in seqs:
-            try:
-                self.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
-            except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
-                s.done = True
-                s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
-                continue
-            self.seqs[s.rid] = s
 
     def _step(self, plan) -> None:
         t0 = time.perf_counter()  # launch to launch: in steady state, the GPU's time per step

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from memra.engine.seq_state import queue_seqs
 from memra.weights.update import Prepared, apply
 
 
@@ -27,6 +28,9 @@ class WeightSwaps:
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
     def submit(self, prepared: Prepared, abort: bool = False) -> Future:
         """Queue an update (any thread). -> a Future of the new weights version."""
@@ -67,7 +71,7 @@ class WeightSwaps:
                 e.scheduler.admitting = True
                 held, self.held = self.held, []
                 for seqs in held:
-                    e._add(seqs)
+                    queue_seqs(e, seqs)
             # the waiting requests' cache lookups were made against the dropped pages: made again now
             e.backend.prefix.offer(e.scheduler, e.seqs)
 
