@@ -4,73 +4,73 @@ forward, the loss summed, one backward), and memra's own layers in the prompt fo
 alone: what a plain trainer over memra's model definition costs). Best of --reps, seconds.
 
     python tools/bench_train.py [MODEL] [--seqs 8] [--prompt 20] [--completion 48] [--reps 3] [--threads 1]
+                                [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
 
 import memra
+from memra.bench.timing import best_seconds
 from memra.train import Trainer
-from memra.train.exact import sampler_logprobs
+from memra.train.exact import sampler_logprobs, walked_logprobs
 from memra.train.params import derive
 from memra.train.walk import Walk
 
 
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="trainer forward+backward against plain eager (issue 47)")
     ap.add_argument("model", nargs="?", default="demo")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=20)
     ap.add_argument("--completion", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on a GPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = memra.LLM(args.model, warm_up=False, seed=1)
+    best = lambda fn, reps: best_seconds(fn, torch.device(args.device), reps)  # noqa: E731
+    llm = memra.LLM(args.model, device=args.device, dtype=args.dtype, warm_up=False, seed=1)
     model = llm.model
     trainer = Trainer(llm)
     g = torch.Generator().manual_seed(0)
     n = args.prompt + args.completion
-    ids = torch.randint(0, model.cfg.vocab_size, (args.seqs * n,), generator=g)
+    ids = torch.randint(0, model.cfg.vocab_size, (args.seqs * n,), generator=g).to(model.device)
     lens, starts = [n] * args.seqs, [args.prompt] * args.seqs
-    coef = torch.randn(ids.numel(), generator=g)
+    coef = torch.randn(ids.numel(), generator=g).to(model.device)
     seqs = trainer._split(ids, lens, starts)
 
     def exact_fb():
         trainer.zero_grad()
         (coef * trainer(ids, lens, starts)).sum().backward()
 
-    def values_only():
+    def scorer_values():
         for s in seqs:
             sampler_logprobs(trainer._view, s)
+
+    def walk_values():
+        if model.device.type != "cpu":  # the walk reproduces the sampler only on the CPU's reference ops
+            return
+        walked_logprobs(model, derive(model, {k: p.detach() for k, p in trainer.named_weights().items()}), seqs)
 
     def walk_fb():
         trainer.zero_grad()
         w = derive(model, trainer.named_weights())
         lp = Walk(model, w).logprobs(seqs, "prompt")
-        sum((c * x).sum() for c, x in zip(coef.split([k - 1 for k in lens]), lp)).backward()
+        sum((c[:-1] * x).sum() for c, x in zip(coef.split(lens), lp)).backward()
 
     rows = [("memra.train.Trainer forward+backward (exact values)", best(exact_fb, args.reps)),
-            ("  of which the sampler's values (scorer, no grad)", best(values_only, args.reps)),
+            ("  of which the sampler's values (walk, no grad: the CPU default)", best(walk_values, args.reps)),
+            ("the sampler's values from the scorer instead (no grad)", best(scorer_values, args.reps)),
             ("memra's layers, prompt form, forward+backward (plain eager)", best(walk_fb, args.reps))]
     try:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model.source, dtype=torch.float32,
-                                                               attn_implementation="eager")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model.source, dtype=model.dtype,
+                                                               attn_implementation="eager").to(model.device)
 
         def hf_fb():
             hf.zero_grad()
@@ -86,7 +86,7 @@ def main() -> None:
     except Exception as e:  # no transformers, or no HF class for this architecture
         print(f"(HF transformers skipped: {str(e).splitlines()[0]})")
     print(f"{args.model}: {args.seqs} sequences x ({args.prompt} prompt + {args.completion} generated) tokens, "
-          f"{torch.get_num_threads()} thread(s), CPU fp32, best of {args.reps}")
+          f"{torch.get_num_threads()} thread(s), {model.device} {model.dtype}, best of {args.reps}")
     base = rows[-1][1]
     for name, t in rows:
         print(f"  {name:62s} {t:7.3f} s  {t / base:5.2f}x")
