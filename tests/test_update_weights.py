@@ -135,7 +135,8 @@ def _complete(url: str, i: int, max_tokens: int) -> dict:
                                        "ignore_eos": True})
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
-    return {"text": c["text"], "lp": c["logprobs"]["token_logprobs"], "finish": c["finish_reason"]}
+    return {"text": c["text"], "lp": c["logprobs"]["token_logprobs"], "finish": c["finish_reason"],
+            "fingerprint": r.json()["system_fingerprint"]}
 
 
 def _reference(model_dir, n: int, max_tokens: int) -> list[dict]:
@@ -169,13 +170,16 @@ def test_a_server_under_load_updates_without_losing_or_mixing(abort, tmp_path):
             assert upd.result().json() == {"weights_version": 1}
         kinds = []
         for i, g in enumerate(got):
+            version = g.pop("fingerprint")
             if g["finish"] == "abort":  # ended at the update: a prefix of its old answer
                 assert abort and g["lp"] == old_ref[i]["lp"][: len(g["lp"])] and old_ref[i]["text"].startswith(g["text"])
                 kinds.append("aborted")
+                assert version == "memra-weights-0"
             else:
                 assert g["finish"] == "length"
                 kinds.append("old" if g == {**old_ref[i], "finish": "length"} else
                              "new" if g == {**new_ref[i], "finish": "length"} else f"MIXED {i}")
+                assert version == {"old": "memra-weights-0", "new": "memra-weights-1"}.get(kinds[-1]), (kinds, version)
         assert not [k for k in kinds if k.startswith("MIXED")], kinds
         assert all(k == "new" for k in kinds[n // 2:]), kinds  # sent after the update was posted: new weights
         assert ("aborted" if abort else "old") in kinds[: n // 2], kinds

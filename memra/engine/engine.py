@@ -342,7 +342,8 @@ class Engine:
         s.last_token_at = now
         finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
         self._outbox.append((s, TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt),
-                                           len(s.out), cached_tokens=s.cached)))
+                                           len(s.out), cached_tokens=s.cached,
+                                           weights_version=getattr(self.model, "weights_version", 0))))
         if finish is not None:
             s.done = True
             if self.metrics is not None:

@@ -78,6 +78,7 @@ class TokenEvent:
     error: str | None = None  # why an aborted sequence ended, in words a client may read
     error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (memra.prefix)
+    weights_version: int = 0  # the weights the token came from (memra.weights: +1 per update; a request has one)
 
 
 def public_error(err: BaseException) -> str:

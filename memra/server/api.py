@@ -246,7 +246,7 @@ def build_app(engine: Engine, model_name: str, options: ServerOptions = ServerOp
             choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
             scored.extend(tok, choices[-1], i)
         usage = {"prompt_tokens": head.prompt_tokens, "completion_tokens": 0, "total_tokens": head.prompt_tokens}
-        return JSONResponse(reply_body(head, choices, usage))
+        return JSONResponse(reply_body(head, choices, usage, getattr(engine.model, "weights_version", 0)))
 
     async def serve(request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None,
                     max_tokens: int, arrival: float, scored: ScoredReply | None = None, opened: bool = False,
