@@ -17,7 +17,8 @@ from memra.train import Trainer
 
 from conftest import hf_dir
 
-ARCHS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+ARCHS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+         "step3p5"]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(10, 80))]  # the second crosses the 64-token grid
 
 
@@ -171,3 +172,17 @@ def test_the_train_gate_is_green_and_its_canary_fails(arch, load_model):
     lines = []
     assert not run_train_battery(model.with_doors(MEMRA_GATE_CANARY="1"), steps=6, plen=8, out=lines.append)
     assert any(line.startswith("e11:") and "FAIL" in line for line in lines), "\n".join(lines)
+
+
+def test_models_the_walk_cannot_run_are_refused_in_one_line():
+    from conftest import FIXTURES
+
+    packed = memra.load(str(FIXTURES / "gguf" / "llama-q8_0.gguf"))  # Q8_0 kept packed on a CPU
+    with pytest.raises(MemraError, match="packed_weights=False"):
+        Trainer(packed)
+    f32 = memra.LLM(str(FIXTURES / "gguf" / "llama-f32.gguf"), warm_up=False, seed=1)  # GGUF names work
+    seqs = sampled(f32, max_tokens=4)[:1]
+    for k, got in generated(Trainer(f32)(*pack(seqs, [0])), seqs, [0]).items():
+        assert got == seqs[k][2]
+    with pytest.raises(MemraError, match="gemma4"):
+        Trainer(memra.load(str(hf_dir("gemma4"))))

@@ -32,6 +32,9 @@ class ParamSource(TensorSource):
     def type_name(self, name: str) -> str:
         return str(self.params[name].dtype)
 
+    def __getattr__(self, attr: str):  # a format's extras (GGUF's qtype): the file's answer
+        return getattr(self.base, attr)
+
     def _read(self, name: str) -> torch.Tensor:
         if name not in self.params:
             raise MemraError(f"the trainer has no parameter {name!r} (the mapping read a tensor it did not)")

@@ -56,6 +56,11 @@ class Trainer(nn.Module):
         if cfg.ple_dim or any(cfg.attn_of(i).kv_from is not None for i in range(cfg.n_layers)
                               if cfg.mixers[i] == "attention"):
             raise MemraError(f"memra.train does not run {cfg.arch} yet (per-layer embeddings / shared KV layers)")
+        packed = next((k for k, t in (getattr(model, "_weights", None) or {}).items() if not isinstance(t, torch.Tensor)),
+                      None)
+        if packed is not None:  # its linears compute on packed blocks (int8 dot products on a CPU): not a float walk
+            raise MemraError(f"memra.train needs the model's weights as floats; {packed} is packed "
+                             f"({type(model._weights[packed]).__name__}): load it with packed_weights=False")
         self.model, self.checkpointing, self.grad_walk, self.canary = model, checkpointing, grad_walk, canary
         self.values = ("walk" if model.device.type == "cpu" else "scorer") if values == "auto" else values
         self._opened = open_source(model)
