@@ -43,7 +43,8 @@ def groups(seq: Seq, grouping: str) -> list[tuple[int, int, bool]]:
     n = seq.ids.numel()
     if grouping == "prompt":
         return [(0, n, False)]
-    return [(a, b, False) for a, b in aligned_cuts(seq.start, 0, TILE)] + [(p, p + 1, True) for p in range(seq.start, n)]
+    # the generated tokens but the last (nothing reads its row): decode steps, as the scorer feeds them
+    return [(a, b, False) for a, b in aligned_cuts(seq.start, 0, TILE)] + [(p, p + 1, True) for p in range(seq.start, n - 1)]
 
 
 def heads(seq: Seq, grouping: str) -> list[tuple[int, int]]:
