@@ -103,6 +103,8 @@ class Trainer(nn.Module):
         counters.bump("train_forwards")
         w = derive(self.model, self.named_weights(), opened=self._opened)
         walk = Walk(self.model, w)
+        if self.canary or torch.is_grad_enabled():
+            counters.bump("train_grad_tokens", sum(s.ids.numel() for s in seqs))
         if self.canary:
             return _flat(walk.logprobs(seqs, "prompt", self.checkpointing))
         if self.values == "walk" and self.grad_walk == "sampler":  # one walk: the values and their gradient

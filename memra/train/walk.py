@@ -106,7 +106,6 @@ class Walk:
                 counters.bump("train_checkpointed_layers")
             else:
                 hs = run(*hs)
-        counters.bump("train_grad_tokens", sum(s.ids.numel() for s in seqs))
         return [self._head(seq, h, grouping) for seq, h in zip(seqs, hs)]
 
     def _head(self, seq: Seq, h: torch.Tensor, grouping: str) -> torch.Tensor:
