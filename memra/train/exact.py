@@ -34,7 +34,7 @@ def sampler_logprobs(view, seq: Seq) -> torch.Tensor:
     return torch.tensor([t.logprob for t in scores[1:]], dtype=torch.float32)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def walked_logprobs(model, weights: dict[str, torch.Tensor], seqs: list[Seq]) -> list[torch.Tensor]:
     """Every sequence's [L-1] logprobs from the walk in the sampler's grouping."""
     out = Walk(model, weights).logprobs(seqs, "sampler")
