@@ -4,7 +4,8 @@ the checkpoint's own names, behind the API key like every route but /health and 
 The update is read and checked off the event loop (memra.weights.update.prepare: a bad name, shape or dtype is
 a 400 before anything changes), then handed to the engine (memra.engine.weight_swap: requests in flight finish
 on the old weights, or with "abort" end at once; queued ones run on the new). The answer comes when the
-weights have landed: {"weights_version": N}.
+weights have landed: {"weights_version": N}. Updates run one at a time: a partial update rebuilds a fused weight
+from the values the previous update left (memra.weights.update).
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ class UpdateWeightsRequest(BaseModel):
 
 
 def install_update_weights(app: FastAPI, engine, options, pool) -> None:
+    one_at_a_time = asyncio.Lock()  # an update is prepared against the weights the one before it left
+
     @app.post("/v1/update_weights")
     async def update_weights(request: Request):
         body = validate(UpdateWeightsRequest, await read_json(request, options.max_body_bytes, options.max_json_depth))
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(pool, prepare, engine.model, body.path)
-        version = await asyncio.wrap_future(engine.weight_swaps.submit(prepared, abort=body.abort))
+        async with one_at_a_time:
+            prepared = await loop.run_in_executor(pool, prepare, engine.model, body.path)
+            version = await asyncio.wrap_future(engine.weight_swaps.submit(prepared, abort=body.abort))
         return {"weights_version": version}

@@ -164,9 +164,9 @@ def apply(model, prepared: Prepared) -> int:
     held = model._weights
     for key, t in prepared.tensors.items():
         held[key].copy_(t)
-    overlay = getattr(model, "weight_overlay", {})
-    overlay.update({k: t.to("cpu", copy=True) for k, t in prepared.given.items()})
-    model.weight_overlay = overlay
+    # a new dict, never one changed in place: prepare() may read the old one on another thread meanwhile
+    model.weight_overlay = {**getattr(model, "weight_overlay", {}),
+                            **{k: t.to("cpu", copy=True) for k, t in prepared.given.items()}}
     model.weights_version = getattr(model, "weights_version", 0) + 1
     counters.bump("weight_updates")
     counters.bump("weights_updated", len(prepared.tensors))
