@@ -134,8 +134,9 @@ def test_checkpointing_and_the_sampler_walk_give_the_same_gradient():
 
 
 def test_an_optimizer_step_must_reach_the_sampler_before_the_next_forward():
+    """With values from the scorer (a GPU's default: the sampler's own weight tensors), so the refusal guards E11."""
     llm = memra.LLM(str(hf_dir("qwen3_5")), warm_up=False, seed=1)
-    trainer = Trainer(llm)
+    trainer = Trainer(llm, values="scorer")
     seqs = sampled(llm, max_tokens=6)
     opt = torch.optim.SGD(trainer.parameters(), lr=1e-2)
     (-trainer(*pack(seqs, [0, 1])).sum()).backward()

@@ -158,6 +158,8 @@ def test_a_server_under_load_updates_without_losing_or_mixing(abort, tmp_path):
     try:
         assert _post(srv.url, "/v1/update_weights", {"path": str(new_dir)}, key=None).status_code == 401
         assert _post(srv.url, "/v1/update_weights", {"path": str(new_dir), "nope": 1}).status_code == 400
+        missing = _post(srv.url, "/v1/update_weights", {"path": str(tmp_path / "missing")})
+        assert missing.status_code == 400 and "not a safetensors file" in missing.json()["error"]["message"]
         with cf.ThreadPoolExecutor(n + 1) as pool:
             first = [pool.submit(_complete, srv.url, i, max_tokens) for i in range(n // 2)]
             while engine.scheduler.num_running() == 0:  # requests in flight when the update comes
