@@ -76,9 +76,10 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     gate.add_argument("--steps", type=int, default=None, help="decode steps (default 32; pp mode 8); ppspec: verify rounds (default 6)")
     gate.add_argument("--batch", default=None, help="batch width (default 4); pp and prefix modes: a list, e.g. 1,4,8 "
                                                     "(default; prefix: 1,2,4)")
-    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec", "score", "prefix"],
+    gate.add_argument("--mode", default="config", choices=["config", "strict", "pp", "ppspec", "score", "prefix", "train"],
                       help="score: scored logprobs == sampled ones (E9); --steps tokens per completion. prefix: a "
-                           "prefix-cache hit == a cold server, bit for bit (E8)")
+                           "prefix-cache hit == a cold server, bit for bit (E8). train: the training forward's logprobs "
+                           "== the sampled ones, any packing (E11)")
     gate.add_argument("--stages", type=int, default=2, help="pp/ppspec mode: pipeline stages (MEMRA_PP_SPLITS may set the fence)")
     gate.add_argument("--reps", type=int, default=2, help="pp/ppspec mode: repetitions of the split arm")
     gate.add_argument("--ts", default="2,5,9", help="ppspec mode: verify widths T = K+1 (default 2,5,9: K = 1, 4, 8)")
@@ -91,7 +92,7 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     pp, prefix = args.mode == "pp", args.mode == "prefix"
-    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24, "prefix": 8}.get(args.mode, 32)
+    steps = args.steps if args.steps is not None else {"pp": 8, "ppspec": 6, "score": 24, "prefix": 8, "train": 16}.get(args.mode, 32)
     dist = args.transport == "dist"
     if dist and not pp:
         raise MemraError("--transport dist runs the pp battery across processes; use it with --mode pp")
@@ -145,6 +146,10 @@ def _run_gate(args, model, out, pp: bool, prefix: bool, dist: bool, steps: int, 
         from memra.gate.score_arm import run_score_battery
 
         ok = run_score_battery(model, steps=steps, plen=args.plen, out=out)
+    elif args.mode == "train":
+        from memra.gate.train_arm import run_train_battery
+
+        ok = run_train_battery(model, steps=steps, plen=args.plen, out=out)
     elif prefix:
         from memra.gate.prefix_battery import run_prefix_battery
 

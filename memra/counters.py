@@ -71,6 +71,13 @@ _counts = {
     # structured output (memra.structured)
     "grammars_compiled": 0,  # constraints compiled by llguidance (cache misses)
     "grammar_masked_rows": 0,  # rows whose logits a grammar's mask was applied to before the token was chosen
+    # weight updates and the training forward (memra.weights, memra.train)
+    "weight_updates": 0,  # updates landed (llm.update_weights, POST /v1/update_weights)
+    "weights_updated": 0,  # ... canonical weights copied in place by them
+    "train_forwards": 0,  # memra.train.Trainer forwards
+    "train_exact_tokens": 0,  # ... positions whose logprob came from the sampler's arithmetic (E11)
+    "train_grad_tokens": 0,  # ... positions run through the differentiable walk (the gradient's path)
+    "train_checkpointed_layers": 0,  # ... layer walks under activation checkpointing
 }
 
 

@@ -45,9 +45,10 @@ from memra.engine.inflight import InFlight, decode_ids
 from memra.engine.sampler import Picked, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.scoring import ScoreJobs
-from memra.engine.seq_state import SeqState
+from memra.engine.seq_state import SeqState, queue_seqs
 from memra.engine.speculation import speculation_for
 from memra.engine.step_mix import StepMix
+from memra.engine.weight_swap import WeightSwaps
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
 from memra.errors import MemraError
@@ -90,6 +91,7 @@ class Engine:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.score_jobs = ScoreJobs(self)  # scoring runs between steps; .submit(job) queues one
+        self.weight_swaps = WeightSwaps(self)  # weight updates between steps, no request on two versions
 
     @property
     def max_len(self) -> int:
@@ -184,7 +186,7 @@ class Engine:
         self.backend.close()
 
     def busy(self) -> bool:
-        return bool(self.seqs or self.score_jobs or self._outbox or self._inflight) or not self._commands.empty()
+        return bool(self.seqs or self.score_jobs or self.weight_swaps or self._outbox or self._inflight) or not self._commands.empty()
 
     # --- stepping: the offline caller's thread, or the serving thread ---
     def step(self) -> bool:
@@ -192,6 +194,7 @@ class Engine:
         went out. Offline callers (memra.LLM, `memra generate`) call it in a loop; the serving thread
         between waits. A step's tokens land, and their events go out, during the next step."""
         self._drain_commands()
+        self.weight_swaps.advance()  # an update waiting: admission held until it lands (memra.engine.weight_swap)
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.seqs:
             self._abort_all(SHUTDOWN_MESSAGE, "shutdown")
         self.score_jobs.run_ready()  # a job that ran alone sends no event: the idle wait after it is short
@@ -240,6 +243,7 @@ class Engine:
                 except queue.Empty:
                     break
                 queued += arg if what == "add" else ()
+            queued += self.weight_swaps.fail_all(Unavailable(error))
             for s in queued + list(self.seqs.values()):
                 with contextlib.suppress(MemraError):  # a free on a pipeline that just failed: it still ends
                     self._finish(s, "abort", error=error, kind=kind)
@@ -250,15 +254,8 @@ class Engine:
                 what, arg = self._commands.get_nowait()
             except queue.Empty:  # then: how much of each request that could start is cached (memra.prefix)
                 return self.backend.prefix.offer(self.scheduler, self.seqs)
-            if what == "add":
-                for s in arg:
-                    try:
-                        self.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
-                    except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
-                        s.done = True
-                        s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
-                        continue
-                    self.seqs[s.rid] = s
+            if what == "add":  # held while a weight update waits: they start on the new weights (weight_swap)
+                self.weight_swaps.held.append(arg) if self.weight_swaps.pending else queue_seqs(self, arg)
             else:
                 rids, reason = arg
                 for rid in rids:
@@ -343,7 +340,8 @@ class Engine:
         s.last_token_at = now
         finish = "stop" if token in s.eos else "length" if len(s.out) >= s.params.max_tokens else None
         self._outbox.append((s, TokenEvent(s.index, token, picked.logprob, picked.top, finish, len(s.prompt),
-                                           len(s.out), cached_tokens=s.cached, rank=picked.rank)))
+                                           len(s.out), cached_tokens=s.cached, rank=picked.rank,
+                                           weights_version=getattr(self.model, "weights_version", 0))))
         if finish is not None:
             s.done = True
             if self.metrics is not None:

@@ -181,7 +181,8 @@ class LLM:
         return [RequestOutput(str(next(self._request_ids)), p if isinstance(p, str) else None, i,
                               None if f is None else out.prompt_logprobs(i, f.result(), sp.detokenize),
                               [out.completion(k, c, sp.seed + k, sp.detokenize) for k, c in enumerate(choices)],
-                              metrics=out.metrics(at, choices), num_cached_tokens=choices[0].cached)
+                              metrics=out.metrics(at, choices), num_cached_tokens=choices[0].cached,
+                              weights_version=getattr(self.model, "weights_version", 0))
                 for p, i, choices, f, sp, at in zip(batch, ids, runs, scored, plist, arrivals)]
 
     def _settle(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -303,6 +304,17 @@ class LLM:
         # encoded without added specials (the template writes them); each output's prompt is the rendered text
         outs = self.generate([self.tokenizer.encode(t) for t in texts], params, use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts)]
+
+    def update_weights(self, weights, abort: bool = False) -> int:
+        """New values for some or all weights, in the checkpoint's own names: a mapping or (name, tensor) pairs
+        (e.g. memra.train.Trainer.weights()), or a safetensors file or directory. Checked whole before anything
+        changes, copied into the same storage, the prefix cache dropped (memra.weights.update). -> the new
+        weights version (RequestOutput.weights_version)."""
+        from memra.weights.update import prepare
+
+        fut = self.engine.weight_swaps.submit(prepare(self.model, weights), abort=abort)
+        self.engine.run_until_idle()
+        return fut.result()
 
     def get_tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""

@@ -75,6 +75,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     lora_request: None = None  # vLLM's; memra serves no adapters
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (memra.prefix)
+    weights_version: int = 0  # which weights answered: 0 as loaded, +1 per update_weights (memra.weights)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ class Scheduler(PrefixHooks):
         self._extra: dict[str, int] = {}  # rid -> extra tokens reserve_extra granted it for the plan in flight
         self._in_flight = False
         self._held = 0  # steps the startable waiting requests have been held (memra.engine.admission)
+        self.admitting = True  # False: no waiting request starts (memra.engine.weight_swap)
 
     # --- requests ---
     def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
@@ -232,7 +233,8 @@ class Scheduler(PrefixHooks):
                 self._held += 1
             elif startable:  # they start now; with no place free the count waits as it is
                 self._held = 0
-            candidates = self._with(Status.SWAPPED) + ([] if hold else [self._seqs[rid] for rid in self._waiting])
+            admit = not hold and self.admitting  # admitting: False while a weight update drains
+            candidates = self._with(Status.SWAPPED) + ([self._seqs[rid] for rid in self._waiting] if admit else [])
             for seq in candidates:
                 if self.num_running() >= self.cfg.max_admitted or seq.held:
                     break

@@ -8,6 +8,7 @@ from typing import Callable
 
 from memra.cache import Cache
 from memra.engine.sampler import RowSpec
+from memra.engine.scheduler import QueueFull
 from memra.engine.types import TokenEvent
 from memra.sampling import SamplingParams
 from memra.structured import compile_for
@@ -60,3 +61,15 @@ class SeqState:
         """Resumed: its cache back from the host copies, or a new one (`new_cache(self)`) where there were none."""
         saved, self.swapped = self.swapped, None
         self.cache = new_cache(self) if saved is None or saved.get("empty") else backend.swap_in(saved, max_ctx)
+
+
+def queue_seqs(engine, seqs) -> None:
+    """A request's sequences into the engine's scheduler and table (a refused one ends at once with its error)."""
+    for s in seqs:
+        try:
+            engine.scheduler.add(s.rid, len(s.prompt), s.params.max_tokens)
+        except (ValueError, QueueFull) as err:  # cannot fit this pool, or raced past the bound
+            s.done = True
+            s.sink(TokenEvent(s.index, None, finish_reason="abort", error=str(err), error_kind="refused"))
+            continue
+        engine.seqs[s.rid] = s

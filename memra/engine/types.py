@@ -79,6 +79,7 @@ class TokenEvent:
     error_kind: str | None = None  # "shutdown" | "refused" | "engine" (module docstring)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (memra.prefix)
     rank: int | None = None  # the token's rank in the row it was drawn from (1 = the likeliest), with logprob
+    weights_version: int = 0  # the weights the token came from (memra.weights: +1 per update; a request has one)
 
 
 def public_error(err: BaseException) -> str:

@@ -167,8 +167,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
     linear, with the same bits: True for all of them, False for none, None for what pays off here: all
     of them on CPU (about the file's size instead of fp32's four bytes a value), nothing on a GPU (whose
     dense kernels beat the packed ones there, as last measured)."""
-    from memra.kernels.quant import MixedRows, QuantWeight
-    from memra.kernels.split import FP_SPLITS, SPLITS, split_layout
+    from memra.kernels.split import SPLITS
     from memra.loading.fp_source import QuantizedSource
     from memra.loading.gguf import GgufNames
     from memra.loading.tensor_checks import blame, nonfinite
@@ -181,20 +180,7 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
         names.pack = bool(packed) or (packed is None and device.type == "cpu")
 
     def place(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, t in tensors.items():
-            want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
-            # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
-            # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
-            if isinstance(t, (QuantWeight, MixedRows)):
-                # the quants split from their scales, on the device (memra.kernels.split). The layouts are
-                # fresh tensors, so on CPU the file's bytes are read in place, not copied first.
-                out[prefix + k] = split_layout(t.placed(device, want, copy=False))
-            elif isinstance(t, FP_SPLITS):  # already split (memra.loading.fp_source): moved, decoding to `want`
-                out[prefix + k] = dataclasses.replace(t.to(device), dtype=want)
-            else:
-                out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
-        return out
+        return place_weights(prefix, tensors, device, dtype)
 
     def load_part(prefix: str, make) -> dict[str, torch.Tensor]:
         with src.recording() as read:
@@ -216,6 +202,29 @@ def load_weights(path: str | Path, device: torch.device, dtype: torch.dtype, ope
         return_freed_memory()  # what loading freed (memra.heap)
     return cfg, weights, make_tokenizer
 
+
+def place_weights(prefix: str, tensors: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """A part's mapped tensors as the model holds them: `dtype` (fp32 for FP32_WEIGHTS), on `device`, each a
+    fresh allocation; packed GGUF / FP8 / NVFP4 weights in their split layouts. Loading and
+    memra.weights.update (an update in place) both convert through here, so an updated weight has the bits a
+    fresh load of the same tensors gives it."""
+    from memra.kernels.quant import MixedRows, QuantWeight
+    from memra.kernels.split import FP_SPLITS, split_layout
+
+    out = {}
+    for k, t in tensors.items():
+        want = torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype
+        # Always a fresh allocation: a tensor still backed by the file's memory map can sit at any
+        # byte offset, and CPU BLAS picks different kernels (different bits) for unaligned data.
+        if isinstance(t, (QuantWeight, MixedRows)):
+            # the quants split from their scales, on the device (memra.kernels.split). The layouts are
+            # fresh tensors, so on CPU the file's bytes are read in place, not copied first.
+            out[prefix + k] = split_layout(t.placed(device, want, copy=False))
+        elif isinstance(t, FP_SPLITS):  # already split (memra.loading.fp_source): moved, decoding to `want`
+            out[prefix + k] = dataclasses.replace(t.to(device), dtype=want)
+        else:
+            out[prefix + k] = t.to(device=device, dtype=want, copy=True).contiguous()
+    return out
 
 
 def load(path: str | Path, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,

@@ -69,6 +69,9 @@ class NoPrefixCache:
     def forks(self, s, scheduler, new_cache) -> list:
         return [s]
 
+    def clear(self) -> None:
+        pass
+
 
 class PrefixCache:
     def __init__(self, store: PrefixStore, spacing: int, whole_prime=lambda s: False):
@@ -81,6 +84,12 @@ class PrefixCache:
     @property
     def tree(self):
         return self.store.tree
+
+    def clear(self) -> None:
+        """Drop every cached page and snapshot (the weights changed: memra.engine.weight_swap). Called with no
+        sequence running, so the tree holds the only hold on every page's blocks."""
+        self.store.reclaim(1 << 62)
+        assert not len(self.tree), "a cached page outlived a prefix-cache clear (a sequence still holds it)"
 
     # --- before scheduling ---
     def offer(self, scheduler, seqs: dict) -> None:

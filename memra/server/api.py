@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream: SSE chunks in OpenAI's format, then [DONE])
     POST /v1/responses, GET /v1/responses/{id}  (the chat route's answer as Response items: memra.server.responses)
+    POST /v1/update_weights                      (memra.server.weights_route)
     GET  /v1/models, /health, /metrics           POST /tokenize, /detokenize
 
 What each request costs the others is bounded (memra.server.options): the body is read within its size
@@ -46,6 +47,7 @@ from memra.server.protocol import ChatRequest, CompletionRequest, DetokenizeRequ
 from memra.server.scored import Scored, ScoredReply
 from memra.server.tools import ChoiceCalls, forced_constraint, tool_spec
 from memra.server.unhonoured import CHAT, CMPL, refuse_unhonoured
+from memra.server.weights_route import install_update_weights
 from memra.tools import detect_format, template_messages
 
 # A token decodes to at most `max_piece_chars` characters, so a text longer than that many per token of
@@ -85,6 +87,7 @@ def build_app(engine: Engine, model_name: str | tuple[str, ...], options: Server
     install_api_key(app, options.api_key)
     install_cors(app, options.allowed_origins)  # after the key check is added: outside it, so preflights pass
     install_request_log(app, options.log_requests)  # outermost: it times the whole response
+    install_update_weights(app, engine, options, pool)  # POST /v1/update_weights (memra.weights)
 
     reasoning = ReasoningFormat.named(options.reasoning_parser) if options.reasoning_parser else None
     honoured = frozenset({"include_reasoning"} if reasoning is not None else ())
@@ -161,7 +164,9 @@ def build_app(engine: Engine, model_name: str | tuple[str, ...], options: Server
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "memra", "max_model_len": max_len} for name in names]}
+                                            "owned_by": "memra", "max_model_len": max_len,
+                                            "weights_version": getattr(engine.model, "weights_version", 0)}
+                                           for name in names]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -267,7 +272,7 @@ def build_app(engine: Engine, model_name: str | tuple[str, ...], options: Server
             choices.append({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
             scored.extend(tok, choices[-1], i)
         usage = {"prompt_tokens": head.prompt_tokens, "completion_tokens": 0, "total_tokens": head.prompt_tokens}
-        return JSONResponse(reply_body(head, choices, usage))
+        return JSONResponse(reply_body(head, choices, usage, getattr(engine.model, "weights_version", 0)))
 
     async def launch(body, prompts: list[list[int]], chat: bool, logprobs: int | None, max_tokens: int,
                      scored: ScoredReply | None = None, opened: bool = False,

@@ -234,7 +234,9 @@ class RequestOutputs:
         n = len(self.streams)
         texts, logs, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         thoughts, calls = [[] for _ in range(n)], [[] for _ in range(n)]
+        version = 0
         async for d in self.deltas():
+            version = max(version, d.event.weights_version)
             if d.event.error:
                 return error_response(_ERROR_STATUS.get(d.event.error_kind, 500), d.event.error)
             texts[d.index].append(d.text)
@@ -259,7 +261,7 @@ class RequestOutputs:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
             if head.scored is not None:
                 head.scored.extend(self.tok, choices[-1], i)
-        return JSONResponse(reply_body(head, choices, self._usage(head)))
+        return JSONResponse(reply_body(head, choices, self._usage(head), version))
 
     def _usage(self, head: ReplyHeader) -> dict:
         done = sum(self.tokens)
@@ -292,6 +294,7 @@ class RequestOutputs:
             if ev.token_id is None and not (d.text or d.reasoning or d.tool_calls) \
                     and d.finish_reason not in ("stop", "length", "tool_calls"):
                 return ""  # an abort without words: nothing to tell
+            version = {"system_fingerprint": fingerprint(ev.weights_version)} if ev.token_id is not None else {}
             lp = (logprobs_body(self.tok, [ev], head.chat, head.as_ids, emitted[d.index])
                   if head.logprobs and ev.token_id is not None else None)
             emitted[d.index] += len(d.text)
@@ -301,8 +304,8 @@ class RequestOutputs:
                     delta["content"] = d.text
                 if d.tool_calls:
                     delta["tool_calls"] = list(d.tool_calls)
-                return chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
-            return chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}])
+                return chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}], **version)
+            return chunk([{"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}], **version)
 
         emitted = [0] * len(self.streams)  # characters each choice has sent: its next token's text_offset
         try:
@@ -325,12 +328,18 @@ class RequestOutputs:
             self.cancel_open()
 
 
-def reply_body(head: ReplyHeader, choices: list[dict], usage: dict) -> dict:
+def reply_body(head: ReplyHeader, choices: list[dict], usage: dict, weights_version: int = 0) -> dict:
+    """weights_version: the weights that answered (memra.weights), as OpenAI's system_fingerprint."""
     body = {"id": head.id, "object": "chat.completion" if head.chat else "text_completion", "created": head.created,
-            "model": head.model, "choices": choices, "usage": usage}
+            "model": head.model, "system_fingerprint": fingerprint(weights_version), "choices": choices, "usage": usage}
     if head.chat and head.scored is not None and head.scored.prompt_top is not None:  # vLLM: the response's
         body["prompt_logprobs"] = [c.pop("prompt_logprobs") for c in choices][0]
     return body
+
+
+def fingerprint(weights_version: int) -> str:
+    """OpenAI's system_fingerprint: which weights answered (0 as loaded, +1 per update_weights)."""
+    return f"memra-weights-{weights_version}"
 
 
 def logprobs_body(tok, events: list[TokenEvent], chat: bool, as_ids: bool = False, base: int = 0):

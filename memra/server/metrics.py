@@ -67,6 +67,7 @@ class Metrics:
         self.prefix_hit_rate = Gauge("memra:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
                                      registry=r)
         self._prefix = [0, 0]
+        self.weights_version = Gauge("memra:weights_version", "Weight updates landed (memra.weights)", registry=r)
         self.info = Gauge("memra:model_info", "The served model", list(label), registry=r)
         self.info.labels(**label).set(1)
         r.register(_LivenessCounters())

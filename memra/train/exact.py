@@ -1,0 +1,42 @@
+"""The values of the training forward: each position's logprob as the sampler computed it, without autograd.
+
+- "scorer": memra.engine.scoring (promise E9: scoring a sampled completion after its prompt gives every token the
+  logprob it was sampled with, bit for bit), on a view of the sampler's model (HybridModel.with_settings: the
+  same weight tensors, caches of its own). Any device: it runs the model's own kernel table.
+- "walk": the trainer's walk in the sampler's grouping (memra.train.walk), layer-major, over the weights derived
+  from the parameters. Where the model's kernel table is the reference (a CPU) it runs the sampler's very ops on
+  the sampler's very forwards, so the same bits (tests/test_train.py holds it to the scorer on every fixture
+  architecture); a layer's weights then stay in cache across a sequence's tokens, which makes it faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memra import counters
+from memra.engine.scoring import ScoreJob, score
+from memra.train.walk import Seq, Walk
+
+
+@torch.no_grad()
+def sampler_logprobs(view, seq: Seq) -> torch.Tensor:
+    """[L-1] fp32: row i is the logprob of ids[i+1] as the sampler gives it (prompt rows as prompt_logprobs,
+    generated rows as sampled)."""
+    ids = seq.ids.tolist()
+    n = len(ids)
+    job = ScoreJob(tuple(ids), seq.start if seq.start < n else None, 0)
+    cache = view.new_cache(n)
+    try:
+        scores = score(view, job, cache)
+    finally:
+        cache.free()
+    counters.bump("train_exact_tokens", n - 1)
+    return torch.tensor([t.logprob for t in scores[1:]], dtype=torch.float32)
+
+
+@torch.inference_mode()
+def walked_logprobs(model, weights: dict[str, torch.Tensor], seqs: list[Seq]) -> list[torch.Tensor]:
+    """Every sequence's [L-1] logprobs from the walk in the sampler's grouping."""
+    out = Walk(model, weights).logprobs(seqs, "sampler")
+    counters.bump("train_exact_tokens", sum(s.ids.numel() - 1 for s in seqs))
+    return out

@@ -1,0 +1,96 @@
+"""Cost of the exact training forward (issue 47): memra.train.Trainer forward + backward against plain PyTorch
+eager on the same packed sequences: HF transformers where the architecture has one (each sequence its own
+forward, the loss summed, one backward), and memra's own layers in the prompt form (the trainer's gradient walk
+alone: what a plain trainer over memra's model definition costs). Best of --reps, seconds.
+
+    python tools/bench_train.py [MODEL] [--seqs 8] [--prompt 20] [--completion 48] [--reps 3] [--threads 1]
+                                [--device cuda --dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import torch
+
+import memra
+from memra.bench.timing import best_seconds
+from memra.train import Trainer
+from memra.train.exact import sampler_logprobs, walked_logprobs
+from memra.train.params import derive
+from memra.train.walk import Walk
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="trainer forward+backward against plain eager (issue 47)")
+    ap.add_argument("model", nargs="?", default="demo")
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=20)
+    ap.add_argument("--completion", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on a GPU)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    best = lambda fn, reps: best_seconds(fn, torch.device(args.device), reps)  # noqa: E731
+    llm = memra.LLM(args.model, device=args.device, dtype=args.dtype, warm_up=False, seed=1)
+    model = llm.model
+    trainer = Trainer(llm)
+    g = torch.Generator().manual_seed(0)
+    n = args.prompt + args.completion
+    ids = torch.randint(0, model.cfg.vocab_size, (args.seqs * n,), generator=g).to(model.device)
+    lens, starts = [n] * args.seqs, [args.prompt] * args.seqs
+    coef = torch.randn(ids.numel(), generator=g).to(model.device)
+    seqs = trainer._split(ids, lens, starts)
+
+    def exact_fb():
+        trainer.zero_grad()
+        (coef * trainer(ids, lens, starts)).sum().backward()
+
+    def scorer_values():
+        for s in seqs:
+            sampler_logprobs(trainer._view, s)
+
+    def walk_values():
+        if model.device.type != "cpu":  # the walk reproduces the sampler only on the CPU's reference ops
+            return
+        walked_logprobs(model, derive(model, {k: p.detach() for k, p in trainer.named_weights().items()}), seqs)
+
+    def walk_fb():
+        trainer.zero_grad()
+        w = derive(model, trainer.named_weights())
+        lp = Walk(model, w).logprobs(seqs, "prompt")
+        sum((c[:-1] * x).sum() for c, x in zip(coef.split(lens), lp)).backward()
+
+    rows = [("memra.train.Trainer forward+backward (exact values)", best(exact_fb, args.reps)),
+            ("  of which the sampler's values (walk, no grad: the CPU default)", best(walk_values, args.reps)),
+            ("the sampler's values from the scorer instead (no grad)", best(scorer_values, args.reps)),
+            ("memra's layers, prompt form, forward+backward (plain eager)", best(walk_fb, args.reps))]
+    try:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model.source, dtype=model.dtype,
+                                                               attn_implementation="eager").to(model.device)
+
+        def hf_fb():
+            hf.zero_grad()
+            total, at = 0, 0
+            for k in lens:
+                x = ids[at : at + k]
+                logp = torch.log_softmax(hf(x[None]).logits[0].float(), -1)[:-1].gather(1, x[1:, None])[:, 0]
+                total = total + (coef[at : at + k - 1] * logp).sum()
+                at += k
+            total.backward()
+
+        rows.append(("HF transformers eager forward+backward", best(hf_fb, args.reps)))
+    except Exception as e:  # no transformers, or no HF class for this architecture
+        print(f"(HF transformers skipped: {str(e).splitlines()[0]})")
+    print(f"{args.model}: {args.seqs} sequences x ({args.prompt} prompt + {args.completion} generated) tokens, "
+          f"{torch.get_num_threads()} thread(s), {model.device} {model.dtype}, best of {args.reps}")
+    base = rows[-1][1]
+    for name, t in rows:
+        print(f"  {name:62s} {t:7.3f} s  {t / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
