@@ -26,7 +26,7 @@ from memra.engine.engine import Engine
 from memra.engine.llm_args import generation_defaults, read_args
 from memra.engine.outputs import Choice, OutputBuilder, RequestOutput, ScoreOutput
 from memra.engine.prompts import cut_after_final, prompt_list, prompt_text_or_ids
-from memra.engine.release import CLOSED, release_memory
+from memra.engine.release import Releasing
 from memra.engine.scoring import ScoreJob
 from memra.engine.types import EngineConfig, TokenEvent
 from memra.errors import MemraError
@@ -39,7 +39,7 @@ from memra.tokenizer import TextStream
 from memra.tools.messages import template_messages
 
 
-class LLM:
+class LLM(Releasing):
     """A model and an engine over it, for offline batches.
 
     model: a path (HF directory, .gguf, "demo", ORG/NAME from the Hub, "random:SHAPE") or a model
@@ -319,31 +319,6 @@ class LLM:
     def get_tokenizer(self):
         """The model's tokenizer (encode, decode, apply_chat_template), as vLLM's LLM.get_tokenizer()."""
         return self.tokenizer
-
-    def close(self) -> None:
-        """Give back the device memory this LLM holds: its KV and state pools, its captured graphs, and the
-        model's weights where the LLM loaded them (memra.engine.release). Later calls are refused in one
-        line. Also done when a `with memra.LLM(...) as llm:` block ends and when the LLM is collected."""
-        if not self.__dict__.get("engine"):  # never made (the constructor failed), or closed already
-            return
-        device = self.model.device
-        self.engine.shutdown(drain_timeout=0.0)
-        self.engine = CLOSED
-        if self._owns_model:
-            self.model = CLOSED
-        release_memory(device)
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone; nothing to report to
-            pass
 
     def _eos_ids(self, p: SamplingParams):
         return p.stop_ids(self.tokenizer.eos_ids)

@@ -1,4 +1,4 @@
-"""Giving an engine's device memory back: memra.LLM.close(), its context manager and its finalizer.
+"""Giving an engine's device memory back: memra.LLM.close(), its context manager and its finalizer (Releasing).
 
 What an LLM holds on its device: the model's weights (when the LLM loaded them), the engine's KV and
 recurrent pools, and the captured steps over those pools (memra.graphs), each with its memory pool. The
@@ -37,3 +37,33 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+class Releasing:
+    """memra.LLM's release: close(), the context manager and the finalizer. The class sets `engine`, `model`
+    and `_owns_model` (whether it loaded the model itself, so that its weights go too)."""
+
+    def close(self) -> None:
+        """Give back the device memory this LLM holds: its KV and state pools, its captured graphs, and the
+        model's weights where the LLM loaded them. Later calls are refused in one line. Also done when a
+        `with memra.LLM(...) as llm:` block ends and when the LLM is collected."""
+        if not self.__dict__.get("engine"):  # never made (the constructor failed), or closed already
+            return
+        device = self.model.device
+        self.engine.shutdown(drain_timeout=0.0)
+        self.engine = CLOSED
+        if self._owns_model:
+            self.model = CLOSED
+        release_memory(device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: modules may be gone; nothing to report to
+            pass
