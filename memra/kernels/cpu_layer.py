@@ -15,6 +15,7 @@ import ctypes
 
 import torch
 
+from memra import counters
 from memra.kernels import cpu_decode, cpu_qdot, split
 
 MAX_PARTS = 8  # layer.cpp's kMaxParts: row blocks of several formats in one weight (Q4_K_M's qkv, say)
@@ -90,4 +91,5 @@ def decode(plan: LayerPlan, h: torch.Tensor, ctx, layer: int) -> torch.Tensor:
     lib.memra_decode_layer(ctypes.byref(plan), out.data_ptr(), ctx.cos.data_ptr(), ctx.sin.data_ptr(),
                            ctx.cos.shape[-1], k_pool.data_ptr(), v_pool.data_ptr(), ctx.kv_write_rows.data_ptr(),
                            ctx.kv_read_rows.data_ptr(), ctx.kv_read_rows.numel(), torch.get_num_threads(), lib.avx2)
+    counters.bump("cpu_layer_steps")
     return out

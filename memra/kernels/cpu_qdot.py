@@ -146,15 +146,16 @@ def _plan(lib, w) -> tuple:
     return plan
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: bool | None = None) -> torch.Tensor:
-    """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype: qdot_reference.linear's bits. `avx2=False` runs
-    the scalar loops (for the test between the two)."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: int | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype: qdot_reference.linear's bits. `avx2` caps the
+    instruction level (0 / False: the scalar loops, 1: AVX2, 2: AVX-512 VNNI; None: the CPU's best), for
+    the tests between them."""
     lib = library()
     n, k = w.shape
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     m = x2.shape[0]
     out = torch.empty(m, n)
-    use_avx2 = lib.avx2 if avx2 is None else int(avx2 and lib.avx2)
+    use_avx2 = lib.avx2 if avx2 is None else min(int(avx2), lib.avx2)
     threads = torch.get_num_threads()
     acts = {}
     col = 0

@@ -153,6 +153,10 @@ class KernelTable:
     def _impl(self, x: torch.Tensor):
         return triton_ops() if self.invariant and self._gpu(x) else reference
 
+    def _cpu_ops(self, x) -> bool:
+        """The C kernels of memra.kernels.cpu_decode run here (CPU, MEMRA_CPU_DECODE, the library built)."""
+        return self.cpu_ops and not self._gpu(x)
+
     def grouped_moe(self) -> bool:
         """Does the MoE FFN run as grouped matmuls (no host sync, so a MoE step can be graphed)?"""
         return self.invariant
@@ -194,7 +198,7 @@ class KernelTable:
     def silu_mul(self, gate_up):
         """SwiGLU's activation: one Triton launch with torch's bits where the invariant kernels run
         (triton.activation), torch's two elementwise kernels elsewhere."""
-        if self.cpu_ops and cpu_decode.rows_ok(gate_up):
+        if self._cpu_ops(gate_up) and cpu_decode.rows_ok(gate_up):
             return cpu_decode.silu_mul_rows(gate_up)
         return self._impl(gate_up).silu_mul(gate_up)
 
@@ -212,12 +216,12 @@ class KernelTable:
     def rms_norm(self, x, w, eps, zero_centered):
         # On CPU in fp32 (MEMRA_CPU_DECODE) one C call whose order is its own (decode_reference.rms_rows):
         # in fp32 the two styles of norm are the same product (reference.rms_norm).
-        if self.cpu_ops and cpu_decode.rows_ok(x) and w.dtype == torch.float32:
+        if self._cpu_ops(x) and cpu_decode.rows_ok(x) and w.dtype == torch.float32:
             return cpu_decode.rms_rows(x, w, eps)
         return self._impl(x).rms_norm(x, w, eps, zero_centered)
 
     def add_rms_norm(self, h, delta, w, eps, zero_centered):
-        if self.cpu_ops and cpu_decode.rows_ok(h) and delta.dtype == w.dtype == torch.float32:
+        if self._cpu_ops(h) and cpu_decode.rows_ok(h) and delta.dtype == w.dtype == torch.float32:
             return cpu_decode.rms_rows(h, w, eps, add=delta)
         return self._impl(h).add_rms_norm(h, delta, w, eps, zero_centered)
 
@@ -288,7 +292,7 @@ class KernelTable:
     def fused_decode_attention(self, q, k_pool, cos) -> bool:
         """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?
         Decided per layer at its first call: on CPU with MEMRA_CPU_DECODE, the library built, fp32."""
-        return self.cpu_ops and cpu_decode.supports(q, k_pool, cos)
+        return self._cpu_ops(q) and cpu_decode.supports(q, k_pool, cos)
 
     def decode_attention(self, q, k, v, cos, sin, k_pool, v_pool, write_rows, read_rows, starts, lens, scale):
         """cpu_decode.attend_rows: q [R, Hq, D], k / v [R, Hkv, D] | None (unrotated; written to write_rows),
