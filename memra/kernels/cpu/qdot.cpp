@@ -124,6 +124,7 @@ AVX2 void q8_0_avx2(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t
   for (int64_t b = 0; b < nb; b++) {
     __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * b));
     for (int r = 0; r < R; r++) {
+      if (b % 2 == 0) _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);  // as q8_0_vnni
       __m256i wv = _mm256_loadu_si256((const __m256i*)(w + r * K + 32 * b));
       // |w| * (x signed by w): maddubs wants one unsigned operand; |w| <= 128 and |x| <= 127 fit its int16 pairs
       __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
@@ -155,6 +156,9 @@ VNNI void q8_0_vnni(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t
       const __m512i xv = _mm512_loadu_si512((const void*)(x + 32 * b));
       const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(j)), _mm256_set1_epi32(j + 1), 1);
       for (int r = 0; r < R; r++) {
+        // the next group's row r, a cache line a step: a group's rows are short streams (K bytes each, side
+        // by side), too short for the hardware prefetcher to ramp up on
+        _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);
         __m512i wv = _mm512_loadu_si512((const void*)(w + r * K + 32 * b));
         __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);  // x signed by w
         __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
@@ -202,6 +206,7 @@ AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin,
           q0 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j));
           q1 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j + 32));
         } else {
+          if (j % 4 == 0) _mm_prefetch((const char*)(qr + R * qrow + 128 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
           __m256i b = _mm256_loadu_si256((const __m256i*)(qr + 128 * s + 16 * j));
           q0 = _mm256_and_si256(b, m4);
           q1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
