@@ -249,6 +249,7 @@ AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K,
       __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
                                      _mm_load_si128((const __m128i*)kSpread[j % 8]));
       for (int r = 0; r < R; r++) {
+        if (j % 4 == 0) _mm_prefetch((const char*)(q + (r + R) * K + 256 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
         __m256i qv = _mm256_loadu_si256((const __m256i*)(q + r * K + 256 * s + 16 * j));
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
         ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, _mm256_shuffle_epi8(j < 8 ? lo[r] : hi[r], idx)));
