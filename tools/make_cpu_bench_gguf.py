@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-FIXTURES = Path("/work/shared/fixtures/hf")
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"  # its llama and qwen3 fixtures
 SHAPES = {
     "qwen3-300m": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                                  num_key_value_heads=8, head_dim=64, num_hidden_layers=24)),
