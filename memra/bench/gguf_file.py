@@ -77,7 +77,7 @@ def _llama_cpp(path: str, tokens: int, threads: int) -> dict:
     import llama_cpp
 
     before, t0 = _status_bytes("VmRSS"), time.perf_counter()
-    llm = llama_cpp.Llama(path, n_ctx=len(PROMPT) + tokens + 8, n_threads=threads, n_gpu_layers=0, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=len(PROMPT) + tokens + 8, n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, verbose=False)
     load_s, after = time.perf_counter() - t0, _status_bytes("VmRSS")
     times: list[float] = []
     for _ in llm.generate(PROMPT, top_k=1, temp=0.0):

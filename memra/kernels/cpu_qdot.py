@@ -37,7 +37,8 @@ import torch
 
 from memra.kernels import split
 
-SOURCE = Path(__file__).parent / "cpu" / "qdot.cpp"
+# the library's sources: the linears here, decode attention (memra.kernels.cpu_decode) beside them
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "decode.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no FMA: the twin has none
 COMPILERS = ("g++", "c++", "clang++")
 KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
@@ -49,6 +50,11 @@ _SIGNATURES = {
     "memra_qdot_q8_0": ([_p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_qdot_qk": ([_int, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_qdot_q6k": ([_p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
+    "memra_attend_rows": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _i64,
+                           ctypes.c_float, _p, _int, _int], None),
+    "memra_rms_rows": ([_p, _p, _p, _p, _i64, _i64, ctypes.c_float, _p, _int], None),
+    "memra_silu_mul_rows": ([_p, _i64, _i64, _p, _int], None),
+    "memra_decode_layer": ([_p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _int, _int], None),
 }
 
 
@@ -57,12 +63,12 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, out: Path) -> None:
-    """Compile SOURCE to `out`, atomically (a temporary beside it, then a rename: concurrent builds are safe)."""
+    """Compile SOURCES to `out`, atomically (a temporary beside it, then a rename: concurrent builds are safe)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -77,14 +83,14 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-        key = hashlib.sha256("\0".join((SOURCE.read_text(), version, *FLAGS)).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join((*(s.read_text() for s in SOURCES), version, *FLAGS)).encode()).hexdigest()[:16]
         path = _cache_dir() / f"qdot-{key}.so"
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        _notice(f"building {SOURCE.name} with {compiler} failed: {(detail.strip().splitlines() or ['?'])[-1][:200]}")
+        _notice(f"building {', '.join(s.name for s in SOURCES)} with {compiler} failed: {(detail.strip().splitlines() or ['?'])[-1][:200]}")
         return None
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -140,15 +146,16 @@ def _plan(lib, w) -> tuple:
     return plan
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: bool | None = None) -> torch.Tensor:
-    """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype: qdot_reference.linear's bits. `avx2=False` runs
-    the scalar loops (for the test between the two)."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, avx2: int | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype: qdot_reference.linear's bits. `avx2` caps the
+    instruction level (0 / False: the scalar loops, 1: AVX2, 2: AVX-512 VNNI; None: the CPU's best), for
+    the tests between them."""
     lib = library()
     n, k = w.shape
     x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
     m = x2.shape[0]
     out = torch.empty(m, n)
-    use_avx2 = lib.avx2 if avx2 is None else int(avx2 and lib.avx2)
+    use_avx2 = lib.avx2 if avx2 is None else min(int(avx2), lib.avx2)
     threads = torch.get_num_threads()
     acts = {}
     col = 0

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.kernels import cpu_qdot, quant, reference, split
+from memra.kernels import cpu_decode, cpu_qdot, quant, reference, split
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
@@ -125,6 +125,7 @@ class KernelTable:
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
+    cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
 
@@ -135,7 +136,9 @@ class KernelTable:
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
-                   qdot=torch.device(device).type == "cpu" and settings.cpu_qdot)
+                   qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
+                   cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
+                            and cpu_qdot.library() is not None))
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
@@ -149,6 +152,10 @@ class KernelTable:
 
     def _impl(self, x: torch.Tensor):
         return triton_ops() if self.invariant and self._gpu(x) else reference
+
+    def _cpu_ops(self, x) -> bool:
+        """The C kernels of memra.kernels.cpu_decode run here (CPU, MEMRA_CPU_DECODE, the library built)."""
+        return self.cpu_ops and not self._gpu(x)
 
     def grouped_moe_weights(self, w_gate_up) -> bool:
         """Do experts held as `w_gate_up` run as grouped matmuls here (no host sync, so a MoE step can be
@@ -192,6 +199,8 @@ class KernelTable:
     def silu_mul(self, gate_up):
         """SwiGLU's activation: one Triton launch with torch's bits where the invariant kernels run
         (triton.activation), torch's two elementwise kernels elsewhere."""
+        if self._cpu_ops(gate_up) and cpu_decode.rows_ok(gate_up):
+            return cpu_decode.silu_mul_rows(gate_up)
         return self._impl(gate_up).silu_mul(gate_up)
 
     def linear_silu_mul(self, x, w_gate_up):
@@ -206,9 +215,15 @@ class KernelTable:
         return self.silu_mul(self.linear(x, w_gate_up))
 
     def rms_norm(self, x, w, eps, zero_centered):
+        # On CPU in fp32 (MEMRA_CPU_DECODE) one C call whose order is its own (decode_reference.rms_rows):
+        # in fp32 the two styles of norm are the same product (reference.rms_norm).
+        if self._cpu_ops(x) and cpu_decode.rows_ok(x) and w.dtype == torch.float32:
+            return cpu_decode.rms_rows(x, w, eps)
         return self._impl(x).rms_norm(x, w, eps, zero_centered)
 
     def add_rms_norm(self, h, delta, w, eps, zero_centered):
+        if self._cpu_ops(h) and cpu_decode.rows_ok(h) and delta.dtype == w.dtype == torch.float32:
+            return cpu_decode.rms_rows(h, w, eps, add=delta)
         return self._impl(h).add_rms_norm(h, delta, w, eps, zero_centered)
 
     def _conv(self, u):
@@ -274,6 +289,16 @@ class KernelTable:
         if impl is reference:  # the definition: row by row, no splits
             return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
         return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len)
+
+    def fused_decode_attention(self, q, k_pool, cos) -> bool:
+        """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?
+        Decided per layer at its first call: on CPU with MEMRA_CPU_DECODE, the library built, fp32."""
+        return self._cpu_ops(q) and cpu_decode.supports(q, k_pool, cos)
+
+    def decode_attention(self, q, k, v, cos, sin, k_pool, v_pool, write_rows, read_rows, starts, lens, scale):
+        """cpu_decode.attend_rows: q [R, Hq, D], k / v [R, Hkv, D] | None (unrotated; written to write_rows),
+        cos / sin [R, Rd] -> [R, Hq, D] (each row over read_rows[starts[r]:][:lens[r]], or all of it)."""
+        return cpu_decode.attend_rows(q, k, v, cos, sin, k_pool, v_pool, write_rows, read_rows, starts, lens, scale)
 
     def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale, window=None):
         return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale, window)

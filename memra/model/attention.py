@@ -35,11 +35,29 @@ class Attention:
         # this layer's columns of the step's rotary tables (every RoPE joined; None: the whole table)
         self.rope_cols = None if count == total else torch.cat(
             (torch.arange(first, first + count), torch.arange(total + first, total + first + count)))
+        self.fused = None  # one query a row: the op table's one-call decode attention? (decided at first use)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         q, k, v, gate = self._project(x)
+        # a generated token's RoPE, K/V write and attention in one call (a prompt token attends as prompts do: _attend)
+        if ctx.n_tokens == 1 and ctx.recurrent and self._fused(q, ctx.cache.kv, ctx.cos):
+            cos, sin = self._tables(ctx.cos, ctx.sin)
+            kv, rows = ctx.cache.kv, self._decode_rows(ctx.kv_read_rows)
+            k, v = (None, None) if self.shared_kv else (k, v)
+            o = self.ops.decode_attention(q, k, v, cos, sin, kv.k[self.kv_layer], kv.v[self.kv_layer],
+                                          ctx.kv_write_rows, rows, None, None, self.scale)
+            return self._output(o.reshape(1, self.n_heads * self.head_dim), gate)
         q = self._rope_write(q, k, v, ctx.cos, ctx.sin, ctx.cache.kv, ctx.kv_write_rows)
         return self._output(self._attend(q, ctx), gate)
+
+    def _fused(self, q: torch.Tensor, kv, cos: torch.Tensor) -> bool:
+        if self.fused is None:
+            self.fused = self.ops.fused_decode_attention(q, kv.k[self.kv_layer], cos)
+        return self.fused
+
+    def _decode_rows(self, read_rows: torch.Tensor) -> torch.Tensor:
+        """The pool rows one query reads: its whole prefix, or the last W positions of it in a window."""
+        return read_rows if self.window is None else read_rows[-self.window:]
 
     def forward_segments(self, x: torch.Tensor, wave: Segments) -> torch.Tensor:
         """x [N, E]: prompt pieces of several sequences (wave: their rows and contexts). Projections,
@@ -103,6 +121,9 @@ class Attention:
         if self.window is not None:
             starts, lens = window_rows(starts, lens, self.window)
             max_len = min(max_len, self.window)
+        if self._fused(qr, g.kv, None):  # q rotated, K/V written: the kernel attends only
+            return self.ops.decode_attention(qr, None, None, None, None, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer],
+                                             None, g.read_rows, starts, lens, self.scale)
         return self.ops.paged_attention_rows(qr, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer], g.read_rows, starts, lens,
                                              self.scale, max_len)
 
@@ -135,25 +156,33 @@ class Attention:
     def _rope_write(self, q, k, v, cos, sin, kv, rows) -> torch.Tensor:
         """Rotate q and k, write k and v to the pool rows `rows` [T] -> the rotated q (one launch on the GPU).
         A layer that shares an earlier layer's KV only rotates q."""
-        if self.rope_cols is not None:  # this layer's RoPE: its columns of the joined tables
-            if self.rope_cols.device != cos.device:
-                self.rope_cols = self.rope_cols.to(cos.device)
-            cos, sin = cos.index_select(-1, self.rope_cols), sin.index_select(-1, self.rope_cols)
+        cos, sin = self._tables(cos, sin)
         if self.shared_kv:
             return self.ops.apply_rope(q, cos, sin)
         return self.ops.rope_write_kv(q, k, v, cos, sin, kv.k[self.kv_layer], kv.v[self.kv_layer], rows)
+
+    def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's RoPE: its columns of the step's joined tables (all of them where it has one RoPE)."""
+        if self.rope_cols is None:
+            return cos, sin
+        if self.rope_cols.device != cos.device:
+            self.rope_cols = self.rope_cols.to(cos.device)
+        return cos.index_select(-1, self.rope_cols), sin.index_select(-1, self.rope_cols)
 
     def _attend(self, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Attend over this sequence's whole prefix in order (its new K/V already written)."""
         t, d = q.shape[0], self.head_dim
         kv = ctx.cache.kv
-        # A generated token (the recurrent form: decode, a verify column) takes the paged decode kernel, which
-        # reads the prefix (its last W positions) in order, whatever the batch. A prompt token takes the prefill
+        # A generated token (the recurrent form: decode, a verify column) takes the decode kernels, which read
+        # the prefix (its last W positions) in order, whatever the batch. A prompt token takes the prefill
         # kernel even alone: where a prime is one forward per chunk (the invariant path), a prompt of 64k + 1
         # tokens cut at 64k (a prefix-cache hit, a snapshot stop, the token budget) primes its last token alone,
         # and it must get the bits it gets inside the one-shot prime's forward (E5, E8).
-        if t == 1 and ctx.recurrent:
-            rows = ctx.kv_read_rows if self.window is None else ctx.kv_read_rows[-self.window:]
+        if t == 1 and ctx.recurrent and self._fused(q, kv, None):  # the CPU's C kernel, q already rotated
+            o = self.ops.decode_attention(q, None, None, None, None, kv.k[self.kv_layer], kv.v[self.kv_layer], None,
+                                          self._decode_rows(ctx.kv_read_rows), None, None, self.scale)
+        elif t == 1 and ctx.recurrent:
+            rows = self._decode_rows(ctx.kv_read_rows)
             o = self.ops.paged_decode_attention(q[0], kv.k[self.kv_layer], kv.v[self.kv_layer], rows, self.scale)
         else:
             o = self.ops.prefill_attention(q, kv.k[self.kv_layer], kv.v[self.kv_layer], ctx.kv_read_rows, ctx.pos0, self.scale,

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from memra.config import ModelConfig
+from memra.kernels import cpu_decode, cpu_layer
 from memra.kernels.reference import gelu_tanh_mul
 from memra.kernels.table import KernelTable
 from memra.model.attention import Attention
@@ -35,10 +36,22 @@ class Block:
         if "ple_gate" in w and layer < cfg.n_layers:  # [P, E], [E, P], [E]: this layer's per-layer input's path
             at = cfg.hidden_size + layer * cfg.ple_dim
             self.ple = (w["ple_gate"], w["ple_proj"], w["ple_norm"], slice(at, at + cfg.ple_dim))
+        self.layer_plan = None  # a one-token step in one C call (cpu_layer.LayerPlan), False: none; made at first use
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h [T, W] -> [T, W]: T tokens of one sequence."""
+        if ctx.n_tokens == 1 and ctx.recurrent and self._planned(ctx):  # a generated token: the kernels below in one call
+            return cpu_layer.decode(self.layer_plan, h, ctx, self.mixer.kv_layer)
         return self._run(h, lambda x: self.mixer.forward(x, ctx))
+
+    def _planned(self, ctx: StepContext) -> bool:
+        if self.layer_plan is None:
+            plan = cpu_layer.plan_for(self)
+            if plan is not None and not cpu_decode.supports(ctx.cos.new_empty(1, plan.Hq, plan.D),
+                                                            ctx.cache.kv.k[self.mixer.kv_layer], ctx.cos):
+                plan = None
+            self.layer_plan = plan or False
+        return self.layer_plan is not False
 
     def forward_segments(self, h: torch.Tensor, wave: Segments) -> torch.Tensor:
         """h [N, W] -> [N, W]: prompt pieces of several sequences in one forward (cross-request prefill).

@@ -124,12 +124,48 @@ AVX2 void q8_0_avx2(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t
   for (int64_t b = 0; b < nb; b++) {
     __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * b));
     for (int r = 0; r < R; r++) {
+      if (b % 2 == 0) _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);  // as q8_0_vnni
       __m256i wv = _mm256_loadu_si256((const __m256i*)(w + r * K + 32 * b));
       // |w| * (x signed by w): maddubs wants one unsigned operand; |w| <= 128 and |x| <= 127 fit its int16 pairs
       __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
       __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lane l: values 4l..4l+3
       __m256 dd = _mm256_set1_ps(_cvtsh_ss(wd[r * nb + b]) * xd[b]);
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, s));
+    }
+  }
+  for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
+}
+
+// AVX-512 VNNI (where the CPU has it): two 32-blocks a step, the int sums of four products per lane in one
+// instruction (vpdpbusd), the blocks' scales eight at a time; each lane's fp32 steps as above, block by block.
+#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+template <int R>
+VNNI void q8_0_vnni(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
+  const int64_t nb = K / 32;  // a multiple of 8 (the caller's check)
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b8 = 0; b8 < nb; b8 += 8) {
+    const __m256 xd8 = _mm256_loadu_ps(xd + b8);
+    __m512 dd8[R];  // lanes 0..7: wd_b * xd_b of blocks b8..b8+7
+    for (int r = 0; r < R; r++)
+      dd8[r] = _mm512_castps256_ps512(
+          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + r * nb + b8))), xd8));
+    for (int j = 0; j < 8; j += 2) {
+      const int64_t b = b8 + j;
+      const __m512i xv = _mm512_loadu_si512((const void*)(x + 32 * b));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(j)), _mm256_set1_epi32(j + 1), 1);
+      for (int r = 0; r < R; r++) {
+        // the next group's row r, a cache line a step: a group's rows are short streams (K bytes each, side
+        // by side), too short for the hardware prefetcher to ramp up on
+        _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);
+        __m512i wv = _mm512_loadu_si512((const void*)(w + r * K + 32 * b));
+        __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);  // x signed by w
+        __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
+        __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(idx, dd8[r]), s);  // block b in lanes 0..7, b+1 in 8..15
+        acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(p));
+        acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(p, 1));
+      }
     }
   }
   for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
@@ -170,6 +206,7 @@ AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin,
           q0 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j));
           q1 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j + 32));
         } else {
+          if (j % 4 == 0) _mm_prefetch((const char*)(qr + R * qrow + 128 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
           __m256i b = _mm256_loadu_si256((const __m256i*)(qr + 128 * s + 16 * j));
           q0 = _mm256_and_si256(b, m4);
           q1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
@@ -212,6 +249,7 @@ AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K,
       __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
                                      _mm_load_si128((const __m128i*)kSpread[j % 8]));
       for (int r = 0; r < R; r++) {
+        if (j % 4 == 0) _mm_prefetch((const char*)(q + (r + R) * K + 256 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
         __m256i qv = _mm256_loadu_si256((const __m256i*)(q + r * K + 256 * s + 16 * j));
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
         ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, _mm256_shuffle_epi8(j < 8 ? lo[r] : hi[r], idx)));
@@ -249,7 +287,14 @@ void each_output(int64_t N, int64_t M, float* y, int64_t ldy, int nthreads, bool
 
 extern "C" {
 
-int memra_qdot_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+// 0: scalar only, 1: AVX2 and F16C, 2: AVX-512 VNNI too (the `avx2` argument below takes a level <= this)
+int memra_qdot_has_avx2() {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) return 0;
+  bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+              __builtin_cpu_supports("avx512vnni");
+  return vnni ? 2 : 1;
+}
 
 // x fp32 [M, K] -> q int8 [M, K], d fp32 [M, K / blk], and (xs != null) int32 sums of q per 16 [M, K / 16].
 void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8_t* q, float* d, int32_t* xs) {
@@ -276,8 +321,12 @@ void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8
 void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, const int8_t* x, const float* xd,
                      int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t nb = K / 32;
+  const bool vnni = avx2 >= 2 && nb % 8 == 0;
   each_output(N, M, y, ldy, nthreads, avx2,
-      [&](int64_t n0, int64_t m, float* out) { q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out); },
+      [&](int64_t n0, int64_t m, float* out) {
+        if (vnni) q8_0_vnni<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
+        else q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
+      },
       [&](int64_t n, int64_t m, float* out) {
         if (avx2) q8_0_avx2<1>(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
         else *out = q8_0_scalar(w + n * K, wd + n * nb, x + m * K, xd + m * nb, nb);
