@@ -23,16 +23,19 @@ PARAMS = memra.SamplingParams(max_tokens=4, temperature=0.0)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_five_rounds_of_create_generate_delete_do_not_grow(device):
+    """The baseline is taken after the first round: a process's first CUDA work allocates what stays for its
+    life (cuBLAS's workspace: 32 MiB on an H100), whoever asked for it."""
     gc.collect()
-    base = torch.cuda.memory_allocated() if device == "cuda" else None
-    for _ in range(5):
+    base = None
+    for round_ in range(5):
         llm = memra.LLM("demo", device=device, max_batch=4, max_model_len=256)
         assert llm.generate(["ROMEO:"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
         model, engine = weakref.ref(llm.model), weakref.ref(llm.engine)
         del llm  # no gc.collect() here: dropping the LLM is enough
         assert model() is None and engine() is None
         if device == "cuda":
-            assert torch.cuda.memory_allocated() == base
+            base = torch.cuda.memory_allocated() if round_ == 0 else base
+            assert base <= 64 << 20 and torch.cuda.memory_allocated() == base, (round_, torch.cuda.memory_allocated())
 
 
 def test_a_with_block_closes_and_a_closed_llm_refuses_in_one_line():
