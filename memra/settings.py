@@ -79,7 +79,7 @@ class Settings:
     gate_seed: int = 0
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
-    cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention and dense layers in C (cpu_decode, cpu_layer)
+    cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention and dense layers in C (cpu_decode, cpu_layer)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -105,7 +105,7 @@ class Settings:
             gate_seed=integer(e, "MEMRA_GATE_SEED", 0),
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
-            cpu_decode=flag(e, "MEMRA_CPU_DECODE", True),
+            cpu_decode=flag(e, "MEMRA_CPU_DECODE", False),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -173,9 +173,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "eager too where no graph fits | 0"),
     ("MEMRA_CPU_QDOT", "1", "packed GGUF linears on CPU as int8 block dot products (a C file built at first use); "
      "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
-    ("MEMRA_CPU_DECODE", "1", "fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) in C, "
-     "in fixed orders of their own (memra.kernels.decode_reference), and a packed dense layer's decode step in one "
-     "call (memra.kernels.cpu_layer); 0 = the torch reference ops: other bits, slower"),
+    ("MEMRA_CPU_DECODE", "0", "1 = fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) "
+     "in C, in fixed orders of their own (memra.kernels.decode_reference), and a packed dense layer's decode step in "
+     "one call (memra.kernels.cpu_layer): faster, other bits; off until memra.train's walk computes with the same "
+     "orders (E11 holds only against the torch ops)"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),
