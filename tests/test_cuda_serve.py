@@ -57,6 +57,7 @@ def soak(rounds: int, requests: int, check_every: int) -> None:
     from memra.bench.serve_client import run_serve_bench
     from memra.bench.serve_report import ServeBenchConfig
     from memra.engine.engine import Engine, EngineConfig
+    from memra.engine.release import release_memory
     from memra.server.api import build_app
     from memra.server.http import ServerThread
     from memra.server.metrics import Metrics
@@ -81,7 +82,9 @@ def soak(rounds: int, requests: int, check_every: int) -> None:
             torch.cuda.synchronize()
             memory.append((torch.cuda.memory_allocated(), rss()))
     finally:
-        server.stop()
+        server.stop()  # its lifespan shuts the engine down
+    del server, engine, offline, model
+    release_memory(torch.device("cuda"))  # the pools and graphs sit in cycles: give them back for the next test
     (gpu0, rss0), (gpu1, rss1) = memory[0], memory[-1]
     assert gpu1 - gpu0 <= GPU_GROWTH_BOUND, f"GPU memory grew {(gpu1 - gpu0) / 2**20:+.1f} MiB over {rounds} rounds"
     assert rss1 - rss0 <= RSS_GROWTH_BOUND, f"RSS grew {(rss1 - rss0) / 2**20:+.1f} MiB over {rounds} rounds"

@@ -70,10 +70,14 @@ def build_app(engine: Engine, model_name: str | tuple[str, ...], options: Server
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if engine._thread is None:
-            engine.start()
-        app.state.max_chars = await asyncio.get_running_loop().run_in_executor(
-            pool, lambda: max_len * tok.max_piece_chars * _CHARS_SLACK)
+        try:
+            if engine._thread is None:
+                engine.start()
+            app.state.max_chars = await asyncio.get_running_loop().run_in_executor(
+                pool, lambda: max_len * tok.max_piece_chars * _CHARS_SLACK)
+        except Exception as e:  # uvicorn only logs it and exits: keep it for ServerThread's one-line error
+            app.state.startup_error = f"{type(e).__name__}: {e}"
+            raise
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, options.shutdown_timeout)
         pool.shutdown(wait=False, cancel_futures=True)

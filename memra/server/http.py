@@ -66,6 +66,7 @@ class ServerThread:
     """An HttpServer on a background thread (tests, `memra bench serve`), on a free port by default."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self.app = app
         self.server = HttpServer(app)
         self.sock = bind(host, port)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="memra-http",
@@ -78,7 +79,8 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise MemraError("the HTTP server did not start")
+                why = getattr(self.app.state, "startup_error", None) or "no startup error was recorded"
+                raise MemraError(f"the HTTP server did not start ({why})")
             time.sleep(0.02)
         return self
 
