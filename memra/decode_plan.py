@@ -71,6 +71,23 @@ def decode_plan(model) -> str:
     return want
 
 
+def settle_plan(model) -> None:
+    """Resolve the exact plan now, before an engine takes its share of the device (decide once), and give
+    back the pools its on-model check drew from. The check opens BUCKET caches of the model's own pools,
+    which are sized from the memory free when they are first made: made after an engine's pools, they can
+    hold fewer sequences than the check asks for (a Qwen3.5-9B at max_batch 256 on an H100 left room for 35
+    recurrent slots; the check wanted 64, and the engine stopped before its first token)."""
+    if not model.settings.exact:
+        return
+    before = set(model._pools)
+    decode_plan(model)
+    made = [key for key in model._pools if key not in before]
+    for key in made:
+        del model._pools[key]
+    if made and model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed pools, back to the driver: the engine sizes itself from what is free
+
+
 def pad_caches(model, n: int):
     """n scratch caches reset to an empty sequence: the inert rows that fill a bucket."""
     while len(model.pad_caches) < n:

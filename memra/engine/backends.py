@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from memra.cache import BLOCK_SIZE, Cache
+from memra.decode_plan import settle_plan
 from memra.pools import ModelPools
 from memra.errors import MemraError
 from memra.graphs import BUCKETS, bucket_for, drop_graphs, full_width_pass, reserve_scratch
@@ -41,6 +42,7 @@ class InProcess:
         self.rt = model.executor.runtime  # stage-owned pools when the model was loaded with the PP door open
         layer_devices = self.rt.layer_devices() if self.rt is not None else None
         want = cfg.kv_blocks or cfg.max_batch * -(-cfg.max_ctx // BLOCK_SIZE)
+        settle_plan(model)  # its check's caches come from the model's own pools: before these take the memory
         budget = model.kv_budget.bytes_on(model.device)
         self.snapshots = snapshot_slots(model, cfg, budget)  # the prefix cache's recurrent snapshots (memra.prefix)
         self.pools = ModelPools(model.cfg, model.dtype, model.device, budget, layer_devices,
