@@ -47,7 +47,7 @@ from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.scoring import ScoreJobs
 from memra.engine.seq_state import SeqState, queue_seqs
 from memra.engine.speculation import speculation_for
-from memra.engine.step_mix import StepMix
+from memra.engine.step_clock import StepClock
 from memra.engine.weight_swap import WeightSwaps
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
@@ -87,7 +87,8 @@ class Engine:
         self._lock = threading.Lock()  # submit() vs the scheduler's queue bound
         self._next = 0
         self.steps = 0
-        self.step_mix = StepMix()  # steps by kind and their time: what `memra bench throughput` reports
+        self.clock = StepClock(model.device)  # the host's and the GPU's time between steps (memra.engine.step_clock)
+        self.step_mix = self.clock.mix  # steps by kind and their time: what `memra bench throughput` reports
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.score_jobs = ScoreJobs(self)  # scoring runs between steps; .submit(job) queues one
@@ -200,6 +201,7 @@ class Engine:
         self.score_jobs.run_ready()  # a job that ran alone sends no event: the idle wait after it is short
         plan = self.scheduler.schedule()
         if plan.empty:
+            self.clock.idle()
             landed = self._land()
             self._publish_gauges(0)
             return self._send_events() or landed
@@ -280,6 +282,7 @@ class Engine:
             assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
         # speculating rows draft now and verify after the batch's tokens are launched (memra.engine.speculation)
         rows, chunks, verifying, alone = self.spec.before_step(rows, chunks, self.scheduler, self._inflight, self._land)
+        self.clock.launching()
         # The decode rows, fed the last step's tokens on the device, and every prefill chunk: in one forward
         # where memra.step.mixes holds, else a graphed decode (it returns once launched, and the GPU runs it
         # while the host issues the prefill's kernels) and the chunks' shared forwards (memra.step.prime_batch).
@@ -310,6 +313,7 @@ class Engine:
             rows = [ready[i] for i in live]
             self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
         extra = self.spec.verify(verifying, self._emit, self._end, self.metrics)
+        self.clock.launched()
         for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live] + list(extra), [], extra):
             if rid in self.seqs:  # its token in flight is its last (max_tokens): the scheduler freed its blocks
                 self._release(self.seqs[rid])
@@ -317,9 +321,7 @@ class Engine:
             self._land()
         self._send_events()
         self.steps += 1
-        kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
-        seconds = time.perf_counter() - t0
-        self.step_mix.add(kind, len(plan.decode), sum(n for _, _, n in plan.prefill), seconds)
+        kind, seconds = self.clock.done(plan, t0)
         self._publish_gauges(len(plan.decode), kind, seconds)
 
     def _new_cache(self, s: SeqState):
