@@ -73,7 +73,7 @@ class Engine:
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
             total_slots=self.backend.slots, preemption=self.backend.preemption,
-            grouping=cfg.grouping(self.backend.mixes_graphed)))
+            grouping=cfg.grouping(self.backend.mixes_graphed), prefill_budget=cfg.prefill_budget))
         self.seqs: dict[str, SeqState] = {}
         # A step's token events wait here until its forwards are launched: the readers (the server's text
         # and HTTP threads) then take the GIL while the GPU runs, not while the engine launches.
@@ -154,7 +154,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does (memra.engine.warmup): kernel compilation
         for every prefill size class, the decode plan's check, and on a GPU every batch bucket's decode graph."""
-        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget)
+        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget, self.cfg.prefill_budget)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
