@@ -118,3 +118,37 @@ def test_the_gpu_idle_share_is_read_from_events_without_draining_the_stream():
     assert sum(t.timed for t in kinds.values()) == llm.engine.steps
     share = llm.engine.step_mix.idle_share
     assert share is not None and 0.0 <= share < 1.0
+
+
+def test_the_mixed_graph_warm_up_is_bounded_by_blocks_written_not_by_whole_contexts():
+    """memra.engine.warmup.graph_rows: the rows it decodes hold one block each; a pool that holds few whole
+    contexts (24k blocks, 2,048-token contexts: 190) still warms every bucket up to max_batch."""
+    from memra.engine.warmup import graph_rows
+
+    def backend(blocks, slots=None):
+        return types.SimpleNamespace(blocks=blocks, slots=slots)
+
+    assert graph_rows(backend(24_000), 768) == 768
+    assert graph_rows(backend(24_000, slots=300), 768) == 299  # one slot is the prefilling prompt's
+    assert graph_rows(backend(100), 768) == 100 - (512 + 512) // 16 - 2
+    assert graph_rows(backend(10), 64) == 0
+
+
+@cuda_only
+def test_no_mixed_graph_is_captured_mid_run_when_the_pool_holds_few_contexts():
+    from memra import counters
+    from memra.pools import KvBudget
+
+    probe = memra.LLM("demo", device="cuda", max_batch=1, max_ctx=256, warm_up=False)
+    block = probe.engine.backend.kv.block_bytes
+    probe.close()
+    # 150 blocks: room for 9 whole 256-token contexts (the old bound: mixed graphs up to 8 rows), and for
+    # 16 rows of short sequences, which start while others decode (mixed steps of up to 16 rows)
+    llm = memra.LLM("demo", device="cuda", max_batch=16, max_ctx=256, kv_budget=KvBudget(gib=151 * block / (1 << 30)))
+    assert llm.engine.backend.blocks * 16 // 256 < 16
+    before = counters.snapshot()
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 9)] for i in range(40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 11) for i in range(40)]
+    llm.generate(prompts, params, use_tqdm=False)
+    got = counters.delta(before)
+    assert got.get("mixed_steps", 0) > 0 and got.get("graph_captures", 0) == 0

@@ -57,7 +57,7 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int, p
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
     if captures_mixed(model):
-        _mixed_graphs(model, backend, min(max_batch, free_prompts - 1), cache_ctx, token_budget, prefill_budget)
+        _mixed_graphs(model, backend, graph_rows(backend, max_batch), cache_ctx, token_budget, prefill_budget)
 
 
 def _prompt(j: int, n: int, vocab: int) -> list[int]:
@@ -68,6 +68,16 @@ def _prompt(j: int, n: int, vocab: int) -> list[int]:
 def _room(backend, cache_ctx: int) -> int:
     """How many sequences of cache_ctx tokens the KV pool holds at once."""
     return backend.blocks * BLOCK_SIZE // cache_ctx
+
+
+def graph_rows(backend, max_batch: int) -> int:
+    """Decoding rows the mixed-graph warm-up can run: each holds one block, beside one row primed past an
+    attention split and one prompt of the largest token bucket, and one slot is the prompt's. Not sequences
+    of cache_ctx each (_room): that bounded the captures by what the rows may come to hold, and a pool of
+    24k blocks with 2,048-token contexts (an H100's at max_batch 256) captured no bucket above 192 rows,
+    so the wider ones were captured in the middle of a run, on the first step that met each."""
+    spare = backend.blocks - (ATTN_SPLIT + max(MIXED_TOKENS)) // BLOCK_SIZE - 2
+    return max(0, min(max_batch, (backend.slots or max_batch + 1) - 1, spare))
 
 
 def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
