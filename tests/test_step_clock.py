@@ -33,14 +33,14 @@ def test_row_bins_and_the_mix_keep_gaps_and_the_histogram():
     mix.add("mixed", 200, 300, 0.030, host_gap=0.004)
     before = mix.copy()
     mix.add("decode", 10, 0, 0.008, host_gap=0.001)
-    mix.add_device("decode", 0.0005, 0.0075)
+    mix.add_device("decode", 0.0005, 0.0075, 0.0015)
     later = mix.since(before)
     assert later.kinds["decode"].steps == 1 and later.kinds["decode"].host_gap == pytest.approx(0.001)
     assert later.rows["<32"] == 1 and sum(later.rows.values()) == 1
     assert mix.rows == {"<32": 1, "<64": 1, "<128": 0, "<256": 0, "<512": 1, ">=512": 0}
-    assert mix.idle_share == pytest.approx(0.0005 / 0.008)
+    assert mix.idle_share == pytest.approx(0.0005 / 0.008) and mix.wait_share == pytest.approx(0.0015 / 0.008)
     text = "\n".join(mix.lines())
-    assert "host gap" in text and "decode steps by rows: <32 1  <64 1" in text and "GPU idle between steps: 6.2%" in text
+    assert "host gap" in text and "decode steps by rows: <32 1  <64 1" in text and "GPU idle between steps: 6.2% of the device's step time, and within steps 18.8%" in text
 
 
 def test_the_engine_clocks_a_host_gap_before_every_step_but_the_first():
@@ -116,8 +116,8 @@ def test_the_gpu_idle_share_is_read_from_events_without_draining_the_stream():
     llm.engine.clock.flush()
     kinds = llm.engine.step_mix.kinds
     assert sum(t.timed for t in kinds.values()) == llm.engine.steps
-    share = llm.engine.step_mix.idle_share
-    assert share is not None and 0.0 <= share < 1.0
+    share, wait = llm.engine.step_mix.idle_share, llm.engine.step_mix.wait_share
+    assert share is not None and 0.0 <= share < 1.0 and 0.0 <= wait < 1.0
 
 
 def test_the_mixed_graph_warm_up_is_bounded_by_blocks_written_not_by_whole_contexts():

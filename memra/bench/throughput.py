@@ -155,6 +155,7 @@ class ThroughputReport:
     sizing: str = ""  # how --max-batch auto chose, where it did
     decode_row_bins: dict = field(default_factory=dict)  # decode steps by row count (StepMix.rows)
     idle_share: float | None = None  # the GPU's idle time between steps over its step time (CUDA)
+    wait_share: float | None = None  # ... and within steps, its sampling waiting for the host's landing (CUDA)
     checked: int = 0
     check_failures: list[str] = field(default_factory=list)
     length_failures: int = 0  # requests that ended before their output length
@@ -237,7 +238,7 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     mix = llm.engine.step_mix.since(before)
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
                               sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines(),
-                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share)
+                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share, mix.wait_share)
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
     checks = _spread(len(reqs), cfg.check)
     for i in progress(checks, len(checks), "check alone", unit="req"):  # alone: B=1 from submit to end

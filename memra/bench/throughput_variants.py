@@ -7,7 +7,8 @@ today's rule). Each variant builds its engine (warm-up and graph captures are ou
 the whole workload, re-runs --check requests alone, and closes its engine, giving its pools and graphs
 back before the next one sizes its own. The table has, per variant: output tokens/s, the decode and mixed
 steps (count, mean ms, mean rows, mean prompt tokens), the mean host gap between steps, the GPU's idle
-share between steps (CUDA events; "-" elsewhere), the share of decode steps under 128 rows (the tail),
+share between steps + within them (CUDA events, memra.engine.step_clock; "-" elsewhere), the share of
+decode steps under 128 rows (the tail),
 and whether the alone re-runs matched. Each variant's full report goes to the log first.
 """
 
@@ -62,7 +63,7 @@ def _kind(report, kind: str) -> str:
 def variants_table(reports: list) -> str:
     """One line a variant (module docstring)."""
     head = (f"{'max_batch':>9} {'prefill':>8} {'out tok/s':>10}  {'decode steps':<28} {'mixed steps':<36} "
-            f"{'host gap':>8} {'GPU idle':>8} {'<128 rows':>9}  exact")
+            f"{'host gap':>8} {'GPU idle+wait':>13} {'<128 rows':>9}  exact")
     lines = [f"memra bench throughput variants: {reports[0].model} on {reports[0].device}; {reports[0].workload}",
              f"{reports[0].requests} requests, {reports[0].prompt_tokens} prompt + {reports[0].output_tokens} "
              "output tokens each", head]
@@ -70,11 +71,11 @@ def variants_table(reports: list) -> str:
         kinds = r.steps.values()
         gaps = sum(t["gaps"] for t in kinds)
         gap = f"{1e3 * sum(t['host_gap'] for t in kinds) / gaps:.2f}ms" if gaps else "-"
-        idle = f"{100 * r.idle_share:.1f}%" if r.idle_share is not None else "-"
+        idle = f"{100 * r.idle_share:.1f}%+{100 * r.wait_share:.1f}%" if r.idle_share is not None else "-"
         decode_steps = sum(r.decode_row_bins.values())
         tail = sum(n for k, n in r.decode_row_bins.items() if k in ("<32", "<64", "<128"))
         tail_share = f"{100 * tail / decode_steps:.0f}%" if decode_steps else "-"
         exact = "-" if not r.checked else "equal" if not r.check_failures else "DIFFER"
         lines.append(f"{r.max_batch:>9} {r.prefill_budget or 'shared':>8} {r.output_tps:>10.1f}  "
-                     f"{_kind(r, 'decode'):<28} {_kind(r, 'mixed'):<36} {gap:>8} {idle:>8} {tail_share:>9}  {exact}")
+                     f"{_kind(r, 'decode'):<28} {_kind(r, 'mixed'):<36} {gap:>8} {idle:>13} {tail_share:>9}  {exact}")
     return "\n".join(lines)

@@ -303,8 +303,8 @@ class Engine:
         # The last step's tokens, after this step's kernels are all queued: waiting for them first held a
         # prefilling step's launches back until the GPU had finished the step before (4.4 ms a mixed step
         # in an H200 profile). A sequence that ends as it lands keeps its blocks until here, which the
-        # scheduler counted it as holding anyway.
-        self._land()
+        # scheduler counted it as holding anyway. (The clock times the GPU's wait for it: the sampling follows.)
+        self.clock.land(self._land)
         live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
         if live:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)

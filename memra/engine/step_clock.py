@@ -9,10 +9,14 @@ work between two launches is shorter than a step's kernels. The clock measures b
   the report shows.
 - device idle: on CUDA, an event recorded on the stream at each step's first launch and one after its
   last. Event n+1's start minus event n's end is how long the stream sat empty, waiting for the host
-  (0 when step n+1 was queued before step n ended). The events are read without waiting: each step
-  reads those that have passed (Event.query), and `flush` (the report's end) waits for the rest.
+  (0 when step n+1 was queued before step n ended).
+- device wait: within a step, the sampling is launched only after the last step's tokens have landed
+  (their events, the sequences that ended: the penalties and seeds need them). An event before the
+  landing and one after it: their difference is how long the stream sat empty between the step's
+  forward and its sampling while the host landed (0 when the forward was still running).
 
-Two events a step, no sync in the loop. A step after the engine idled (an empty plan) has neither
+Four events a step, no sync in the loop: each step reads the events that have passed (Event.query), and
+`flush` (the report's end) waits for the rest. A step after the engine idled (an empty plan) has neither
 gap: its wait is for requests, not for the host.
 """
 
@@ -34,7 +38,8 @@ class StepClock:
         self._gap: float | None = None  # this step's host gap, from launching() to done()
         self._start: torch.cuda.Event | None = None
         self._prev_end: torch.cuda.Event | None = None
-        self._pending: deque = deque()  # (kind, start, end, previous end) whose times are not read yet
+        self._pending: deque = deque()  # (kind, start, end, previous end, landing) whose times are not read yet
+        self._landing: tuple | None = None  # this step's events around the landing
 
     def launching(self) -> None:
         """The step's first device work is about to be queued."""
@@ -42,6 +47,17 @@ class StepClock:
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
+
+    def land(self, land) -> None:
+        """Run land() (the last step's tokens to the host), timing on the device the stream's wait for it."""
+        if not self.cuda or self._start is None:
+            land()
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        land()
+        after.record()
+        self._landing = (before, after)
 
     def launched(self) -> None:
         """The step's last device work is queued."""
@@ -55,8 +71,8 @@ class StepClock:
         if self.cuda and self._start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((kind, self._start, end, self._prev_end))
-            self._start, self._prev_end = None, end
+            self._pending.append((kind, self._start, end, self._prev_end, self._landing))
+            self._start, self._prev_end, self._landing = None, end, None
             self._read(wait=False)
         return kind, seconds
 
@@ -70,8 +86,9 @@ class StepClock:
 
     def _read(self, wait: bool) -> None:
         while self._pending and (wait or self._pending[0][2].query()):
-            kind, start, end, prev = self._pending.popleft()
+            kind, start, end, prev, landing = self._pending.popleft()
             if wait:
                 end.synchronize()
             idle = None if prev is None else max(0.0, prev.elapsed_time(start) / 1e3)
-            self.mix.add_device(kind, idle, start.elapsed_time(end) / 1e3)
+            waited = 0.0 if landing is None else max(0.0, landing[0].elapsed_time(landing[1]) / 1e3)
+            self.mix.add_device(kind, idle, start.elapsed_time(end) / 1e3, waited)

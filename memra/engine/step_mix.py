@@ -33,6 +33,7 @@ class KindTotals:
     gaps: int = 0  # steps with a host gap (not the first after the engine idled)
     device_idle: float = 0.0  # CUDA: seconds the stream sat empty before this step's first work
     device_busy: float = 0.0  # CUDA: seconds from this step's first work on the stream to its last
+    device_wait: float = 0.0  # CUDA: seconds within device_busy the stream sat empty while the host landed tokens
     timed: int = 0  # steps whose device times have been read (memra.engine.step_clock)
 
 
@@ -53,11 +54,12 @@ class StepMix:
         if kind == "decode":
             self.rows[row_bin(decode_rows)] += 1
 
-    def add_device(self, kind: str, idle: float | None, busy: float) -> None:
+    def add_device(self, kind: str, idle: float | None, busy: float, waited: float = 0.0) -> None:
         """A step's device times, read from its CUDA events (idle None: the first after the engine idled)."""
         t = self.kinds[kind]
         t.device_idle += idle or 0.0
         t.device_busy += busy
+        t.device_wait += waited
         t.timed += 1
 
     def copy(self) -> "StepMix":
@@ -77,6 +79,13 @@ class StepMix:
         busy = sum(t.device_busy for t in self.kinds.values())
         return idle / (idle + busy) if busy else None
 
+    @property
+    def wait_share(self) -> float | None:
+        """The device's idle time within steps (the forward done, the sampling not yet launched) over its whole time."""
+        idle = sum(t.device_idle for t in self.kinds.values())
+        busy = sum(t.device_busy for t in self.kinds.values())
+        return sum(t.device_wait for t in self.kinds.values()) / (idle + busy) if busy else None
+
     def lines(self) -> list[str]:
         """One line a kind that ran (steps, share of the step time, mean ms, rows and prompt tokens a step, the
         mean host gap before it, and on CUDA the device's mean idle time before it), the decode steps' row
@@ -94,7 +103,8 @@ class StepMix:
             out.append("  decode steps by rows: " + "  ".join(f"{k} {n}" for k, n in self.rows.items()))
         share = self.idle_share
         if share is not None:
-            out.append(f"  GPU idle between steps: {100 * share:.1f}% of the device's step time (CUDA events)")
+            out.append(f"  GPU idle between steps: {100 * share:.1f}% of the device's step time, and within steps "
+                       f"{100 * self.wait_share:.1f}% (the forward done, its sampling waiting for the landing; CUDA events)")
         return out
 
     def to_json(self) -> dict:
