@@ -78,8 +78,11 @@ def test_variants_parse_and_run_on_one_model_into_one_table(capsys):
     reports = run_variants(cfg, [(2, None), (4, 64)], log=lambda line: None)
     assert [(r.max_batch, r.prefill_budget) for r in reports] == [(2, None), (4, 64)]
     assert all(r.output_tokens == 30 and r.check_failures == [] and r.length_failures == 0 for r in reports)
+    for r in reports:  # the counters of the timed run: no graphs off CUDA
+        assert r.captures == 0 and 0 <= r.one_forward <= r.steps["mixed"]["steps"]
     table = variants_table(reports)
     assert table.count("\n") == 4 and "shared" in table and "equal" in table
+    assert f"{reports[1].one_forward}/{reports[1].steps['mixed']['steps']}" in table
     assert main(["bench", "throughput", "demo", "--variants", "2,2/8"]) == 2  # refused before the load
     assert "--prefill-budget must be an integer of at least 64" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memra import counters
 from memra.errors import MemraError
 from memra.pools import KvBudget
 from memra.sampling import SamplingParams
@@ -156,6 +157,8 @@ class ThroughputReport:
     decode_row_bins: dict = field(default_factory=dict)  # decode steps by row count (StepMix.rows)
     idle_share: float | None = None  # the GPU's idle time between steps over its step time (CUDA)
     wait_share: float | None = None  # ... and within steps, its sampling waiting for the host's landing (CUDA)
+    one_forward: int = 0  # mixed steps run as one forward (memra.step.mixed_step); the rest made the two calls
+    captures: int = 0  # CUDA graphs captured during the timed run (the warm-up should have taken them all)
     checked: int = 0
     check_failures: list[str] = field(default_factory=list)
     length_failures: int = 0  # requests that ended before their output length
@@ -177,7 +180,9 @@ class ThroughputReport:
                  f"  {self.total_tps:10.1f} total tokens/s",
                  f"max_batch {self.max_batch}, prefill budget "
                  + (f"{self.prefill_budget} (split)" if self.prefill_budget else "shared with the decode rows"),
-                 *([self.sizing] if self.sizing else []), "engine steps:", *self.step_lines]
+                 *([self.sizing] if self.sizing else []), "engine steps:", *self.step_lines,
+                 f"  mixed steps as one forward: {self.one_forward} of {self.steps.get('mixed', {}).get('steps', 0)} "
+                 f"(the rest: the decode rows and an eager prefill, two calls); graphs captured mid-run: {self.captures}"]
         if self.checked:
             verdict = "all equal" if not self.check_failures else f"{len(self.check_failures)} DIFFER"
             lines.append(f"exactness: {self.checked} requests re-run alone, tokens {verdict}")
@@ -230,15 +235,17 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     llm = LLM(model, max_batch=max_batch, max_ctx=context, prefill_budget=cfg.prefill_budget)
     params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True,
                              structured_outputs=held) for i, r in enumerate(reqs)]
-    before = llm.engine.step_mix.copy()
+    before, counted = llm.engine.step_mix.copy(), counters.snapshot()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
     seconds = time.perf_counter() - t0
+    counted = counters.delta(counted)
     llm.engine.clock.flush()  # the device times of the last steps
     mix = llm.engine.step_mix.since(before)
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
                               sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines(),
-                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share, mix.wait_share)
+                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share, mix.wait_share,
+                              counted.get("mixed_steps", 0), counted.get("graph_captures", 0))
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
     checks = _spread(len(reqs), cfg.check)
     for i in progress(checks, len(checks), "check alone", unit="req"):  # alone: B=1 from submit to end

@@ -8,7 +8,8 @@ the whole workload, re-runs --check requests alone, and closes its engine, givin
 back before the next one sizes its own. The table has, per variant: output tokens/s, the decode and mixed
 steps (count, mean ms, mean rows, mean prompt tokens), the mean host gap between steps, the GPU's idle
 share between steps + within them (CUDA events, memra.engine.step_clock; "-" elsewhere), the share of
-decode steps under 128 rows (the tail),
+decode steps under 128 rows (the tail), the mixed steps run as one forward (the rest made two calls:
+the decode rows, then an eager prefill) and the graphs captured mid-run,
 and whether the alone re-runs matched. Each variant's full report goes to the log first.
 """
 
@@ -63,7 +64,7 @@ def _kind(report, kind: str) -> str:
 def variants_table(reports: list) -> str:
     """One line a variant (module docstring)."""
     head = (f"{'max_batch':>9} {'prefill':>8} {'out tok/s':>10}  {'decode steps':<28} {'mixed steps':<36} "
-            f"{'host gap':>8} {'GPU idle+wait':>13} {'<128 rows':>9}  exact")
+            f"{'host gap':>8} {'GPU idle+wait':>13} {'<128 rows':>9} {'1-fwd mixed':>11} {'captures':>8}  exact")
     lines = [f"memra bench throughput variants: {reports[0].model} on {reports[0].device}; {reports[0].workload}",
              f"{reports[0].requests} requests, {reports[0].prompt_tokens} prompt + {reports[0].output_tokens} "
              "output tokens each", head]
@@ -76,6 +77,7 @@ def variants_table(reports: list) -> str:
         tail = sum(n for k, n in r.decode_row_bins.items() if k in ("<32", "<64", "<128"))
         tail_share = f"{100 * tail / decode_steps:.0f}%" if decode_steps else "-"
         exact = "-" if not r.checked else "equal" if not r.check_failures else "DIFFER"
+        one = f"{r.one_forward}/{r.steps.get('mixed', {}).get('steps', 0)}"
         lines.append(f"{r.max_batch:>9} {r.prefill_budget or 'shared':>8} {r.output_tps:>10.1f}  "
-                     f"{_kind(r, 'decode'):<28} {_kind(r, 'mixed'):<36} {gap:>8} {idle:>13} {tail_share:>9}  {exact}")
+                     f"{_kind(r, 'decode'):<28} {_kind(r, 'mixed'):<36} {gap:>8} {idle:>13} {tail_share:>9} {one:>11} {r.captures:>8}  {exact}")
     return "\n".join(lines)
