@@ -72,12 +72,13 @@ def _room(backend, cache_ctx: int) -> int:
 
 def graph_rows(backend, max_batch: int) -> int:
     """Decoding rows the mixed-graph warm-up can run: each holds one block, beside one row primed past an
-    attention split and one prompt of the largest token bucket, and one slot is the prompt's. Not sequences
-    of cache_ctx each (_room): that bounded the captures by what the rows may come to hold, and a pool of
-    24k blocks with 2,048-token contexts (an H100's at max_batch 256) captured no bucket above 192 rows,
-    so the wider ones were captured in the middle of a run, on the first step that met each."""
+    attention split and one prompt of the largest token bucket (and the prompt is one of max_batch). Not sequences
+    of cache_ctx each (_room): that bounded the captures by what the rows may come to hold. A pool of 24k
+    blocks (an H100's) holds 190 contexts of 2,048 tokens, so the warm-up stopped at the 256-row bucket, and at
+    max_batch 512 the 384- and 512-row mixed steps were captured mid-run, on the first step that met each
+    (on an H200, 385 contexts: the 512-row ones)."""
     spare = backend.blocks - (ATTN_SPLIT + max(MIXED_TOKENS)) // BLOCK_SIZE - 2
-    return max(0, min(max_batch, (backend.slots or max_batch + 1) - 1, spare))
+    return max(0, min(max_batch - 1, (backend.slots or max_batch) - 1, spare))
 
 
 def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
