@@ -26,7 +26,9 @@ Buckets: a batch of B rows replays the graph of the smallest bucket >= B (BUCKET
 rows are inert: they point at a scratch KV block and a scratch recurrent slot taken from the pools for
 this purpose, at position 0, and their logits are never read. Every op of the stacked step is a
 batch-invariant kernel (or elementwise), so a live row's bits cannot depend on them. Where the pools
-have no room for scratch (a private one-sequence cache), the bucket is B itself.
+have no room for scratch (a private one-sequence cache), the bucket is B itself. Buckets go to 1024 so that
+a max_batch sized from the KV memory (memra.engine.batch_size) past 512 still pads to a few graphs rather
+than capturing one per batch size; the warm-up captures none beyond the bucket of max_batch.
 
 Bits: the replay launches the eager stacked step's kernels on the same bytes. Only how the per-row
 inputs arrive differs (a gather from the table instead of a host-built index; states gathered by slot
@@ -58,7 +60,7 @@ from memra.model.ffn import Moe
 from memra.model.context import RowGroup, StackedStep
 from memra.upload import upload
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 MIN_TABLE_BLOCKS = 16  # NB never below this (256 positions), so short contexts share one graph
 SPLIT_BLOCKS = ATTN_SPLIT // BLOCK_SIZE  # NB of a step whose rows all fit in one attention split
 

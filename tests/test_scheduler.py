@@ -324,6 +324,11 @@ CONFIGS = {
                                   total_blocks=40),
     "roomy": SchedulerConfig(max_running=16, token_budget=256, prefill_align=64, max_waiting=32, block_size=16,
                              total_blocks=128, total_slots=12),
+    # the split budget (prefill_budget): prompt tokens charged apart from the decode rows
+    "split-tight": SchedulerConfig(max_running=20, token_budget=16, prefill_align=16, max_waiting=8, block_size=16,
+                                   total_blocks=24, prefill_budget=32),
+    "split-slots": SchedulerConfig(max_running=10, token_budget=6, prefill_align=4, max_waiting=16, block_size=4,
+                                   total_blocks=40, total_slots=5, prefill_budget=12),
 }
 
 
@@ -368,7 +373,10 @@ def check_plan(sched: Scheduler, plan: StepPlan, before: dict[str, Status]) -> N
     cfg = sched.cfg
     runs = [rid for rid, _, _ in plan.prefill] + plan.decode
     assert len(runs) == len(set(runs)), "a sequence is scheduled twice"
-    assert sum(n for _, _, n in plan.prefill) + len(plan.decode) <= cfg.token_budget
+    if cfg.prefill_budget is None:
+        assert sum(n for _, _, n in plan.prefill) + len(plan.decode) <= cfg.token_budget
+    else:
+        assert sum(n for _, _, n in plan.prefill) <= cfg.prefill_budget and len(plan.decode) <= cfg.token_budget
     assert all(rid in before for rid in runs + plan.swap_out + plan.swap_in), "a finished sequence is in the plan"
     assert not set(plan.swap_out) & set(runs) and not set(plan.swap_out) & set(plan.swap_in)
     assert set(plan.swap_in) <= set(runs), "a resumed sequence runs in the step that swaps it in"

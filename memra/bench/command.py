@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from memra import settings as memra_settings
@@ -238,7 +239,16 @@ def add_throughput_parser(kinds) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload (default %(default)s)")
     p.add_argument("--temperature", type=float, default=d.temperature,
                    help="sampling temperature, each request seeded with seed + its index (default %(default)s)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded at once (default %(default)s)")
+    p.add_argument("--max-batch", type=_batch, default=d.max_batch,
+                   help="sequences decoded at once, or auto: the largest graph bucket whose sequences (the "
+                        "workload's mean length) fit the KV memory (default %(default)s)")
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
+                   help="prompt tokens a step takes apart from its decode rows (the scheduler's split budget; "
+                        "512 keeps every mixed step a captured graph); default: shared with the decode rows")
+    p.add_argument("--variants", default=None, metavar="LIST",
+                   help="run several MAX_BATCH[/PREFILL_BUDGET] settings on one loaded model, one after the "
+                        "other, and print one table, e.g. 256,256/512,512,512/512,auto/512 (overrides "
+                        "--max-batch and --prefill-budget)")
     p.add_argument("--kv-fraction", type=float, default=d.kv_fraction,
                    help="share of the free device memory the KV pool may take (default %(default)s)")
     p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
@@ -251,12 +261,27 @@ def add_throughput_parser(kinds) -> None:
 def cmd_throughput(args: argparse.Namespace) -> int:
     """Exit 1 when a checked request differed alone, or a request ended before its length."""
     from memra.bench.throughput import ThroughputConfig, run_throughput
+    from memra.bench.throughput_variants import parse_variants, run_variants, variants_table
 
+    variants = parse_variants(args.variants) if args.variants is not None else None  # a bad list: before the load
     cfg = ThroughputConfig(model=args.model, num_prompts=args.num_prompts, dataset=args.dataset,
                            input_len=args.input_len, output_len=args.output_len, seed=args.seed,
                            temperature=args.temperature, max_batch=args.max_batch, kv_fraction=args.kv_fraction,
                            device=args.device or default_device(), dtype=args.dtype, check=args.check,
-                           json_path=args.json, structured=args.structured)
-    report = run_throughput(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(report.table())
-    return 1 if report.check_failures or report.length_failures else 0
+                           json_path=args.json, structured=args.structured, prefill_budget=args.prefill_budget)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    reports = run_variants(cfg, variants, log) if variants else [run_throughput(cfg, log)]
+    print(variants_table(reports) if variants else reports[0].table())
+    if variants and args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in reports], indent=1), encoding="utf-8")
+    return 1 if any(r.check_failures or r.length_failures for r in reports) else 0
+
+
+def _batch(text: str) -> int | str:
+    """--max-batch: a positive integer or auto."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or auto") from None

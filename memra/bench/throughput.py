@@ -11,7 +11,11 @@ its output length (ignore_eos), so the token count does not depend on what a ran
 With --structured every request is held to one grammar (llguidance, memra.structured): the same run
 with and without it gives the grammar's cost per token. Beside the rates it prints the engine's step mix (memra.engine.step_mix) and, with --check K, runs K
 of the prompts again one at a time and compares their tokens with the batched run's: the throughput
-is the exact engine's, and the run shows it.
+is the exact engine's, and the run shows it. The step mix includes what sat between the steps (the
+host's gap, and on CUDA the GPU's idle share, memra.engine.step_clock) and the decode steps' row
+histogram. --max-batch auto sizes the batch from the KV memory (memra.engine.batch_size);
+--prefill-budget turns on the scheduler's split budget; --variants runs several such settings on one
+loaded model and prints one table (memra.bench.throughput_variants).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from memra import counters
 from memra.errors import MemraError
 from memra.pools import KvBudget
 from memra.sampling import SamplingParams
@@ -40,7 +45,8 @@ class ThroughputConfig:
     output_len: int | None = None
     seed: int = 0
     temperature: float = 1.0  # vLLM's benchmark samples at 1.0; each request seeded with seed + its index
-    max_batch: int = 256
+    max_batch: int | str = 256  # or "auto": the largest graph bucket the KV memory holds (memra.engine.batch_size)
+    prefill_budget: int | None = None  # the scheduler's split budget (EngineConfig.prefill_budget); None: off
     kv_fraction: float = 0.8  # of the free device memory after the weights, for the KV pool: the rest holds
     # the activations and the captured graphs of every batch bucket up to max_batch
     device: str | None = None
@@ -63,9 +69,13 @@ class ThroughputConfig:
         raise MemraError(f"--structured takes json_object, regex:PATTERN or json:SCHEMA, got {self.structured!r}")
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_batch"):
-            if getattr(self, name) <= 0:
-                raise MemraError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.num_prompts <= 0:
+            raise MemraError(f"--num-prompts must be positive, got {self.num_prompts}")
+        if self.max_batch != "auto" and not (type(self.max_batch) is int and self.max_batch > 0):
+            raise MemraError(f"--max-batch must be a positive integer or auto, got {self.max_batch!r}")
+        if self.prefill_budget is not None and not (type(self.prefill_budget) is int and self.prefill_budget >= 64):
+            raise MemraError(f"--prefill-budget must be an integer of at least 64 (one aligned prefill piece), "
+                             f"got {self.prefill_budget!r}")
         for name in ("input_len", "output_len"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -141,6 +151,14 @@ class ThroughputReport:
     seconds: float
     steps: dict = field(default_factory=dict)  # StepMix.to_json()
     step_lines: list[str] = field(default_factory=list)
+    max_batch: int = 0
+    prefill_budget: int | None = None
+    sizing: str = ""  # how --max-batch auto chose, where it did
+    decode_row_bins: dict = field(default_factory=dict)  # decode steps by row count (StepMix.rows)
+    idle_share: float | None = None  # the GPU's idle time between steps over its step time (CUDA)
+    wait_share: float | None = None  # ... and within steps, its sampling waiting for the host's landing (CUDA)
+    one_forward: int = 0  # mixed steps run as one forward (memra.step.mixed_step); the rest made the two calls
+    captures: int = 0  # CUDA graphs captured during the timed run (the warm-up should have taken them all)
     checked: int = 0
     check_failures: list[str] = field(default_factory=list)
     length_failures: int = 0  # requests that ended before their output length
@@ -160,7 +178,11 @@ class ThroughputReport:
                  f"  {self.requests / self.seconds:10.2f} requests/s",
                  f"  {self.output_tps:10.1f} output tokens/s",
                  f"  {self.total_tps:10.1f} total tokens/s",
-                 "engine steps:", *self.step_lines]
+                 f"max_batch {self.max_batch}, prefill budget "
+                 + (f"{self.prefill_budget} (split)" if self.prefill_budget else "shared with the decode rows"),
+                 *([self.sizing] if self.sizing else []), "engine steps:", *self.step_lines,
+                 f"  mixed steps as one forward: {self.one_forward} of {self.steps.get('mixed', {}).get('steps', 0)} "
+                 f"(the rest: the decode rows and an eager prefill, two calls); graphs captured mid-run: {self.captures}"]
         if self.checked:
             verdict = "all equal" if not self.check_failures else f"{len(self.check_failures)} DIFFER"
             lines.append(f"exactness: {self.checked} requests re-run alone, tokens {verdict}")
@@ -175,10 +197,15 @@ class ThroughputReport:
 
 def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
     """Load the model, build the workload, time one LLM.generate over all of it. -> the report."""
-    from memra.engine.llm import LLM
-    from memra.loading.checkpoint import load, progress
+    model, reqs, workload = prepare(cfg)
+    return run_on(model, reqs, workload, cfg, log)
 
-    held = cfg.constraint()  # a bad --structured fails before the load
+
+def prepare(cfg: ThroughputConfig) -> tuple:
+    """-> (the loaded model, the requests, the workload in words)."""
+    from memra.loading.checkpoint import load
+
+    cfg.constraint()  # a bad --structured fails before the load
     model = load(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_budget=KvBudget(fraction=cfg.kv_fraction))
     if cfg.dataset:
         reqs, workload = jsonl_workload(cfg.dataset, model.tokenizer, cfg.num_prompts), f"dataset {cfg.dataset}"
@@ -188,18 +215,37 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
                     + (f"{cfg.input_len}" if cfg.input_len else lengths_said())
                     + ", output " + (f"{cfg.output_len}" if cfg.output_len else lengths_said()))
     workload += f"; every request held to {cfg.structured}" if cfg.structured else ""
+    return model, reqs, workload
+
+
+def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log=print) -> ThroughputReport:
+    """Time one LLM.generate over `reqs` on a loaded model (cfg's max_batch, prefill_budget, check, ...);
+    the engine is closed after, its pools and graphs given back. -> the report."""
+    from memra.engine.batch_size import auto_max_batch
+    from memra.engine.llm import LLM
+    from memra.loading.checkpoint import progress
+
+    held = cfg.constraint()
     context = max(len(r.prompt) + r.output_len for r in reqs)
-    log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {cfg.max_batch}) ...")
-    llm = LLM(model, max_batch=cfg.max_batch, max_ctx=context)
+    max_batch, sizing = cfg.max_batch, ""
+    if max_batch == "auto":  # sized for the mean sequence: blocks are taken as positions are written
+        max_batch, sizing = auto_max_batch(model, -(-sum(len(r.prompt) + r.output_len for r in reqs) // len(reqs)))
+        log(sizing)
+    log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {max_batch}) ...")
+    llm = LLM(model, max_batch=max_batch, max_ctx=context, prefill_budget=cfg.prefill_budget)
     params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True,
                              structured_outputs=held) for i, r in enumerate(reqs)]
-    before = llm.engine.step_mix.copy()
+    before, counted = llm.engine.step_mix.copy(), counters.snapshot()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
     seconds = time.perf_counter() - t0
+    counted = counters.delta(counted)
+    llm.engine.clock.flush()  # the device times of the last steps
     mix = llm.engine.step_mix.since(before)
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
-                              sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines())
+                              sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines(),
+                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share, mix.wait_share,
+                              counted.get("mixed_steps", 0), counted.get("graph_captures", 0))
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
     checks = _spread(len(reqs), cfg.check)
     for i in progress(checks, len(checks), "check alone", unit="req"):  # alone: B=1 from submit to end
@@ -207,6 +253,7 @@ def run_throughput(cfg: ThroughputConfig, log=print) -> ThroughputReport:
         alone = llm.generate([reqs[i].prompt], [params[i]], use_tqdm=False)[0].outputs[0].token_ids
         if alone != outs[i].outputs[0].token_ids:
             report.check_failures.append(f"request {i}: batched and alone differ")
+    llm.close()
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
     return report

@@ -47,7 +47,7 @@ from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.scoring import ScoreJobs
 from memra.engine.seq_state import SeqState, queue_seqs
 from memra.engine.speculation import speculation_for
-from memra.engine.step_mix import StepMix
+from memra.engine.step_clock import StepClock
 from memra.engine.weight_swap import WeightSwaps
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
 from memra.engine.warmup import warm_up
@@ -73,7 +73,7 @@ class Engine:
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
             total_slots=self.backend.slots, preemption=self.backend.preemption,
-            grouping=cfg.grouping(self.backend.mixes_graphed)))
+            grouping=cfg.grouping(self.backend.mixes_graphed), prefill_budget=cfg.prefill_budget))
         self.seqs: dict[str, SeqState] = {}
         # A step's token events wait here until its forwards are launched: the readers (the server's text
         # and HTTP threads) then take the GIL while the GPU runs, not while the engine launches.
@@ -87,7 +87,8 @@ class Engine:
         self._lock = threading.Lock()  # submit() vs the scheduler's queue bound
         self._next = 0
         self.steps = 0
-        self.step_mix = StepMix()  # steps by kind and their time: what `memra bench throughput` reports
+        self.clock = StepClock(model.device)  # the host's and the GPU's time between steps (memra.engine.step_clock)
+        self.step_mix = self.clock.mix  # steps by kind and their time: what `memra bench throughput` reports
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.score_jobs = ScoreJobs(self)  # scoring runs between steps; .submit(job) queues one
@@ -153,7 +154,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does (memra.engine.warmup): kernel compilation
         for every prefill size class, the decode plan's check, and on a GPU every batch bucket's decode graph."""
-        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget)
+        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget, self.cfg.prefill_budget)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:
@@ -200,6 +201,7 @@ class Engine:
         self.score_jobs.run_ready()  # a job that ran alone sends no event: the idle wait after it is short
         plan = self.scheduler.schedule()
         if plan.empty:
+            self.clock.idle()
             landed = self._land()
             self._publish_gauges(0)
             return self._send_events() or landed
@@ -280,6 +282,7 @@ class Engine:
             assert s.cache.pos == start, f"{s.rid}: scheduler says prefill from {start}, cache is at {s.cache.pos}"
         # speculating rows draft now and verify after the batch's tokens are launched (memra.engine.speculation)
         rows, chunks, verifying, alone = self.spec.before_step(rows, chunks, self.scheduler, self._inflight, self._land)
+        self.clock.launching()
         # The decode rows, fed the last step's tokens on the device, and every prefill chunk: in one forward
         # where memra.step.mixes holds, else a graphed decode (it returns once launched, and the GPU runs it
         # while the host issues the prefill's kernels) and the chunks' shared forwards (memra.step.prime_batch).
@@ -300,8 +303,8 @@ class Engine:
         # The last step's tokens, after this step's kernels are all queued: waiting for them first held a
         # prefilling step's launches back until the GPU had finished the step before (4.4 ms a mixed step
         # in an H200 profile). A sequence that ends as it lands keeps its blocks until here, which the
-        # scheduler counted it as holding anyway.
-        self._land()
+        # scheduler counted it as holding anyway. (The clock times the GPU's wait for it: the sampling follows.)
+        self.clock.land(self._land)
         live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
         if live:
             batch = logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -310,6 +313,7 @@ class Engine:
             rows = [ready[i] for i in live]
             self._inflight = InFlight(rows, launch_pick(self.model.ops, batch, [s.row for s in rows]))
         extra = self.spec.verify(verifying, self._emit, self._end, self.metrics)
+        self.clock.launched()
         for rid in self.scheduler.step_done(prefilled, [ready[i].rid for i in live] + list(extra), [], extra):
             if rid in self.seqs:  # its token in flight is its last (max_tokens): the scheduler freed its blocks
                 self._release(self.seqs[rid])
@@ -317,9 +321,7 @@ class Engine:
             self._land()
         self._send_events()
         self.steps += 1
-        kind = "mixed" if plan.prefill and plan.decode else "prefill" if plan.prefill else "decode"
-        seconds = time.perf_counter() - t0
-        self.step_mix.add(kind, len(plan.decode), sum(n for _, _, n in plan.prefill), seconds)
+        kind, seconds = self.clock.done(plan, t0)
         self._publish_gauges(len(plan.decode), kind, seconds)
 
     def _new_cache(self, s: SeqState):

@@ -57,7 +57,8 @@ class LLM(Releasing):
     model's context). The engine's caches take at most the model's KV budget (memra.load's kv_budget).
     warm_up: pay kernel compilation and (on a GPU) every batch bucket's graph capture now (Engine.warm_up).
     prefill_wait_steps, prefill_group: hold a request that could start while others decode, so that several
-    start in one prefill (memra.engine.admission; EngineConfig's defaults).
+    start in one prefill (memra.engine.admission; EngineConfig's defaults). prefill_budget: prompt tokens a
+    step takes apart from its decode rows (memra.engine.scheduler's split budget; None: they share one budget).
     speculative: draft-and-verify decoding, "mtp" or "ngram" (draft length 4) or a memra.spec.SpecConfig;
     the outputs are the same tokens and logprobs as without it (E4), only the speed changes.
     enable_prefix_caching: reuse the primed pages of earlier prompts (vLLM's name; memra.prefix, promise E8:
@@ -67,7 +68,7 @@ class LLM(Releasing):
 
     def __init__(self, model, device: str | None = None, dtype: str | None = "auto", *, max_batch: int | None = None,
                  max_ctx: int | None = None, warm_up: bool = True,
-                 prefill_wait_steps: int | None = None, prefill_group: int | None = None,
+                 prefill_wait_steps: int | None = None, prefill_group: int | None = None, prefill_budget: int | None = None,
                  speculative: str | SpecConfig | None = None, max_model_len: int | None = None,
                  seed: int | None = 0, gpu_memory_utilization: float | None = None, enable_prefix_caching: bool = True,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
@@ -97,6 +98,7 @@ class LLM(Releasing):
         budget = {} if args.token_budget is None else {"token_budget": args.token_budget}
         self.engine = Engine(model, EngineConfig(max_batch=max_batch, max_ctx=ctx, max_waiting=1 << 30,
                                                  prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group,
+                                                 prefill_budget=prefill_budget,
                                                  speculative=args.speculative, prefix_caching=enable_prefix_caching,
                                                  **budget))
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile

@@ -41,6 +41,11 @@ One step, in this order:
    no swapped sequence is left), so host memory for swapped state is bounded too. Waiting requests
    may be held a few steps so that several start in one prefill (`grouping`: memra.engine.admission).
 
+Split budget (`prefill_budget` P; None: one budget, decode rows charged first, so a wide batch starves
+prefill). With P set, decode rows (and resumed decoders) are charged to token_budget and every prefill
+chunk to P, whatever the decode rows took: each step prefills up to P tokens, never more. P at the largest
+captured mixed-step bucket (memra.mixed_graphs.MIXED_TOKENS) keeps every mixed step a graph replay.
+
 Preemption off (`preemption=False`). For an engine that cannot swap (a pipeline whose stages live in
 other processes): the caller sizes total_blocks for every running sequence's whole context
 (max_running x blocks of the longest sequence), so no step ever needs a victim, and `schedule()`
@@ -92,21 +97,22 @@ class SchedulerConfig:
     total_slots: int | None = None  # recurrent-state slots (hybrid models); None = unlimited (no GDN layers)
     preemption: bool = True  # False: never swap out; schedule() raises where it would have to (module docstring)
     grouping: PrefillGrouping = field(default_factory=PrefillGrouping)  # waiting requests held to start together
+    prefill_budget: int | None = None  # prompt tokens a step, apart from decode rows (split budget); None: shared
 
     def __post_init__(self) -> None:
         names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
-        if self.total_slots is not None:
-            names.append("total_slots")
+        names += [n for n in ("total_slots", "prefill_budget") if getattr(self, n) is not None]
         for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
         if not isinstance(self.preemption, bool):
             raise ValueError(f"SchedulerConfig.preemption must be True or False, got {self.preemption!r}")
-        if self.token_budget < self.prefill_align:
-            raise ValueError(
-                f"SchedulerConfig.token_budget ({self.token_budget}) must be >= prefill_align ({self.prefill_align}): "
-                f"otherwise a prompt longer than the budget could never be cut on an aligned position")
+        for name in ("token_budget", "prefill_budget"):
+            if (getattr(self, name) or self.prefill_align) < self.prefill_align:
+                raise ValueError(
+                    f"SchedulerConfig.{name} ({getattr(self, name)}) must be >= prefill_align ({self.prefill_align}): "
+                    f"otherwise a prompt longer than the budget could never be cut on an aligned position")
 
     @property
     def max_admitted(self) -> int:
@@ -201,19 +207,20 @@ class Scheduler(PrefixHooks):
                 budget -= 1
 
         # 2. Running prefillers, oldest first; one with no block at all swaps out younger idle ones.
-        blocked = False
+        shared, blocked = self.cfg.prefill_budget is None, False
+        pbudget = budget if shared else self.cfg.prefill_budget  # prompt tokens: what decode left, or apart
         for seq in self._with(Status.RUNNING):
             if seq.status is not Status.RUNNING or seq.prefill_done:
                 continue
-            n = self._chunk(seq, budget)
-            if n == 0 and self._chunk(seq, budget, blocks=False) > 0:
+            n = self._chunk(seq, pbudget)
+            if n == 0 and self._chunk(seq, pbudget, blocks=False) > 0:
                 for victim in reversed(self._with(Status.RUNNING)):
                     if victim.arrival <= seq.arrival:
                         break
                     if victim.rid in scheduled or not victim.blocks:
                         continue
                     preempt(victim)
-                    n = self._chunk(seq, budget)
+                    n = self._chunk(seq, pbudget)
                     if n:
                         break
             if n == 0:
@@ -222,7 +229,7 @@ class Scheduler(PrefixHooks):
             prefill.append((seq.rid, seq.prefilled, n))
             self._reserve(seq, n)
             scheduled.add(seq.rid)
-            budget -= n
+            pbudget -= n
 
         # 3. Resume swapped (oldest first), then admit waiting (FCFS); stop at the first that cannot start.
         if not blocked and not swap_out:
@@ -240,11 +247,11 @@ class Scheduler(PrefixHooks):
                     break
                 decoder = seq.decode_ready  # a swapped sequence preempted between tokens
                 if decoder:
-                    if budget < 1 or seq.blocks_needed(1) > self._free:
+                    if (pbudget if shared else budget) < 1 or seq.blocks_needed(1) > self._free:
                         break
                     n = 1
                 else:
-                    n = self._chunk(seq, budget)
+                    n = self._chunk(seq, pbudget)
                     if n == 0:
                         break
                 if seq.status is Status.SWAPPED:
@@ -258,7 +265,7 @@ class Scheduler(PrefixHooks):
                 else:
                     prefill.append((seq.rid, seq.prefilled, n))
                 scheduled.add(seq.rid)
-                budget -= n
+                budget, pbudget = (budget - n, pbudget) if decoder and not shared else (budget, pbudget - n)
 
         self._planned_prefill = {rid: n for rid, _, n in prefill}
         self._planned_decode = set(decode)

@@ -35,6 +35,9 @@ class EngineConfig:
     speculative: SpecConfig | None = None  # draft-and-verify decoding (memra.engine.speculation); None: off
     prefix_caching: bool = True  # reuse primed prompt pages across requests (memra.prefix; promise E8)
     prefix_snapshots: int | None = None  # recurrent snapshots kept (hybrids); default memra.prefix.policy's
+    # Prompt tokens a step may take apart from its decode rows (memra.engine.scheduler's split budget), so a wide
+    # batch still prefills; None (the default): decode rows and prompt tokens share token_budget
+    prefill_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
@@ -43,6 +46,9 @@ class EngineConfig:
         _ = self.grouping(False)  # PrefillGrouping refuses bad hold settings: one check, one message for every caller
         if self.token_budget < EXACT_PIECE:
             raise MemraError(f"token_budget must be at least {EXACT_PIECE} (one aligned prefill piece)")
+        if self.prefill_budget is not None and (type(self.prefill_budget) is not int or self.prefill_budget < EXACT_PIECE):
+            raise MemraError(f"prefill_budget must be an integer of at least {EXACT_PIECE} (one aligned prefill piece), "
+                             f"or None, got {self.prefill_budget!r}")
 
     def grouping(self, mixed_graphed: bool) -> PrefillGrouping:
         """The hold rule, for an engine whose mixed steps are (or are not) captured graphs."""

@@ -41,8 +41,9 @@ def wave_prompts(tokens: int, cache_ctx: int, max_prompts: int, vocab: int) -> l
     return [_prompt(j, tokens // k + (j < tokens % k), vocab) for j in range(k)]
 
 
-def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -> None:
-    """Run the warm-up above on `backend`'s pools; every block and slot it takes is handed back."""
+def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int, prefill_budget: int | None = None) -> None:
+    """Run the warm-up above on `backend`'s pools; every block and slot it takes is handed back.
+    prefill_budget: the prompt tokens a step takes apart from its decode rows (None: they share token_budget)."""
     free_prompts = min(max_batch, backend.slots or max_batch, _room(backend, cache_ctx))
     n = min(EXACT_PIECE + 2, cache_ctx - 1)  # a piece boundary crossed, where the context allows
     first = [_prompt(j, max(n - j, 1), model.cfg.vocab_size) for j in range(min(2, free_prompts))]
@@ -56,7 +57,7 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int) -
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
     if captures_mixed(model):
-        _mixed_graphs(model, backend, min(max_batch, free_prompts - 1), cache_ctx, token_budget)
+        _mixed_graphs(model, backend, graph_rows(backend, max_batch), cache_ctx, token_budget, prefill_budget)
 
 
 def _prompt(j: int, n: int, vocab: int) -> list[int]:
@@ -67,6 +68,17 @@ def _prompt(j: int, n: int, vocab: int) -> list[int]:
 def _room(backend, cache_ctx: int) -> int:
     """How many sequences of cache_ctx tokens the KV pool holds at once."""
     return backend.blocks * BLOCK_SIZE // cache_ctx
+
+
+def graph_rows(backend, max_batch: int) -> int:
+    """Decoding rows the mixed-graph warm-up can run: each holds one block, beside one row primed past an
+    attention split and one prompt of the largest token bucket (and the prompt is one of max_batch). Not sequences
+    of cache_ctx each (_room): that bounded the captures by what the rows may come to hold. A pool of 24k
+    blocks (an H100's) holds 190 contexts of 2,048 tokens, so the warm-up stopped at the 256-row bucket, and at
+    max_batch 512 the 384- and 512-row mixed steps were captured mid-run, on the first step that met each
+    (on an H200, 385 contexts: the 512-row ones)."""
+    spare = backend.blocks - (ATTN_SPLIT + max(MIXED_TOKENS)) // BLOCK_SIZE - 2
+    return max(0, min(max_batch - 1, (backend.slots or max_batch) - 1, spare))
 
 
 def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
@@ -80,7 +92,7 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
             c.free()
 
 
-def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) -> None:
+def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int, prefill_budget: int | None) -> None:
     """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs),
     at both table widths (memra.graphs.step_blocks): `rows` sequences decode while one more prefills a
     prompt in the token bucket. Where a step declines the graph (no scratch), this runs the two calls
@@ -99,7 +111,7 @@ def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int) 
                 model.prime([1] * ATTN_SPLIT, caches[0])
             for tokens in MIXED_TOKENS:
                 for n in sizes:
-                    length = min(tokens, cache_ctx - 1, token_budget - n)
+                    length = min(tokens, cache_ctx - 1, token_budget - n if prefill_budget is None else prefill_budget)
                     if token_bucket(length) != tokens:
                         continue  # no step of n rows reaches this bucket
                     new = backend.new_cache(cache_ctx)
