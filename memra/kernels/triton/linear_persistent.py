@@ -39,8 +39,10 @@ from memra.kernels.triton.linear import _mma
 PERSISTENT_ABOVE = 256
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN): one tile for every M. Not yet measured:
 # the Triton persistent-matmul tutorial's Hopper shape; tools/gpu_tune_linear.py times the candidates.
-# SwiGLU halves BLOCK_N (a gate and an up tile a K step: the plain tile's bytes and accumulator registers).
+# SwiGLU halves BLOCK_N (a gate and an up tile a K step: the plain tile's bytes and accumulator registers);
+# fit_shared_memory trims a variant's stages (the residual's) or width (fp32's) to what a block may use.
 PERSISTENT_CONFIG = (128, 256, 64, 8, 3, 8, True)
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes sm_90 gives a block (H100, H200): its pipeline and its epilogue's tiles
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: fewer than its tiles, so each program walks several
 
 
@@ -131,13 +133,30 @@ def _programs(x: torch.Tensor, tiles: int) -> int:
 
 def persistent_config(elem_bytes: int = 2) -> tuple[int, int, int, int, int, int, bool]:
     """The kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN): under the interpreter the
-    bucket kernel's tile (its numpy dot's order follows the tile), else PERSISTENT_CONFIG with the stages
-    that fit in shared memory (fp32 tiles are twice the bytes)."""
+    bucket kernel's tile (its numpy dot's order follows the tile), else PERSISTENT_CONFIG."""
     if _interpreting():
         bm, bn, bk, warps, stages = bucket.LINEAR_INTERPRET_CONFIG
         return bm, bn, bk, warps, stages, 2, False
-    bm, bn, bk, warps, stages, group, flatten = PERSISTENT_CONFIG
-    return bm, bn, bk, warps, bucket._fit_stages(bm, bn, bk, elem_bytes, stages), group, flatten
+    return PERSISTENT_CONFIG
+
+
+def fit_shared_memory(config: tuple, elem_bytes: int, residual: bool, swiglu: bool) -> tuple:
+    """`config` for one variant on the GPU: SwiGLU's halves take half the columns each; then fewer stages,
+    then narrower tiles, until the pipelined operand tiles and the epilogue's (the stored tile, and the
+    residual's beside it) fit in what sm_90 gives a block. Stages and tile width move no bits."""
+    bm, bn, bk, warps, stages, group, flatten = config
+    weight_tiles = 2 if swiglu else 1
+    if swiglu:
+        bn = max(16, bn // 2)
+
+    def need(bn: int, stages: int) -> int:
+        return (stages * (bm + weight_tiles * bn) * bk + bm * bn * (2 if residual else 1)) * elem_bytes + 1024
+
+    while need(bn, stages) > SHARED_MEMORY_LIMIT and stages > 2:
+        stages -= 1
+    while need(bn, stages) > SHARED_MEMORY_LIMIT and bn > 32:
+        bn //= 2
+    return bm, bn, bk, warps, stages, group, flatten
 
 
 def describable(*tensors: torch.Tensor) -> bool:
@@ -158,10 +177,10 @@ def persistent_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if not m:
         return y
-    bm, bn, bk, warps, stages, group, flatten = config or persistent_config(x2.element_size())
-    if swiglu and not _interpreting():  # a gate and an up tile each K step (interpreter: the plain width)
-        bn = max(16, bn // 2)
-        stages = bucket._fit_stages(bm, 2 * bn, bk, x2.element_size(), stages)
+    config = config or persistent_config(x2.element_size())
+    if not _interpreting():  # (the interpreter keeps its one tile: its dot's order follows the tile)
+        config = fit_shared_memory(config, x2.element_size(), residual is not None, swiglu)
+    bm, bn, bk, warps, stages, group, flatten = config
     r = residual if residual is not None else y
     if x2.is_cuda:
         install_scratch()
