@@ -7,7 +7,9 @@ a K loop in one fixed order, one program per row for reductions, positions visit
 of the output is then computed by exactly the same instructions whatever M is, which is what makes a
 stacked decode of B sequences bit-identical to each sequence decoded alone (promise E1).
 
-This module holds the dense linear; the other families of memra.kernels.triton follow the same rules.
+This module holds the dense linear (triton.linear_persistent, behind MEMRA_LINEAR_PERSISTENT, runs its
+large calls as one persistent kernel with these bits); the other families of memra.kernels.triton follow
+the same rules.
 Each kernel has its meaning in memra.kernels.reference; tests/test_triton_kernels.py holds every
 kernel to its twin (to a stated tolerance: the summation order differs, deliberately) and to its own
 output across row counts (bit for bit). The kernels also run under TRITON_INTERPRET=1 on CPU, which

@@ -28,6 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation  # Triton's record of the allocator (install_scratch reads it)
 
 from memra.kernels.triton import linear as bucket
 from memra.kernels.triton.activation import silu_mul_values
@@ -113,8 +114,6 @@ def install_scratch() -> None:
     """Give Triton the allocator the kernel's device-side descriptors need, in this thread's context.
     triton.set_allocator sets a ContextVar, which a new thread (the engine's, the server's) does not
     inherit: so the table installs it at load and each launch re-installs it where it is missing."""
-    from triton.runtime import _allocation  # noqa: PLC0415 -- Triton's own record of the allocator
-
     if _allocation._allocator.get() is not _scratch:
         triton.set_allocator(_scratch)
 
