@@ -67,6 +67,30 @@ def test_the_persistent_kernel_gives_the_bucket_kernels_bits(dtype, m, persisten
     assert persistent_launches.count == 4
 
 
+def test_the_epilogue_in_column_halves_gives_the_same_bits(persistent_launches):
+    """EPILOGUE_SPLIT=2 (what fit_shared_memory picks where the residual's block would not fit beside the
+    stored one): bias, residual and SwiGLU over each column half, with the whole tile's bits."""
+    bm, bn, bk, warps, stages = P.bucket.LINEAR_INTERPRET_CONFIG
+    halves = (bm, bn, bk, warps, stages, 2, False, 2)
+    x, w, w2 = rnd(70, K, dtype=torch.bfloat16, seed=16), rnd(N, K, dtype=torch.bfloat16, seed=17), \
+        rnd(2 * N, K, dtype=torch.bfloat16, seed=18, scale=0.3)
+    b, h = rnd(N, dtype=torch.bfloat16, seed=19), rnd(70, N, dtype=torch.bfloat16, seed=20, scale=8.0)
+    same_bits(P.persistent_linear(x, w, b, config=halves), bucket.linear(x, w, b))
+    same_bits(P.persistent_linear(x, w, residual=h, config=halves), bucket.linear(x, w, residual=h))
+    same_bits(P.persistent_linear(x, w2, swiglu=True, config=halves), bucket.linear_silu_mul(x, w2))
+    assert persistent_launches.count == 3
+
+
+def test_the_shared_memory_fit_keeps_every_variant_under_the_limit():
+    """The GPU's variants of the frozen tile, as fit_shared_memory trims them: bf16 keeps its tile and stages,
+    the residual's epilogue goes to column halves, fp32 narrows (the compile test holds the real bytes)."""
+    cfg = P.PERSISTENT_CONFIG
+    assert P.fit_shared_memory(cfg, 2, False, False) == cfg
+    assert P.fit_shared_memory(cfg, 2, True, False)[4:] == (cfg[4], cfg[5], cfg[6], 2)
+    assert P.fit_shared_memory(cfg, 2, False, True)[1] == cfg[1] // 2
+    assert P.fit_shared_memory(cfg, 4, True, False)[1] < cfg[1]
+
+
 def test_a_wave_of_700_rows_and_its_rows_alone(persistent_launches):
     """More tiles than programs (each program walks several, in grouped order), the last row tile ragged."""
     x, w, w2 = rnd(700, K, dtype=torch.bfloat16, seed=6), rnd(40, K, dtype=torch.bfloat16, seed=7), \
@@ -86,7 +110,7 @@ def test_the_comparison_sees_another_k_walk():
     if DEVICE != "cpu":
         pytest.skip("on a GPU every BLOCK_K walks K in the same MMA steps: the bits are the same")
     bm, bn, _, warps, stages = bucket.LINEAR_INTERPRET_CONFIG
-    other = P.persistent_linear(x, w, config=(bm, bn, 32, warps, stages, 2, False))
+    other = P.persistent_linear(x, w, config=(bm, bn, 32, warps, stages, 2, False, 1))
     assert not torch.equal(other, bucket.linear(x, w))
 
 

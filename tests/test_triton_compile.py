@@ -58,7 +58,7 @@ TARGETS = (90, 80)  # sm_90 (H100 / H200), sm_80 (A100)
 GPU_NEVER = {
     ("LIBDEVICE", False): "libdevice is off only under the interpreter, which has none",
     ("ROUND_IN_INTEGERS", True): "bf16 rounding in integers is for the interpreter, whose cast truncates",
-    ("FLATTEN", not PERSISTENT_CONFIG[-1]): "a tuning choice frozen in linear_persistent.PERSISTENT_CONFIG (it moves "
+    ("FLATTEN", not PERSISTENT_CONFIG[6]): "a tuning choice frozen in linear_persistent.PERSISTENT_CONFIG (it moves "
                                             "no bits; tools/gpu_tune_linear.py times both)",
 }
 

@@ -41,13 +41,15 @@ SHAPES = {
 }
 DEVICE = "cuda"
 REFERENCE = (64, 32, 64, 4, 4)  # the single tile memra used before M buckets: the bits every config must give
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN); fit_shared_memory trims each variant's stages.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN, EPILOGUE_SPLIT); fit_shared_memory trims each
+# variant (the residual's epilogue to halves, then fewer stages) to what sm_90 gives a block.
 PERSISTENT_CANDIDATES = [
-    (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 3, 8, False), (128, 256, 64, 8, 4, 8, True),
-    (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 4, 8, True), (128, 128, 128, 8, 3, 8, True),
-    (256, 128, 64, 8, 3, 8, True), (128, 256, 64, 8, 3, 16, True), (128, 128, 64, 8, 4, 16, False),
+    (128, 256, 64, 8, 3, 8, True, 1), (128, 256, 64, 8, 3, 8, False, 1), (128, 256, 64, 8, 3, 8, True, 2),
+    (128, 256, 64, 8, 4, 8, True, 2), (128, 128, 64, 8, 4, 8, True, 1), (128, 128, 64, 4, 4, 8, True, 1),
+    (128, 128, 128, 8, 3, 8, True, 1), (256, 128, 64, 8, 3, 8, True, 1), (128, 256, 64, 8, 3, 16, True, 1),
+    (128, 128, 64, 8, 4, 16, False, 1),
 ]
-QUICK_CANDIDATES = [(128, 256, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True), (128, 256, 64, 8, 3, 8, False)]
+QUICK_CANDIDATES = [(128, 256, 64, 8, 3, 8, True, 1), (128, 128, 64, 8, 4, 8, True, 1), (128, 256, 64, 8, 3, 8, False, 2)]
 
 
 def kind(name: str) -> str:

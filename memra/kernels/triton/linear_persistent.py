@@ -38,11 +38,11 @@ from memra.kernels.triton.linear import _mma
 
 # Calls of more rows than this take the persistent kernel (triton.linear's two buckets above 256 rows).
 PERSISTENT_ABOVE = 256
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN): one tile for every M. Not yet measured:
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN, EPILOGUE_SPLIT): one tile for every M. Not yet measured:
 # the Triton persistent-matmul tutorial's Hopper shape; tools/gpu_tune_linear.py times the candidates.
 # SwiGLU halves BLOCK_N (a gate and an up tile a K step: the plain tile's bytes and accumulator registers);
 # fit_shared_memory trims a variant's stages (the residual's) or width (fp32's) to what a block may use.
-PERSISTENT_CONFIG = (128, 256, 64, 8, 3, 8, True)
+PERSISTENT_CONFIG = (128, 256, 64, 8, 3, 8, True, 1)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes sm_90 gives a block (H100, H200): its pipeline and its epilogue's tiles
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: fewer than its tiles, so each program walks several
 
@@ -56,22 +56,48 @@ def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
 
 
+@triton.jit
+def _finish(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One stored block's epilogue, the bucket kernel's steps: acc (SWIGLU: and up) [BM, W] fp32 for rows rm
+    and columns rn -> the block in dtype ty."""
+    if SWIGLU:  # each product rounded to the dtype as the projection would store it, then the activation
+        y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(ty)
+        if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
+                        other=0.0)
+            y = round_to_dtype(r.to(tl.float32) + y.to(tl.float32), ty).to(ty)
+    return y
+
+
+@triton.jit
+def _halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BM, BN] -> its column halves [BM, BN/2] (the left, the right)."""
+    return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
 @lean
 @triton.jit(do_not_specialize=["M"])
 def _linear_persistent_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
                               programs, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SWIGLU: tl.constexpr = False,
-                              LIBDEVICE: tl.constexpr = False):
+                              GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+                              SWIGLU: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # x [M, K], w [N, K] (SWIGLU: [2N, K], gate rows then up rows), y [M, N]. The descriptors zero-fill
-    # reads past M, N and K, as the bucket kernel's masks do, and clip the store.
+    # reads past M, N and K, as the bucket kernel's masks do, and clip the store. EPILOGUE_SPLIT (1 or 2):
+    # the epilogue in column halves, so the stored block (and the residual's) takes half the shared memory.
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
     g_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     u_desc = g_desc
     if SWIGLU:
         u_desc = tl.make_tensor_descriptor(w_ptr + N * stride_wn, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1], block_shape=[BLOCK_M, BLOCK_N])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SPLIT])
     ty = y_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -89,19 +115,22 @@ def _linear_persistent_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride
                 up = _mma(a, u_desc.load([tn * BLOCK_N, ks * BLOCK_K]).T, up, IEEE)
         done += programs
         tm, tn = _tile_of(done, tiles_m, tiles_n, GROUP_M)
-        if SWIGLU:
-            y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
-        else:
+        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        if EPILOGUE_SPLIT == 1:
             rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            y = acc.to(ty)
-            if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
-                rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-                r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
-                            other=0.0)
-                y = round_to_dtype(r.to(tl.float32) + y.to(tl.float32), ty).to(ty)
-        y_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
+            y = _finish(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
+            y_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
+        else:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            u0, u1 = a0, a1
+            if SWIGLU:
+                u0, u1 = _halves(up, BLOCK_M, BLOCK_N)
+            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            y = _finish(a0, u0, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
+            y_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
+            y = _finish(a1, u1, b_ptr, r_ptr, rm, rn + BLOCK_N // 2, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL,
+                        SWIGLU, LIBDEVICE)
+            y_desc.store([tm * BLOCK_M, tn * BLOCK_N + BLOCK_N // 2], y)
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -130,32 +159,36 @@ def _programs(x: torch.Tensor, tiles: int) -> int:
     return max(1, min(sms, tiles))
 
 
-def persistent_config(elem_bytes: int = 2) -> tuple[int, int, int, int, int, int, bool]:
-    """The kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN): under the interpreter the
+def persistent_config(elem_bytes: int = 2) -> tuple[int, int, int, int, int, int, bool, int]:
+    """The kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN, EPILOGUE_SPLIT): under the interpreter the
     bucket kernel's tile (its numpy dot's order follows the tile), else PERSISTENT_CONFIG."""
     if _interpreting():
         bm, bn, bk, warps, stages = bucket.LINEAR_INTERPRET_CONFIG
-        return bm, bn, bk, warps, stages, 2, False
+        return bm, bn, bk, warps, stages, 2, False, 1
     return PERSISTENT_CONFIG
 
 
 def fit_shared_memory(config: tuple, elem_bytes: int, residual: bool, swiglu: bool) -> tuple:
-    """`config` for one variant on the GPU: SwiGLU's halves take half the columns each; then fewer stages,
-    then narrower tiles, until the pipelined operand tiles and the epilogue's (the stored tile, and the
-    residual's beside it) fit in what sm_90 gives a block. Stages and tile width move no bits."""
-    bm, bn, bk, warps, stages, group, flatten = config
+    """`config` for one variant on the GPU: SwiGLU's halves take half the columns each; then the epilogue in
+    column halves, fewer stages, narrower tiles, in that order, until the pipelined operand tiles and the
+    epilogue's (the stored block, and the residual's beside it) fit in what sm_90 gives a block. None of
+    these moves a bit."""
+    bm, bn, bk, warps, stages, group, flatten, split = config
     weight_tiles = 2 if swiglu else 1
     if swiglu:
         bn = max(16, bn // 2)
 
-    def need(bn: int, stages: int) -> int:
-        return (stages * (bm + weight_tiles * bn) * bk + bm * bn * (2 if residual else 1)) * elem_bytes + 1024
+    def need(bn: int, stages: int, split: int) -> int:
+        epilogue = bm * (bn // split) * (2 if residual else 1)
+        return (stages * (bm + weight_tiles * bn) * bk + epilogue) * elem_bytes + 1024
 
-    while need(bn, stages) > SHARED_MEMORY_LIMIT and stages > 2:
+    if need(bn, stages, split) > SHARED_MEMORY_LIMIT and bn >= 32:
+        split = 2
+    while need(bn, stages, split) > SHARED_MEMORY_LIMIT and stages > 2:
         stages -= 1
-    while need(bn, stages) > SHARED_MEMORY_LIMIT and bn > 32:
+    while need(bn, stages, split) > SHARED_MEMORY_LIMIT and bn > 32:
         bn //= 2
-    return bm, bn, bk, warps, stages, group, flatten
+    return bm, bn, bk, warps, stages, group, flatten, split
 
 
 def describable(*tensors: torch.Tensor) -> bool:
@@ -179,7 +212,7 @@ def persistent_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
     config = config or persistent_config(x2.element_size())
     if not _interpreting():  # (the interpreter keeps its one tile: its dot's order follows the tile)
         config = fit_shared_memory(config, x2.element_size(), residual is not None, swiglu)
-    bm, bn, bk, warps, stages, group, flatten = config
+    bm, bn, bk, warps, stages, group, flatten, split = config
     r = residual if residual is not None else y
     if x2.is_cuda:
         install_scratch()
@@ -187,7 +220,7 @@ def persistent_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
     _linear_persistent_kernel[(programs,)](
         x2, w, b if b is not None else w, r, y, m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), programs,
         HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, IEEE=x2.dtype == torch.float32 or _interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=flatten, SWIGLU=swiglu,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, FLATTEN=flatten, EPILOGUE_SPLIT=split, SWIGLU=swiglu,
         LIBDEVICE=not _interpreting(), num_warps=warps, num_stages=stages)
     return y
 
