@@ -31,10 +31,9 @@ import triton.language as tl
 from triton.runtime import _allocation  # Triton's record of the allocator (install_scratch reads it)
 
 from memra.kernels.triton import linear as bucket
-from memra.kernels.triton.activation import silu_mul_values
-from memra.kernels.triton.common import _interpreting, round_to_dtype
+from memra.kernels.triton.common import _interpreting
 from memra.kernels.triton.launch import lean
-from memra.kernels.triton.linear import _mma
+from memra.kernels.triton.linear import _epilogue, _mma
 
 # Calls of more rows than this take the persistent kernel (triton.linear's two buckets above 256 rows).
 PERSISTENT_ABOVE = 256
@@ -54,24 +53,6 @@ def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     first_m = (tile // in_group) * GROUP_M
     group_m = tl.minimum(tiles_m - first_m, GROUP_M)
     return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
-
-
-@triton.jit
-def _finish(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """One stored block's epilogue, the bucket kernel's steps: acc (SWIGLU: and up) [BM, W] fp32 for rows rm
-    and columns rn -> the block in dtype ty."""
-    if SWIGLU:  # each product rounded to the dtype as the projection would store it, then the activation
-        y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(ty)
-        if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
-            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
-                        other=0.0)
-            y = round_to_dtype(r.to(tl.float32) + y.to(tl.float32), ty).to(ty)
-    return y
 
 
 @triton.jit
@@ -118,7 +99,7 @@ def _linear_persistent_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride
         rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         if EPILOGUE_SPLIT == 1:
             rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = _finish(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
+            y = _epilogue(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
             y_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
         else:
             a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
@@ -126,9 +107,9 @@ def _linear_persistent_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride
             if SWIGLU:
                 u0, u1 = _halves(up, BLOCK_M, BLOCK_N)
             rn = tn * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            y = _finish(a0, u0, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
+            y = _epilogue(a0, u0, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL, SWIGLU, LIBDEVICE)
             y_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
-            y = _finish(a1, u1, b_ptr, r_ptr, rm, rn + BLOCK_N // 2, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL,
+            y = _epilogue(a1, u1, b_ptr, r_ptr, rm, rn + BLOCK_N // 2, M, N, stride_rm, ty, HAS_BIAS, HAS_RESIDUAL,
                         SWIGLU, LIBDEVICE)
             y_desc.store([tm * BLOCK_M, tn * BLOCK_N + BLOCK_N // 2], y)
 
