@@ -80,6 +80,7 @@ class Settings:
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
     cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention and dense layers in C (cpu_decode, cpu_layer)
+    linear_persistent: bool = False  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -106,6 +107,7 @@ class Settings:
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
             cpu_decode=flag(e, "MEMRA_CPU_DECODE", False),
+            linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", False),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -144,7 +146,8 @@ class Settings:
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
-                "MEMRA_CPU_DECODE": on(self.cpu_decode), **self.pp_env}
+                "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
+                **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
         """These settings with some doors set (a value, parsed as from the environment) or unset (None):
@@ -177,6 +180,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "in C, in fixed orders of their own (memra.kernels.decode_reference), and a packed dense layer's decode step in "
      "one call (memra.kernels.cpu_layer): faster, other bits; off until memra.train's walk computes with the same "
      "orders (E11 holds only against the torch ops)"),
+    ("MEMRA_LINEAR_PERSISTENT", "0", "1 = on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
+     "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
+     "the bucket kernel's bits (memra.kernels.triton.linear_persistent); off until a GPU run shows it faster"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

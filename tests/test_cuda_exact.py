@@ -44,6 +44,30 @@ def test_self_test_triton_probes_pass(dtype):
     assert not failed, failed
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_self_test_holds_the_persistent_linear_to_the_buckets(dtype):
+    """MEMRA_LINEAR_PERSISTENT's probes: the 300- and 600-row calls through the persistent kernel, their rows
+    against every bucket's, SwiGLU and the residual epilogue too."""
+    failed = [f for f in self_test(dtype, "cuda", persistent_linear=True) if f.startswith("triton")]
+    assert not failed, failed
+
+
+def test_the_persistent_probes_fail_on_one_flipped_bit(monkeypatch):
+    """Canary: a persistent kernel one bit off in one value is caught, and only with the door's probes."""
+    from memra.kernels.triton import linear_persistent
+
+    real = linear_persistent.persistent_linear
+
+    def one_bit_off(*args, **kwargs):
+        y = real(*args, **kwargs)
+        y.view(torch.int16)[0, 0] ^= 1
+        return y
+
+    monkeypatch.setattr(linear_persistent, "persistent_linear", one_bit_off)
+    assert any(f.startswith("triton linear[") for f in self_test(torch.bfloat16, "cuda", persistent_linear=True))
+    assert not [f for f in self_test(torch.bfloat16, "cuda") if f.startswith("triton linear")]
+
+
 @pytest.mark.parametrize("mode", ["config", "strict"])
 def test_gate_demo_bf16(demo, mode):
     lines: list[str] = []

@@ -8,7 +8,8 @@ fixture model (tests/fixtures/hf/*, in each dtype the loader takes) through the 
 serves it (prefill waves of several prompts' pieces, stacked decode, mixed steps, sampled and filtered
 rows), the model API's solo prime and decode, random-weight models for the shapes the fixtures lack
 (a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan, an MoE
-FFN without its residual as Gemma's sandwich norms call it), and
+FFN without its residual as Gemma's sandwich norms call it), the dense linears' epilogues and a model's
+waves again with MEMRA_LINEAR_PERSISTENT=1 (the persistent kernel's table), and
 every packed layout in memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
 is answered twice: first recorded as a CUDA model's table would launch it -- each family's launcher
 computing tiles, buckets, splits and flags as on a GPU (`_interpreting()` answers False), each kernel
@@ -49,16 +50,22 @@ pytest.importorskip("triton")
 
 from conftest import FIXTURES  # noqa: E402
 
+from memra.kernels.triton.linear_persistent import PERSISTENT_CONFIG  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = (90, 80)  # sm_90 (H100 / H200), sm_80 (A100)
 # Boolean constexprs a GPU never takes one way, with why; every other one must be compiled both ways.
 GPU_NEVER = {
     ("LIBDEVICE", False): "libdevice is off only under the interpreter, which has none",
     ("ROUND_IN_INTEGERS", True): "bf16 rounding in integers is for the interpreter, whose cast truncates",
+    ("FLATTEN", not PERSISTENT_CONFIG[6]): "a tuning choice frozen in linear_persistent.PERSISTENT_CONFIG (it moves "
+                                            "no bits; tools/gpu_tune_linear.py times both)",
 }
 
 
 def _collect() -> list:
+    import torch
+
     import memra
     from memra.kernels.table import KernelTable
     from memra.loading.checkpoint import _DTYPES
@@ -67,8 +74,10 @@ def _collect() -> list:
 
     launches = tl.Launches()
     table = tl.recording_table(launches)
+    persistent = tl.recording_table(launches, persistent_linear=True)  # MEMRA_LINEAR_PERSISTENT=1's table
     with pytest.MonkeyPatch.context() as mp, tl.self_test_passed():
-        mp.setattr(KernelTable, "build", classmethod(lambda cls, device, settings: table))
+        mp.setattr(KernelTable, "build", classmethod(
+            lambda cls, device, settings: persistent if settings.linear_persistent else table))
         for dtype in sorted(set(_DTYPES.values()), key=str):
             for path in sorted((FIXTURES / "hf").iterdir()):
                 model = memra.load(path, device="cpu", dtype=dtype)
@@ -80,20 +89,24 @@ def _collect() -> list:
             tl.drive_solo(moe)
             tl.drive_ffn_alone(moe)
             tl.drive_packed(table, dtype)
+            for door in (table, persistent):
+                tl.drive_dense(door, dtype)
+            if dtype == torch.bfloat16:  # a model's wave past 256 rows through the door's table
+                tl.drive_api(long_llama.with_doors(MEMRA_LINEAR_PERSISTENT="1"), (3, 600))
     return launches.records()
 
 
-def _compile(records: list, tmp: Path, how: str) -> dict[int, list]:
+def _compile(records: list, tmp: Path, how: str, targets: tuple = TARGETS) -> dict[int, list]:
     """Each target's results (tests/triton_compile_worker.py, in a process without the interpreter)."""
     (tmp / "launches.json").write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), TRITON_CACHE_DIR=str(tmp / "cache"))
     jobs = max(1, min(4, len(os.sched_getaffinity(0))))
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_worker.py"), ",".join(map(str, TARGETS)),
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_worker.py"), ",".join(map(str, targets)),
                           str(tmp / "launches.json"), str(tmp / "results.json"), str(jobs), how],
                          env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, f"the compile worker failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
-    results = {cap: [] for cap in TARGETS}
+    results = {cap: [] for cap in targets}
     for r in json.loads((tmp / "results.json").read_text()):
         results[r["target"]].append(r)
     return results
@@ -115,15 +128,15 @@ def _why(error: str) -> str:
     return lines[-1] if lines else error
 
 
-def _all_compiled(records, results) -> None:
+def _all_compiled(records, results, least: int = 40) -> None:
     failed = [f"sm_{cap} {r['kernel']} {r['constexprs']} {sorted(set(r['signature'].values()))}: {_why(r['error'])}"
               for cap, rs in results.items() for r in rs if not r["ok"]]
     assert not failed, f"{len(failed)} kernel variants do not compile:\n" + "\n".join(failed)
     counts = {cap: len(rs) for cap, rs in results.items()}
     cubins = {cap: sum(r["stage"] == "cubin" for r in rs) for cap, rs in results.items()}
-    assert len(set(counts.values())) == 1 and counts[TARGETS[0]] >= 40, f"variants compiled per target: {counts}"
+    assert len(set(counts.values())) == 1 and counts[TARGETS[0]] >= least, f"variants compiled per target: {counts}"
     print(f"\n{len(records)} distinct launches -> {counts[TARGETS[0]]} kernel variants for each of "
-          f"{', '.join(f'sm_{c}' for c in TARGETS)} ({cubins[TARGETS[0]]} to a cubin)")
+          f"{', '.join(f'sm_{c}' for c in results)} ({cubins[TARGETS[0]]} to a cubin)")
 
 
 def test_every_launched_variant_compiles_for_hopper_and_ampere(compiled):
@@ -137,6 +150,20 @@ def test_every_launched_variant_compiles_to_a_cubin(records, tmp_path_factory):
     """The whole sweep: every variant to a cubin for both targets (minutes; the default run takes the code
     generator for most of them)."""
     _all_compiled(records, _compile(records, tmp_path_factory.mktemp("triton_full"), "full"))
+
+
+PERSISTENT = "memra.kernels.triton.linear_persistent._linear_persistent_kernel"
+
+
+def test_every_persistent_linear_variant_compiles_to_a_cubin(records, tmp_path_factory):
+    """The persistent linear's variants differ most in shared memory (TMA's stored tile, the residual's beside
+    it, fp32's tiles): each one to an sm_90 cubin, so a variant over the block's limit fails here (the quick run
+    takes only a kernel's first variant that far; on sm_80 descriptors lower to plain loads, with no stored
+    tile to stage). Recorded with MEMRA_LINEAR_PERSISTENT=1's table."""
+    mine = [r for r in records if r[0] == PERSISTENT]
+    kinds = {(r[2]["SWIGLU"], r[2]["HAS_BIAS"], r[2]["HAS_RESIDUAL"]) for r in mine}
+    assert len(kinds) == 4, f"the drive no longer reaches every epilogue of the persistent linear: {sorted(kinds)}"
+    _all_compiled(mine, _compile(mine, tmp_path_factory.mktemp("triton_persistent"), "full", (90,)), least=len(kinds))
 
 
 def _unreached(defined, results: list) -> list[str]:

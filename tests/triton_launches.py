@@ -173,8 +173,10 @@ for _name, _value in list(vars(KernelTable).items()):
         setattr(RecordingTable, _name, _answer_twice(_name))
 
 
-def recording_table(launches: Launches) -> RecordingTable:
-    table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True)
+def recording_table(launches: Launches, persistent_linear: bool = False) -> RecordingTable:
+    """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1."""
+    table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
+                           persistent_linear=persistent_linear)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -198,7 +200,7 @@ def self_test_passed():
 
     saved = [(m, m.platform_report) for m in (memra.step, memra.decode_plan)]
     for m, _ in saved:
-        m.platform_report = lambda dtype, device: []
+        m.platform_report = lambda dtype, device, persistent_linear=False: []
     try:
         yield
     finally:
@@ -311,6 +313,20 @@ def drive_packed(table, dtype) -> None:
             x = torch.randn(m, k).to(dtype)
             table.linear(x, w)
             table.linear(x, w, torch.zeros(w.shape[0], dtype=dtype))
+
+
+def drive_dense(table, dtype) -> None:
+    """The table's dense linears as a model's projections call them, at a decode row and a prefill wave past
+    the persistent kernel's threshold: plain, with a bias (Qwen2's qkv), with the residual (o / down), and the
+    gate|up projection with its activation."""
+    e, f = 64, 96
+    w, w_gate_up = torch.randn(e, e).to(dtype), torch.randn(2 * f, e).to(dtype)
+    for m in (1, 300):
+        x = torch.randn(m, e).to(dtype)
+        table.linear(x, w)
+        table.linear(x, w, torch.zeros(e, dtype=dtype))
+        table.linear_add(x, w, x)
+        table.linear_silu_mul(x, w_gate_up)
 
 
 def tiny_models(dtype) -> list:

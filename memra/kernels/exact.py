@@ -15,6 +15,8 @@ offset-invariant (vectorized body vs scalar tail) — which is why rows are not 
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +40,11 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, failures: list[str]) -> 
 
 
 @torch.inference_mode()
-def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tuple[int, int], ...] = ((256, 64), (640, 256))) -> list[str]:
-    """Check, on this device and dtype, every invariance the exact plans rely on. Returns failed checks."""
+def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tuple[int, int], ...] = ((256, 64), (640, 256)),
+              persistent_linear: bool = False) -> list[str]:
+    """Check, on this device and dtype, every invariance the exact plans rely on. Returns failed checks.
+    persistent_linear: the dense linears as a model with MEMRA_LINEAR_PERSISTENT runs them (the persistent
+    kernel above 256 rows) are what the Triton probes hold to each other."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     failures: list[str] = []
@@ -75,18 +80,23 @@ def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tupl
             padded = torch.cat((rnd(1, lead).float(), v), dim=1)
             _check(f"{name} at offset {lead}", fn(padded)[:, lead:], alone, failures)
     if torch.device(device).type == "cuda":
-        _triton_probes(rnd, failures)
+        _triton_probes(rnd, failures, persistent_linear)
     return failures
 
 
-def _triton_probes(rnd, failures: list[str]) -> None:
+def _triton_probes(rnd, failures: list[str], persistent_linear: bool = False) -> None:
     """The batch-invariant kernels' promise, probed at the model's kind of shapes: a row's bits in
     calls of 1..TILE rows, and a row alone vs inside a full tile. Named 'triton ...' so the decode
-    plan can refuse stacking on exactly these failures."""
+    plan can refuse stacking on exactly these failures. With persistent_linear the 600-row calls (and
+    the 300-row ones) run the persistent kernel, so its rows are held to every bucket's."""
     tk = triton_ops()
     if tk is None:
         return
     from memra.kernels.triton import linear as linear_triton  # Triton is present
+
+    if persistent_linear:
+        from memra.kernels.triton import linear_persistent as linear_triton  # noqa: F811 -- routes as the table does
+    tk = types.SimpleNamespace(**{**vars(tk), "linear": linear_triton.linear})
 
     wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
@@ -101,6 +111,11 @@ def _triton_probes(rnd, failures: list[str]) -> None:
         for m in (1, 20, TILE, 300):  # its tiles: half a bucket's columns each, for gate and for up
             _check(f"triton linear_silu_mul[{m}x{k}] vs rows of [{wide}x{k}]",
                    linear_triton.linear_silu_mul(x[:m].clone(), torch.cat((w, w.flip(0)))), swiglu[:m], failures)
+        if persistent_linear:  # the residual epilogue: the add's bits, done apart, at a persistent and a bucket M
+            r = rnd(wide, n_out)
+            for m in (20, wide):
+                _check(f"triton linear+residual[{m}x{k}] vs the add apart", tk.linear(x[:m], w, residual=r[:m]),
+                       r[:m] + full[:m], failures)
     _quant_probes(rnd, failures)
     _moe_probes(rnd, tk, failures)
     _prefill_probes(rnd, tk, failures)
@@ -163,15 +178,17 @@ def _moe_probes(rnd, tk, failures: list[str]) -> None:
                moe_triton.moe_experts(x[rows].clone(), weights[rows], ids[rows], w_gate_up, w_down), full[rows], failures)
 
 
-# Memo of self_test results per (device type, dtype): a property of the platform, computed once per process.
-_VERIFIED: dict[tuple[str, str], list[str]] = {}
+# Memo of self_test results per (device type, dtype, persistent linear): a property of the platform and
+# of the kernels a model runs, computed once per process.
+_VERIFIED: dict[tuple[str, str, bool], list[str]] = {}
 
 
-def platform_report(dtype: torch.dtype, device: torch.device | str) -> list[str]:
-    """The self-test's failures for this (device type, dtype), computed once per process."""
-    key = (str(torch.device(device).type), str(dtype))
+def platform_report(dtype: torch.dtype, device: torch.device | str, persistent_linear: bool = False) -> list[str]:
+    """The self-test's failures for this (device type, dtype), computed once per process; persistent_linear:
+    for a model whose table runs the persistent linear (KernelTable.persistent_linear)."""
+    key = (str(torch.device(device).type), str(dtype), persistent_linear)
     if key not in _VERIFIED:
-        _VERIFIED[key] = self_test(dtype, device)
+        _VERIFIED[key] = self_test(dtype, device, persistent_linear=persistent_linear)
     return _VERIFIED[key]
 
 

@@ -74,6 +74,13 @@ def _linear_triton():
 
 
 @functools.cache
+def _linear_persistent():
+    from memra.kernels.triton import linear_persistent
+
+    return linear_persistent
+
+
+@functools.cache
 def _quant_triton():
     from memra.kernels.triton import quant as quant_triton
 
@@ -126,6 +133,8 @@ class KernelTable:
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
+    # dense linears of more than 256 rows as the persistent kernel (MEMRA_LINEAR_PERSISTENT; triton.linear_persistent)
+    persistent_linear: bool = False
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
 
@@ -133,7 +142,11 @@ class KernelTable:
     def build(cls, device: torch.device | str, settings) -> "KernelTable":
         cuda = torch.device(device).type == "cuda"
         triton = cuda and settings.triton and triton_ops() is not None
+        persistent = triton and settings.exact and settings.linear_persistent
+        if persistent:  # the descriptors' scratch, in the loading thread's context (others install it at launch)
+            _linear_persistent().install_scratch()
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
+                   persistent_linear=persistent,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
@@ -187,13 +200,20 @@ class KernelTable:
                     return cpu_qdot.linear(x, w, b)
                 return quant.tiled_linear(x, w, b, self.scratch)
             return _quant_triton().linear(x, w, b)
-        return self._impl(x).linear(x, w, b)
+        if self._impl(x) is reference:
+            return reference.linear(x, w, b)
+        return self._dense().linear(x, w, b)
+
+    def _dense(self):
+        """The invariant dense linears' family: triton.linear, or with MEMRA_LINEAR_PERSISTENT
+        triton.linear_persistent (its large calls persistent, the rest triton.linear's)."""
+        return _linear_persistent() if self.persistent_linear else _linear_triton()
 
     def linear_add(self, x, w, residual):
         """residual + linear(x, w), with the bits of the two ops apart: the add in the invariant
         kernel's epilogue where it runs on a plain weight (one launch), else the two ops."""
         if isinstance(w, torch.Tensor) and self._impl(x) is not reference:
-            return triton_ops().linear(x, w, residual=residual)
+            return self._dense().linear(x, w, residual=residual)
         return residual + self.linear(x, w)
 
     def silu_mul(self, gate_up):
@@ -211,7 +231,7 @@ class KernelTable:
         programs stream the weight (Llama-3-8B B=1 on the H200: 195.8 tok/s fused, 206.4 apart)."""
         rows = x.numel() // x.shape[-1]
         if isinstance(w_gate_up, torch.Tensor) and self._impl(x) is not reference and rows > GEMV_ROWS:
-            return _linear_triton().linear_silu_mul(x, w_gate_up)
+            return self._dense().linear_silu_mul(x, w_gate_up)
         return self.silu_mul(self.linear(x, w_gate_up))
 
     def rms_norm(self, x, w, eps, zero_centered):

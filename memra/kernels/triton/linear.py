@@ -7,7 +7,9 @@ a K loop in one fixed order, one program per row for reductions, positions visit
 of the output is then computed by exactly the same instructions whatever M is, which is what makes a
 stacked decode of B sequences bit-identical to each sequence decoded alone (promise E1).
 
-This module holds the dense linear; the other families of memra.kernels.triton follow the same rules.
+This module holds the dense linear (triton.linear_persistent, behind MEMRA_LINEAR_PERSISTENT, runs its
+large calls as one persistent kernel with these bits); the other families of memra.kernels.triton follow
+the same rules.
 Each kernel has its meaning in memra.kernels.reference; tests/test_triton_kernels.py holds every
 kernel to its twin (to a stated tolerance: the summation order differs, deliberately) and to its own
 output across row counts (bit for bit). The kernels also run under TRITON_INTERPRET=1 on CPU, which
@@ -81,8 +83,16 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride
         if SWIGLU:
             b = tl.load(w_ptr + (N + rn)[None, :] * stride_wn + kk[:, None], mask=mask_w, other=0.0)
             up = _mma(a, b, up, IEEE)
-    ty = y_ptr.dtype.element_ty
-    inside = (rm[:, None] < M) & (rn[None, :] < N)
+    y = _epilogue(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, y_ptr.dtype.element_ty, HAS_BIAS, HAS_RESIDUAL,
+                  SWIGLU, LIBDEVICE)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _epilogue(acc, up, b_ptr, r_ptr, rm, rn, M, N, stride_rm, ty: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """A block's epilogue (this kernel's and triton.linear_persistent's): acc (SWIGLU: and up) [BM, W] fp32 for
+    rows rm and columns rn -> the block in dtype ty."""
     if SWIGLU:  # each product rounded to the dtype as the projection would store it, then the activation
         y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
     else:
@@ -90,10 +100,10 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         y = acc.to(ty)
         if HAS_RESIDUAL:  # residual + y as torch adds two tensors of the model dtype: in fp32, rounded once
-            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)
-            total = r.to(tl.float32) + y.to(tl.float32)
-            y = round_to_dtype(total, ty).to(ty)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=inside)
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
+                        other=0.0)
+            y = round_to_dtype(r.to(tl.float32) + y.to(tl.float32), ty).to(ty)
+    return y
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (the H200 allows 227 KiB)
