@@ -59,11 +59,13 @@ def heads(seq: Seq, grouping: str) -> list[tuple[int, int]]:
 
 
 class Walk:
-    def __init__(self, model, weights: dict[str, torch.Tensor]):
+    def __init__(self, model, weights: dict[str, torch.Tensor], ops: TrainOps = OPS):
+        """ops: the kernel table (TrainOps.mirror(model.ops) for the sampler's bits where its table runs C
+        kernels; the plain reference ops by default)."""
         cfg = self.cfg = model.cfg
-        self.model, self.w = model, weights
+        self.model, self.w, self.ops = model, weights, ops
         sub = lambda p: {k[len(p):]: v for k, v in weights.items() if k.startswith(p)}  # noqa: E731
-        self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), OPS) for i in range(cfg.n_layers)]
+        self.blocks = [Block(cfg, i, cfg.mixers[i], cfg.ffns[i], sub(f"layers.{i}."), ops) for i in range(cfg.n_layers)]
         self.lm_head = weights.get("lm_head", weights["embed"])
         self._rope: dict[tuple[int, int], tuple] = {}
 
@@ -119,8 +121,8 @@ class Walk:
             if used <= a:
                 continue
             x = h[a:b] if h.shape[-1] == cfg.hidden_size else h[a:b, : cfg.hidden_size].contiguous()
-            logits = OPS.linear(OPS.rms_norm(x, self.w["final_norm"], cfg.norm_eps, cfg.zero_centered_norm),
-                                self.lm_head)
+            logits = self.ops.linear(self.ops.rms_norm(x, self.w["final_norm"], cfg.norm_eps, cfg.zero_centered_norm),
+                                     self.lm_head)
             if cfg.final_softcap is not None:
                 logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
             logits = logits.float()
