@@ -159,7 +159,10 @@ class TrainOps(KernelTable):
                                           pos0 - lo, scale, window)
 
     def paged_decode_attention(self, q, k_pool, v_pool, rows, scale):
-        return reference.causal_attention(q[None], k_pool.t[rows], v_pool.t[rows], rows.numel() - 1, scale)[0]
+        # rows: the last rows.numel() positions, up to the one just appended (the box holds positions 0.. in
+        # order): a slice, the same values and layout as the reference's gather, without its copy
+        lo = k_pool.t.shape[0] - rows.numel()
+        return reference.causal_attention(q[None], k_pool.t[lo:], v_pool.t[lo:], rows.numel() - 1, scale)[0]
 
     def causal_conv(self, u, state, w):
         return reference.causal_conv(u, state.t, w)
