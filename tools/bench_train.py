@@ -3,7 +3,9 @@ eager on the same packed sequences: HF transformers where the architecture has o
 forward, the loss summed, one backward), and memra's own layers in the prompt form (the trainer's gradient walk
 alone: what a plain trainer over memra's model definition costs). The rows run in rounds, one call of each per
 round (after one untimed round), so that every ratio compares calls made under the same load: the best of --reps
-rounds in seconds, its ratio to HF's best, and the spread (lowest..highest) of the per-round ratios.
+rounds in seconds, its ratio to HF's best, and the spread (lowest..highest) of the per-round ratios. On a CPU the
+clock is the process's CPU time (other processes' load then barely moves it; --threads 1, the default, keeps it
+equal to the work's wall time on a quiet machine), on a GPU the wall clock.
 
     python tools/bench_train.py [MODEL] [--seqs 8] [--prompt 20] [--completion 48] [--reps 3] [--threads 1]
                                 [--device cuda --dtype bfloat16]
@@ -112,16 +114,17 @@ def main() -> None:
 
 def rounds(fns, reps: int, device: torch.device) -> list[list[float]]:
     """Each fn's seconds in each of `reps` rounds (one call of every fn a round, after an untimed round)."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     for fn in fns:
         fn()
     out: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, ts in zip(fns, out):
             sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            ts.append(time.perf_counter() - t0)
+            ts.append(clock() - t0)
     return out
 
 
