@@ -1,7 +1,8 @@
 """E11 with MEMRA_CPU_DECODE on: the sampler's CPU norms, SwiGLU and decode attention run in C (memra.kernels.
 cpu_decode, other bits than torch's), and the trainer's walk mirrors them (memra.train.ops.TrainOps.mirror):
 prompt tokens through the norms / SwiGLU in C and torch's prefill attention, generated tokens through the C
-decode attention too, as the sampler ran them. The gradient goes through the ops' torch forms (CKernel)."""
+decode attention too, as the sampler ran them (every fixture architecture). The gradient goes through the ops'
+torch forms (CKernel)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from memra.kernels import cpu_qdot
 from memra.train import Trainer
 
 from conftest import hf_dir
-from test_train import generated, pack, sampled
+from test_train import ARCHS, generated, pack, sampled
 
 pytestmark = pytest.mark.skipif(cpu_qdot.library() is None, reason="the CPU kernels' library is not built")
 
@@ -26,18 +27,21 @@ def _door_on(arch: str, monkeypatch) -> memra.LLM:
     return llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_trainer_logprobs_equal_the_sampled_ones_with_the_c_kernels(arch, monkeypatch):
     llm = _door_on(arch, monkeypatch)
     seqs = sampled(llm)
-    for kw in ({}, {"grad_walk": "sampler"}):  # values from the inference walk; values and gradient in one walk
+    # values from the inference walk; and (a dense, a MoE, a hybrid) values and gradient from one walk (CKernel)
+    walks = ({}, {"grad_walk": "sampler"}) if arch in ("llama", "qwen3_moe", "qwen3_5") else ({},)
+    for kw in walks:
         trainer = Trainer(llm, **kw)
         for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
             lp = trainer(*pack(seqs, order))
             for k, got in generated(lp, seqs, order).items():
                 assert got == seqs[k][2], (arch, kw, order, k)  # float equality: the same bits
         lp.sum().backward()
-        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in trainer.params)
+        grads = [p.grad for p in trainer.params if p.grad is not None]  # (an expert no token chose has none)
+        assert len(grads) > len(trainer.params) // 2 and all(torch.isfinite(g).all() for g in grads)
     with torch.no_grad():  # the scorer (the sampler's own table) agrees at every position, prompts included
         assert torch.equal(Trainer(llm, values="scorer")(*pack(seqs, order)), trainer(*pack(seqs, order)))
 
