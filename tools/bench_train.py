@@ -1,7 +1,11 @@
 """Cost of the exact training forward (issue 47): memra.train.Trainer forward + backward against plain PyTorch
 eager on the same packed sequences: HF transformers where the architecture has one (each sequence its own
 forward, the loss summed, one backward), and memra's own layers in the prompt form (the trainer's gradient walk
-alone: what a plain trainer over memra's model definition costs). Best of --reps, seconds.
+alone: what a plain trainer over memra's model definition costs). The rows run in rounds, one call of each per
+round (after one untimed round), so that every ratio compares calls made under the same load: the best of --reps
+rounds in seconds, its ratio to HF's best, and the spread (lowest..highest) of the per-round ratios. On a CPU the
+clock is the process's CPU time (other processes' load then barely moves it; --threads 1, the default, keeps it
+equal to the work's wall time on a quiet machine), on a GPU the wall clock.
 
     python tools/bench_train.py [MODEL] [--seqs 8] [--prompt 20] [--completion 48] [--reps 3] [--threads 1]
                                 [--device cuda --dtype bfloat16]
@@ -10,10 +14,12 @@ alone: what a plain trainer over memra's model definition costs). Best of --reps
 from __future__ import annotations
 
 import argparse
+import time
+
 import torch
 
 import memra
-from memra.bench.timing import best_seconds
+from memra.bench.timing import sync
 from memra.train import Trainer
 from memra.train.exact import sampler_logprobs, walked_logprobs
 from memra.train.params import derive
@@ -32,7 +38,6 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on a GPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    best = lambda fn, reps: best_seconds(fn, torch.device(args.device), reps)  # noqa: E731
     llm = memra.LLM(args.model, device=args.device, dtype=args.dtype, warm_up=False, seed=1)
     model = llm.model
     trainer = Trainer(llm)
@@ -62,10 +67,22 @@ def main() -> None:
         lp = Walk(model, w).logprobs(seqs, "prompt")
         sum((c[:-1] * x).sum() for c, x in zip(coef.split(lens), lp)).backward()
 
-    rows = [("memra.train.Trainer forward+backward (exact values)", best(exact_fb, args.reps)),
-            ("  of which the sampler's values (walk, no grad: the CPU default)", best(walk_values, args.reps)),
-            ("the sampler's values from the scorer instead (no grad)", best(scorer_values, args.reps)),
-            ("memra's layers, prompt form, forward+backward (plain eager)", best(walk_fb, args.reps))]
+    def trained(t: Trainer):
+        def fb():
+            t.zero_grad()
+            (coef * t(ids, lens, starts)).sum().backward()
+        return fb
+
+    rows = [("memra.train.Trainer forward+backward (exact values)", exact_fb),
+            ("  the same, checkpointing=True (each layer recomputed)", trained(Trainer(llm, checkpointing=True)))]
+    from memra.kernels import cpu_qdot
+
+    if model.device.type == "cpu" and cpu_qdot.library() is not None and not model.settings.cpu_decode:
+        c_model = model.with_doors(MEMRA_CPU_DECODE="1")  # the sampler's norms, SwiGLU, decode attention in C
+        rows.append(("  the same on a sampler with MEMRA_CPU_DECODE=1 (its C kernels)", trained(Trainer(c_model))))
+    rows += [("  of which the sampler's values (walk, no grad: the CPU default)", walk_values),
+             ("the sampler's values from the scorer instead (no grad)", scorer_values),
+             ("memra's layers, prompt form, forward+backward (plain eager)", walk_fb)]
     try:
         import transformers
 
@@ -82,14 +99,33 @@ def main() -> None:
                 at += k
             total.backward()
 
-        rows.append(("HF transformers eager forward+backward", best(hf_fb, args.reps)))
+        rows.append(("HF transformers eager forward+backward", hf_fb))
     except Exception as e:  # no transformers, or no HF class for this architecture
         print(f"(HF transformers skipped: {str(e).splitlines()[0]})")
+    times = rounds([fn for _, fn in rows], args.reps, torch.device(args.device))
     print(f"{args.model}: {args.seqs} sequences x ({args.prompt} prompt + {args.completion} generated) tokens, "
-          f"{torch.get_num_threads()} thread(s), {model.device} {model.dtype}, best of {args.reps}")
-    base = rows[-1][1]
-    for name, t in rows:
-        print(f"  {name:62s} {t:7.3f} s  {t / base:5.2f}x")
+          f"{torch.get_num_threads()} thread(s), {model.device} {model.dtype}, best of {args.reps} rounds "
+          f"(per-round ratio to the last row: lowest..highest)")
+    base = times[-1]
+    for (name, _), ts in zip(rows, times):
+        per_round = [t / b for t, b in zip(ts, base)]
+        print(f"  {name:66s} {min(ts):7.3f} s  {min(ts) / min(base):5.2f}x  ({min(per_round):.2f}..{max(per_round):.2f})")
+
+
+def rounds(fns, reps: int, device: torch.device) -> list[list[float]]:
+    """Each fn's seconds in each of `reps` rounds (one call of every fn a round, after an untimed round)."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    for fn in fns:
+        fn()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, out):
+            sync(device)
+            t0 = clock()
+            fn()
+            sync(device)
+            ts.append(clock() - t0)
+    return out
 
 
 if __name__ == "__main__":

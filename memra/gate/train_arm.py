@@ -10,7 +10,7 @@
     liveness train_forwards, train_exact_tokens and train_grad_tokens advanced by exactly what was run.
 
 MEMRA_GATE_CANARY=1 builds the trainer on the plain forward (its values from the differentiable walk: matmuls
-over whole sequences, as a PyTorch trainer computes them): the e11 arm must then FAIL.
+over every row of the packing, as a PyTorch trainer computes them): the e11 arm must then FAIL.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   logprob it was sampled with, bit for bit), on a view of the sampler's model (HybridModel.with_settings: the
   same weight tensors, caches of its own). Any device: it runs the model's own kernel table.
 - "walk": the trainer's walk in the sampler's grouping (memra.train.walk), layer-major, over the weights derived
-  from the parameters. Where the model's kernel table is the reference (a CPU) it runs the sampler's very ops on
+  from the parameters, on the sampler's table's choices (TrainOps.mirror: the C kernels where MEMRA_CPU_DECODE
+  runs them). Where the model's kernel table is the reference (a CPU) it runs the sampler's very ops on
   the sampler's very forwards, so the same bits (tests/test_train.py holds it to the scorer on every fixture
   architecture); a layer's weights then stay in cache across a sequence's tokens, which makes it faster there.
 """
@@ -15,6 +16,7 @@ import torch
 
 from memra import counters
 from memra.engine.scoring import ScoreJob, score
+from memra.train.ops import TrainOps
 from memra.train.walk import Seq, Walk
 
 
@@ -37,6 +39,6 @@ def sampler_logprobs(view, seq: Seq) -> torch.Tensor:
 @torch.inference_mode()
 def walked_logprobs(model, weights: dict[str, torch.Tensor], seqs: list[Seq]) -> list[torch.Tensor]:
     """Every sequence's [L-1] logprobs from the walk in the sampler's grouping."""
-    out = Walk(model, weights).logprobs(seqs, "sampler")
+    out = Walk(model, weights, TrainOps.mirror(model.ops)).logprobs(seqs, "sampler")
     counters.bump("train_exact_tokens", sum(s.ids.numel() - 1 for s in seqs))
     return out

@@ -26,7 +26,7 @@ from torch import nn
 from memra import counters
 from memra.errors import MemraError
 from memra.train.exact import sampler_logprobs, walked_logprobs
-from memra.train.ops import SamplerValues
+from memra.train.ops import SamplerValues, TrainOps
 from memra.train.params import derive, read_checkpoint
 from memra.train.walk import Seq, Walk
 from memra.weights.update import open_source
@@ -109,7 +109,8 @@ class Trainer(nn.Module):
             return _flat(walk.logprobs(seqs, "prompt", self.checkpointing))
         if self.values == "walk" and self.grad_walk == "sampler":  # one walk: the values and their gradient
             counters.bump("train_exact_tokens", sum(s.ids.numel() - 1 for s in seqs))
-            return _flat(walk.logprobs(seqs, "sampler", self.checkpointing))
+            exact_walk = Walk(self.model, w, TrainOps.mirror(self.model.ops))  # the sampler's C kernels, if it has them
+            return _flat(exact_walk.logprobs(seqs, "sampler", self.checkpointing))
         if self.values == "walk":
             exact = _flat(walked_logprobs(self.model, {k: t.detach() for k, t in w.items()}, seqs))
         else:
