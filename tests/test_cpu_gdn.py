@@ -127,3 +127,40 @@ def test_gate_all_green_on_a_hybrid_with_the_door_open():
     before = counters.snapshot()["cpu_gdn_steps"]
     assert run_battery(model, steps=4, batch=3, mode="strict", plen=12, out=lines.append), "\n".join(lines)
     assert lines[-1].startswith("ALL GREEN") and counters.snapshot()["cpu_gdn_steps"] - before > 100
+
+
+def test_a_qwen35_gguf_with_one_value_head_a_key_head_keeps_ssm_out_packed(tmp_path):
+    """qwen35 files tile ssm_out's value-head columns; with r = 1 the tiled order is the grouped one, so
+    the loader keeps it packed (not decoded to fp32: 3.6x its bytes, read every token) with the bits of
+    the file decoded at load through the tiled twin."""
+    import shutil
+    from pathlib import Path
+
+    import transformers
+
+    from memra.convert import convert
+    from memra.kernels.split import Q8Split
+    from memra.loading.checkpoint import load
+
+    src = tmp_path / "hf"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf" / "qwen3_5", src,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg.update(dict(linear_num_value_heads=cfg.linear_num_key_heads, hidden_size=64))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    path = convert(src, tmp_path / "r1-q8_0.gguf", "q8_0")
+    packed, plain = (load(path, device="cpu", tokenizer=False, packed_weights=p) for p in (None, False))
+    wos = [k for k in packed._weights if k.endswith("gdn.wo")]
+    assert wos and all(isinstance(packed._weights[k], Q8Split) for k in wos)
+    packed = packed.with_doors(MEMRA_CPU_QDOT="0")
+    ids = list(range(10, 22))
+    ca, cb = packed.new_cache(64), plain.new_cache(64)
+    a, b = packed.prime(ids, ca), plain.prime(ids, cb)
+    assert torch.equal(a, b)
+    for _ in range(3):
+        tok = int(a.argmax())
+        ca.reserve(1)
+        cb.reserve(1)
+        a, b = packed.decode_step(tok, ca), plain.decode_step(tok, cb)
+        assert torch.equal(a, b)
