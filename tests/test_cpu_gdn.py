@@ -13,23 +13,11 @@ import pytest
 import torch
 
 from memra.kernels import cpu_gdn, cpu_qdot, decode_reference, reference
+from test_cpu_decode import decode, rnd, threads  # the dense kernels' test helpers
 
 pytestmark = pytest.mark.skipif(cpu_qdot.library() is None, reason="no C++ compiler to build the kernels")
 
 
-def rnd(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def threads(n):
-    class Threads:
-        def __enter__(self):
-            self.was = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.was)
-    return Threads()
 
 
 def inputs(r, hk, hv, dk, dv, seed=0):
@@ -86,15 +74,6 @@ def tiny_hybrid(settings, quant=None):
     torch.manual_seed(0)
     w = rm.random_weights(cfg, "cpu", torch.float32, quant=quant)
     return HybridModel(cfg, w, torch.device("cpu"), torch.float32, settings=settings)
-
-
-def decode(model, n=5, ids=(3, 1, 4, 1, 5, 9, 2, 6)):
-    cache = model.new_cache(32)
-    rows = [model.prime(list(ids), cache)]
-    for _ in range(n):
-        cache.reserve(1)
-        rows.append(model.decode_step(int(rows[-1].argmax()), cache))
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("quant", [None, "q8_0"])
