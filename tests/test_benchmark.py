@@ -342,3 +342,11 @@ def test_bench_gguf_batch_rows_are_the_b1_rows_beside_llama_cpps_batched_decode(
     assert (peer.tok_s or 0) > 0 or "pip install llama-cpp-python" in peer.error
     line = next(ln for ln in gguf_table(path, list(runs.values())).splitlines() if ln.startswith("memra ") and "  3  " in ln)
     assert line.rstrip().endswith("yes")
+
+
+def test_bench_gguf_repeats_keep_each_engines_fastest_run_and_its_spread():
+    from memra.bench.gguf_file import GgufRun, _fastest
+
+    best = _fastest([GgufRun("memra", tok_s=3.0), GgufRun("memra", tok_s=5.0), GgufRun("memra", error="killed")])
+    assert (best.tok_s, best.low, best.error) == (5.0, 3.0, None)
+    assert _fastest([GgufRun("memra", error="killed")]).error == "killed"

@@ -189,6 +189,8 @@ def add_model_parser(kinds) -> None:
                         "(default torch's)")
     p.add_argument("--batch", type=int, default=1, metavar="B",
                    help="with --gguf: also decode B rows at once, beside llama.cpp's batched decode (default 1: B=1 only)")
+    p.add_argument("--gguf-repeats", type=int, default=None, metavar="R",
+                   help="with --gguf: run each engine R times a cell, alternating, and keep the fastest (default 1)")
     p.add_argument("--omp-wait", choices=("passive", "active", "default"), default=None,
                    help="with --gguf: OMP_WAIT_POLICY of both engines' processes (default passive; 'default': inherited)")
 
@@ -229,11 +231,13 @@ def cmd_model(args: argparse.Namespace) -> int:
         from memra.bench.gguf_file import gguf_table, run_gguf_bench
 
         runs = run_gguf_bench(args.gguf, args.steps, _thread_counts(args.threads), args.batch,
-                              log=lambda line: print(line, file=sys.stderr, flush=True), omp_wait=args.omp_wait or "passive")
+                              log=lambda line: print(line, file=sys.stderr, flush=True), omp_wait=args.omp_wait or "passive",
+                              repeats=args.gguf_repeats or 1)
         print(gguf_table(args.gguf, runs))
         return 1 if any(r.error and r.engine == "memra" for r in runs) else 0
-    if args.threads is not None or args.batch != 1 or args.omp_wait is not None:
-        raise MemraError("--threads, --batch and --omp-wait go with --gguf FILE (the CPU run beside llama.cpp)")
+    if args.threads is not None or args.batch != 1 or args.omp_wait is not None or args.gguf_repeats is not None:
+        raise MemraError("--threads, --batch, --omp-wait and --gguf-repeats go with --gguf FILE (the CPU run beside "
+                         "llama.cpp)")
     from memra.bench.model_bench import run_bench  # the driver pulls in every cell's module; only this needs it
 
     report = run_bench(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
