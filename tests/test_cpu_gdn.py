@@ -143,3 +143,27 @@ def test_a_qwen35_gguf_with_one_value_head_a_key_head_keeps_ssm_out_packed(tmp_p
         cb.reserve(1)
         a, b = packed.decode_step(tok, ca), plain.decode_step(tok, cb)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0"])
+def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
+    """Eight sequences decoded together (one forward of 8 rows a step, the C GDN step over their states)
+    give each row the logits it gets decoded alone, bit for bit, for three steps."""
+    from memra import counters
+    from memra.settings import Settings
+
+    model = tiny_hybrid(Settings(cpu_decode=True), quant)
+    prompts = [[3 + i, 1, 4, 1 + i, 5, 9 - i] for i in range(8)]
+    together, alone = [model.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
+    toks = [int(model.prime(p, c).argmax()) for p, c in zip(prompts, together)]
+    for p, c in zip(prompts, alone):
+        model.prime(p, c)
+    for _ in range(3):
+        for c in together + alone:
+            c.reserve(1)
+        before = counters.snapshot()["cpu_gdn_steps"]
+        rows = model.decode_step_batch(toks, together)
+        assert counters.snapshot()["cpu_gdn_steps"] - before == 3  # one C call a GDN layer for all 8 rows
+        solo = torch.stack([model.decode_step(t, c) for t, c in zip(toks, alone)])
+        assert torch.equal(rows, solo)
+        toks = [int(r.argmax()) for r in rows]
