@@ -79,7 +79,7 @@ class Settings:
     gate_seed: int = 0
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
-    cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention and dense layers in C (cpu_decode, cpu_layer)
+    cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = False  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
@@ -177,9 +177,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_CPU_QDOT", "1", "packed GGUF linears on CPU as int8 block dot products (a C file built at first use); "
      "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
     ("MEMRA_CPU_DECODE", "0", "1 = fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) "
-     "in C, in fixed orders of their own (memra.kernels.decode_reference), and a packed dense layer's decode step in "
-     "one call (memra.kernels.cpu_layer): faster, other bits; off until memra.train's walk computes with the same "
-     "orders (E11 holds only against the torch ops)"),
+     "in C, in fixed orders of their own (memra.kernels.decode_reference), a packed dense layer's decode step in "
+     "one call (memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn): faster, "
+     "other bits; off until memra.train's walk computes with the same orders (E11 holds only against the torch ops)"),
     ("MEMRA_LINEAR_PERSISTENT", "0", "1 = on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
      "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
      "the bucket kernel's bits (memra.kernels.triton.linear_persistent); off until a GPU run shows it faster"),

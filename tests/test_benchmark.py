@@ -326,3 +326,27 @@ def test_bench_gguf_runs_memra_beside_llama_cpp_on_one_file(capsys):
         run_gguf_bench(str(FIXTURES / "gguf" / "missing.gguf"), tokens=4)
     with pytest.raises(MemraError, match="at least 2"):
         run_gguf_bench(path, tokens=1)
+
+
+def test_bench_gguf_batch_rows_are_the_b1_rows_beside_llama_cpps_batched_decode(monkeypatch):
+    """`--batch B`: B rows at once on a Qwen3.5 (hybrid) Q8_0 file, the C decode path on; memra's first row
+    has its B=1 tokens (the report's 'row 0 = B=1'), and llama.cpp's batched decode gives a rate."""
+    from memra.bench.gguf_file import gguf_table, run_gguf_bench
+
+    monkeypatch.setenv("MEMRA_CPU_DECODE", "1")
+    path = str(FIXTURES / "gguf" / "qwen3_5-q8_0.gguf")
+    runs = {(r.engine, r.batch): r for r in run_gguf_bench(path, tokens=5, threads=(1,), batch=3)}
+    solo, rows = runs[("memra", 1)], runs[("memra", 3)]
+    assert rows.error is None and rows.tok_s > 0 and len(rows.row0) == 5 and rows.row0 == solo.row0
+    peer = runs[("llama.cpp", 3)]
+    assert (peer.tok_s or 0) > 0 or "pip install llama-cpp-python" in peer.error
+    line = next(ln for ln in gguf_table(path, list(runs.values())).splitlines() if ln.startswith("memra ") and "  3  " in ln)
+    assert line.rstrip().endswith("yes")
+
+
+def test_bench_gguf_repeats_keep_each_engines_fastest_run_and_its_spread():
+    from memra.bench.gguf_file import GgufRun, _fastest
+
+    best = _fastest([GgufRun("memra", tok_s=3.0), GgufRun("memra", tok_s=5.0), GgufRun("memra", error="killed")])
+    assert (best.tok_s, best.low, best.error) == (5.0, 3.0, None)
+    assert _fastest([GgufRun("memra", error="killed")]).error == "killed"

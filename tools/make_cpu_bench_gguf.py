@@ -5,6 +5,8 @@
 Shapes (docs/PERFORMANCE.md, issue 48), each with the llama fixture's 1,024-token vocabulary:
   qwen3-300m  Qwen3: hidden 1024, 24 layers, FFN 3072, 16 heads / 8 KV heads of 64, q/k norms
   llama-507m  Llama: hidden 1536, 20 layers, FFN 4096, 12 heads / 4 KV heads of 128
+  qwen35-500m Qwen3.5 (a GDN hybrid, Qwen3.5-0.8B's layers): hidden 1024, 24 layers (every 4th full
+              attention: 8 heads / 2 KV heads of 256, gated), GDN 16 key / 16 value heads of 128, FFN 3584
 q8_0 and q4_k are `memra convert`'s; q4_k_m is llama.cpp's quantizer (llama_cpp.llama_model_quantize, from
 memra convert's f16 file: a Q6_K head and some v / down rows, as llama.cpp ships Q4_K_M), so it needs
 llama-cpp-python. Writes OUT_DIR/{shape}-{type}.gguf; an existing file is kept.
@@ -25,6 +27,10 @@ SHAPES = {
                                  num_key_value_heads=8, head_dim=64, num_hidden_layers=24)),
     "llama-507m": ("llama", dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12,
                                  num_key_value_heads=4, head_dim=128, num_hidden_layers=20)),
+    "qwen35-500m": ("qwen3_5", dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                                    num_key_value_heads=2, head_dim=256, num_hidden_layers=24,
+                                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                                    linear_value_head_dim=128, max_position_embeddings=4096)),
 }
 
 
@@ -39,7 +45,10 @@ def hf_dir(shape: str, root: Path) -> Path:
     shutil.copytree(FIXTURES / fixture, src, ignore=shutil.ignore_patterns("*.safetensors"))
     cfg = transformers.AutoConfig.from_pretrained(src)
     cfg.update(dict(dims, initializer_range=0.02))
-    if getattr(cfg, "layer_types", None):
+    if fixture == "qwen3_5":  # every 4th layer full attention; RoPE over a quarter of the head in three sections
+        cfg.layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(cfg.num_hidden_layers)]
+        cfg.rope_parameters = dict(cfg.rope_parameters, mrope_section=[11, 11, 10])
+    elif getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[0]] * cfg.num_hidden_layers
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)

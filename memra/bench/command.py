@@ -185,7 +185,15 @@ def add_model_parser(kinds) -> None:
     p.add_argument("--gguf", metavar="FILE", default=None,
                    help="instead: this GGUF on the CPU, memra (memra.LLM, B=1, --steps tokens) beside llama.cpp "
                         "where llama_cpp is importable: load time, resident memory against the file size, decode tok/s")
-    p.add_argument("--threads", type=int, default=None, help="with --gguf: CPU threads for both (default torch's)")
+    p.add_argument("--threads", default=None, metavar="N[,N...]",
+                   help="with --gguf: CPU threads for both engines, one run per count, 'all' = every core "
+                        "(default torch's)")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="with --gguf: also decode B rows at once, beside llama.cpp's batched decode (default 1: B=1 only)")
+    p.add_argument("--gguf-repeats", type=int, default=None, metavar="R",
+                   help="with --gguf: run each engine R times a cell, alternating, and keep the fastest (default 1)")
+    p.add_argument("--omp-wait", choices=("passive", "active", "default"), default=None,
+                   help="with --gguf: OMP_WAIT_POLICY of both engines' processes (default passive; 'default': inherited)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -200,14 +208,37 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        seed=args.seed, json_path=args.json)
 
 
+def _thread_counts(spec: str | None) -> tuple[int, ...] | None:
+    """--threads '1,2,all' -> (1, 2, cores); None: the bench's default."""
+    if spec is None:
+        return None
+    import os
+
+    counts = []
+    for word in spec.split(","):
+        word = word.strip()
+        if word == "all":
+            counts.append(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        elif word.isdigit() and int(word) > 0:
+            counts.append(int(word))
+        else:
+            raise MemraError(f"--threads: {word!r} is not a positive count or 'all'")
+    return tuple(dict.fromkeys(counts))
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     """Exit 0 when every cell ran or was skipped for the budget; 1 when any failed."""
     if args.gguf:
         from memra.bench.gguf_file import gguf_table, run_gguf_bench
 
-        runs = run_gguf_bench(args.gguf, args.steps, args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+        runs = run_gguf_bench(args.gguf, args.steps, _thread_counts(args.threads), args.batch,
+                              log=lambda line: print(line, file=sys.stderr, flush=True), omp_wait=args.omp_wait or "passive",
+                              repeats=args.gguf_repeats or 1)
         print(gguf_table(args.gguf, runs))
         return 1 if any(r.error and r.engine == "memra" for r in runs) else 0
+    if args.threads is not None or args.batch != 1 or args.omp_wait is not None or args.gguf_repeats is not None:
+        raise MemraError("--threads, --batch, --omp-wait and --gguf-repeats go with --gguf FILE (the CPU run beside "
+                         "llama.cpp)")
     from memra.bench.model_bench import run_bench  # the driver pulls in every cell's module; only this needs it
 
     report = run_bench(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -54,6 +54,8 @@ _SIGNATURES = {
                            ctypes.c_float, _p, _int, _int], None),
     "memra_rms_rows": ([_p, _p, _p, _p, _i64, _i64, ctypes.c_float, _p, _int], None),
     "memra_silu_mul_rows": ([_p, _i64, _i64, _p, _int], None),
+    "memra_gdn_heads_rows": ([_p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, _p, _p, _int], None),
+    "memra_delta_rows": ([_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _int], None),
     "memra_decode_layer": ([_p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _int, _int], None),
 }
 

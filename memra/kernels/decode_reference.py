@@ -3,6 +3,8 @@ arithmetic, bit for bit.
 
   RMSNorm of a row x [n]: ss = tree8 of eight lanes of x_i * x_i, r = 1 / sqrt(ss / n + eps), y = w * (x * r).
   SwiGLU: e = exp_neg(-|g|), s = g >= 0 ? 1 / (1 + e) : e / (1 + e), y = (g * s) * u.
+  GDN's q / k norm and one token of the gated delta rule (memra.kernels.cpu_gdn): gdn_heads_rows and
+  delta_rule_step below.
 
 Decode attention on CPU is one query per head over a paged prefix. Its torch form (reference.
 paged_decode_attention) gathers the prefix, repeats each KV head over its query heads and leaves the
@@ -123,3 +125,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     d = 1 + e
     s = torch.where(g >= 0, 1 / d, e / d)
     return (g * s) * u
+
+
+def l2norm(x: torch.Tensor, eps: float, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] / sqrt(lanes8(x, x) + eps), then * mul (GDN's q scale)."""
+    y = x * (1 / sqrt(lanes8(x, x) + _f(eps)))[..., None]
+    return y if mul is None else y * mul
+
+
+def gdn_heads_rows(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, eps: float = 1e-6):
+    """mixed [N, C] (q | k | v) -> q, k [N, Hv, Dk]: each key head l2-normed (q times fp32 Dk^-0.5), then
+    repeated over its Hv / Hk value heads (grouped: value head h reads key head h // (Hv / Hk))."""
+    n, key_dim = mixed.shape[0], n_k_heads * dk
+    q = l2norm(mixed[:, :key_dim].reshape(n, n_k_heads, dk), eps, _f(dk ** -0.5))
+    k = l2norm(mixed[:, key_dim : 2 * key_dim].reshape(n, n_k_heads, dk), eps)
+    ratio = n_v_heads // n_k_heads
+    return q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+
+
+def delta_rule_step(q, k, v, beta, g, s):
+    """One token of the delta rule in the kernel's order: q, k [..., Dk], v [..., Dv], beta, g [...],
+    s [..., Dk, Dv] -> (o [..., Dv], new s). e = exp_neg(g); over i = 0..Dk-1 in order S_i = S_i * e and
+    m = m + S_i * k_i; d = (v - m) * beta; over i in order S_i = S_i + k_i * d and o = o + S_i * q_i."""
+    s = s * exp_neg(g)[..., None, None]
+    m = torch.zeros_like(v)
+    for i in range(q.shape[-1]):
+        m = m + s[..., i, :] * k[..., i, None]
+    d = (v - m) * beta[..., None]
+    s = s + k[..., :, None] * d[..., None, :]
+    o = torch.zeros_like(v)
+    for i in range(q.shape[-1]):
+        o = o + s[..., i, :] * q[..., i, None]
+    return o, s

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.kernels import cpu_decode, cpu_qdot, quant, reference, split
+from memra.kernels import cpu_decode, cpu_gdn, cpu_qdot, quant, reference, split
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
@@ -270,19 +270,38 @@ class KernelTable:
         every GDN path of a model then shares."""
         if self._triton_on(mixed):
             return _gdn_heads_triton().gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
+        if self._cpu_gdn(mixed, dk):  # q / k in C (cpu_gdn), v and the gates as the reference makes them
+            q, k = cpu_gdn.heads_rows(mixed, n_k_heads, n_v_heads, dk)
+            v = mixed[:, 2 * n_k_heads * dk:].reshape(mixed.shape[0], n_v_heads, dv).float()
+            return (q, k, v, *reference.gdn_gates(b, a, a_neg, dt_bias))
         return reference.gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
+
+    def _cpu_gdn(self, x, dk) -> bool:
+        """GDN's q / k norms and its delta-rule steps in C (memra.kernels.cpu_gdn): CPU, MEMRA_CPU_DECODE, fp32.
+        Decided by the model's dtype and head size, so every recurrent path of a model takes the same kernels."""
+        return self._cpu_ops(x) and cpu_gdn.supports(x, dk)
 
     def gated_rms_norm(self, o, z, w, eps):
         return self._impl(z).gated_rms_norm(o, z, w, eps)
 
     def delta_rule_step(self, q, k, v, beta, g, s):
+        if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # one C call, on a copy of the states
+            new = s.contiguous().clone()
+            lead = q.shape[:-2]
+            o = cpu_gdn.step_rows(*(t.reshape(-1, *t.shape[len(lead):]) for t in (q, k, v, beta, g)),
+                                  new.view(-1, *s.shape[-3:]))
+            return o.view(*lead, *o.shape[1:]), new
         return self._impl(q).delta_rule_step(q, k, v, beta, g, s)
 
     def delta_rule_step_into(self, q, k, v, beta, g, pool, slots):
         """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool."""
+        if self._cpu_gdn(q, q.shape[-1]) and pool.dtype == torch.float32 and pool.is_contiguous():
+            return cpu_gdn.step_rows(q, k, v, beta, g, pool, slots)
         return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
     def delta_rule_scan(self, q, k, v, beta, g, s):
+        if self._cpu_gdn(q, q.shape[-1]):  # decode's own step, token after token (a verify's tokens share its bits)
+            return reference.delta_rule_scan(q, k, v, beta, g, s, step=self.delta_rule_step)
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
     def _chunked_gdn(self, q):
@@ -299,6 +318,11 @@ class KernelTable:
         return self._chunked_gdn(q).gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
 
     def gdn_recurrent(self, q, k, v, beta, g, state):
+        if self._cpu_gdn(q, q.shape[-1]) and state.dtype == torch.float32 and state.is_contiguous():
+            # B=1 decode: the state stepped where it lies, token by token (the caller's copy_ is then a no-op)
+            outs = [cpu_gdn.step_rows(q[t:t + 1], k[t:t + 1], v[t:t + 1], beta[t:t + 1], g[t:t + 1], state[None])
+                    for t in range(q.shape[0])]
+            return torch.cat(outs), state
         return reference.gdn_recurrent(q, k, v, beta, g, state, step=self.delta_rule_step)
 
     def paged_attention_rows(self, q, k_pool, v_pool, rows, starts, lens, scale, max_len=None):

@@ -174,9 +174,11 @@ class GgufNames:
         conv = self.get(p + "ssm_conv1d.weight", (g.conv_dim, g.conv_kernel), why)
         a_neg = self.get(p + "ssm_a", (nv,), why).float()
         dt_bias = self.get(p + "ssm_dt.bias", (nv,), why).float()
-        # qwen35 reorders ssm_out's columns: decoded at load (a packed row holds all of a row's columns)
-        wo = (self.get if self.tiled_v else self.proj)(p + "ssm_out.weight", (e, g.value_dim), why)
-        if self.tiled_v:
+        # qwen35 reorders ssm_out's columns: decoded at load (a packed row holds all of a row's columns),
+        # unless there is one value head a key head (r = 1: tiled and grouped orders are the same)
+        moved = self.tiled_v and r > 1
+        wo = (self.get if moved else self.proj)(p + "ssm_out.weight", (e, g.value_dim), why)
+        if moved:
             qk_rows = 2 * g.key_dim
             untile = lambda t: untile_value_heads(t, 0, nk, r)  # noqa: E731
             qkv = cat_rows([rows(qkv, lambda t: t[:qk_rows]), rows(qkv, lambda t: untile(t[qk_rows:]))])

@@ -19,6 +19,11 @@
 // RMSNorm of a row x [n] (n a multiple of 8): ss = tree8 of eight lanes of x_i * x_i (as the scores),
 //   r = 1 / sqrt(ss / n + eps), y_i = w_i * (x_i * r).
 // SwiGLU: gate g, up u: e = exp_neg(-|g|), s = g >= 0 ? 1 / (1 + e) : e / (1 + e), y = (g * s) * u.
+// GDN (Gated DeltaNet) decode, per token: q, k of each key head l2-normed (ss = tree8 of eight lanes of x_i^2,
+//   r = 1 / sqrt(ss + eps), y_i = x_i * r, q's then * scale) and repeated over its value heads by index;
+//   per value head h with state S [Dk, Dv]: e = exp_neg(g), then for i = 0..Dk-1 in order
+//   S_i = S_i * e, m = m + S_i * k_i (m from 0); d = (v - m) * beta; then for i in order
+//   S_i = S_i + k_i * d, o = o + S_i * q_i (o from 0). Threads split (row, head) pairs only.
 // No FMA anywhere (built with -ffp-contract=off): each product is rounded, then each sum.
 
 #include <immintrin.h>
@@ -164,6 +169,45 @@ void rms_row(const float* x, const float* w, int64_t n, float eps, float* y, boo
   for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
 }
 
+
+// x [D] -> y [D]: x / sqrt(tree8 lanes of x^2 + eps), times mul unless mul is 1 (GDN's q and k).
+void l2norm(const float* x, int64_t D, float eps, float mul, float* y, bool avx2) {
+  float ss = avx2 ? dot_avx2(x, x, D) : dot_scalar(x, x, D);
+  float r = 1.0f / sqrtf(ss + eps);
+  for (int64_t i = 0; i < D; i++) y[i] = x[i] * r;
+  if (mul != 1.0f)
+    for (int64_t i = 0; i < D; i++) y[i] = y[i] * mul;
+}
+
+// One value head's delta-rule step, state S [Dk, Dv] in place; m [Dv] scratch -> o [Dv]. Elementwise over
+// the Dv lanes (the compiler's vectors do not reorder anything), in order over Dk.
+__attribute__((target_clones("avx2", "default")))
+void delta_head(float* S, const float* q, const float* k, const float* v, float beta, float g, int64_t Dk,
+                int64_t Dv, float* m, float* o) {
+  const float e = exp_neg(g);
+  for (int64_t j = 0; j < Dv; j++) m[j] = 0.0f;
+  for (int64_t i = 0; i < Dk; i++) {
+    float* row = S + i * Dv;
+    const float ki = k[i];
+    for (int64_t j = 0; j < Dv; j++) {
+      float s = row[j] * e;
+      row[j] = s;
+      m[j] = m[j] + s * ki;
+    }
+  }
+  for (int64_t j = 0; j < Dv; j++) m[j] = (v[j] - m[j]) * beta;
+  for (int64_t j = 0; j < Dv; j++) o[j] = 0.0f;
+  for (int64_t i = 0; i < Dk; i++) {
+    float* row = S + i * Dv;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < Dv; j++) {
+      float s = row[j] + ki * m[j];
+      row[j] = s;
+      o[j] = o[j] + s * qi;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -228,6 +272,44 @@ void memra_attend_rows(const float* q, int64_t R, int64_t Hq, int64_t Hkv, int64
     const int64_t* rows = starts ? read_rows + starts[r] : read_rows;
     attend_head(qh, k_pool + (h / group) * D, v_pool + (h / group) * D, rows, lens ? lens[r] : S, stride, D, scale,
                 out + i * D, avx2 != 0);
+  }
+}
+
+
+// GDN's q and k: mixed [N, C] conv outputs (q | k | v, C >= 2 * Hk * Dk) -> q, k [N, Hv, Dk], each key head
+// l2-normed (q also * scale) and written to its Hv / Hk value heads (value head h reads key head h / (Hv / Hk)).
+void memra_gdn_heads_rows(const float* mixed, int64_t N, int64_t C, int64_t Hk, int64_t Hv, int64_t Dk, float eps,
+                          float scale, float* q, float* k, int avx2) {
+  const int64_t ratio = Hv / Hk;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t g = 0; g < Hk; g++) {
+      float* qd = q + (n * Hv + g * ratio) * Dk;
+      float* kd = k + (n * Hv + g * ratio) * Dk;
+      l2norm(mixed + n * C + g * Dk, Dk, eps, scale, qd, avx2 != 0);
+      l2norm(mixed + n * C + (Hk + g) * Dk, Dk, eps, 1.0f, kd, avx2 != 0);
+      for (int64_t j = 1; j < ratio; j++) {
+        memcpy(qd + j * Dk, qd, Dk * sizeof(float));
+        memcpy(kd + j * Dk, kd, Dk * sizeof(float));
+      }
+    }
+}
+
+// One token of the delta rule for R rows: q, k [R, H, Dk], v [R, H, Dv], beta, g [R, H]; row r's state is
+// states + slots[r] * H * Dk * Dv (slots null: slot r), [H, Dk, Dv], stepped in place -> o [R, H, Dv].
+void memra_delta_rows(const float* q, const float* k, const float* v, const float* beta, const float* g,
+                      float* states, const int64_t* slots, int64_t R, int64_t H, int64_t Dk, int64_t Dv, float* o,
+                      int nthreads) {
+  const int64_t pairs = R * H;
+  const int threads = pairs < nthreads ? (int)pairs : nthreads;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+  {
+    std::vector<float> m(Dv);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pairs; i++) {
+      const int64_t r = i / H, h = i % H;
+      float* S = states + ((slots ? slots[r] : r) * H + h) * Dk * Dv;
+      delta_head(S, q + i * Dk, k + i * Dk, v + i * Dv, beta[i], g[i], Dk, Dv, m.data(), o + i * Dv);
+    }
   }
 }
 

@@ -1,0 +1,53 @@
+"""GDN's decode step on CPU in C (memra/kernels/cpu/decode.cpp, in cpu_qdot's library), behind MEMRA_CPU_DECODE.
+
+The torch form of one token of the gated delta rule (reference.delta_rule_step) is five ops over the state
+[H, Dk, Dv] plus the l2 norms and head repeat of gdn_heads: on a small hybrid each is a few microseconds of
+dispatch over a few KB. Here q / k's norms are one call (heads_rows) and the delta rule one call for every
+row and head of a layer (step_rows), the state stepped where it lies (a sequence's cache or a pool slot).
+The orders are decode_reference's (gdn_heads_rows, delta_rule_step), so a row's bits depend on its own
+inputs and state alone: not on the batch, the rows beside it or the thread count. Every recurrent path of a
+model (a decode step, a batch of them, a verify's scan) runs these same two calls, so they share bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memra import counters
+from memra.kernels import cpu_qdot
+
+
+def supports(x: torch.Tensor, dk: int) -> bool:
+    """fp32 on CPU with key heads a multiple of 8 wide (the norm's eight lanes)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and dk % 8 == 0 and x.numel() > 0
+
+
+def heads_rows(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, eps: float = 1e-6):
+    """mixed [N, C] (q | k | v conv outputs) -> q, k [N, Hv, Dk]: l2-normed, q * Dk^-0.5, each key head
+    on its value heads (decode_reference.gdn_heads_rows' bits)."""
+    lib = cpu_qdot.library()
+    mixed = mixed.contiguous()
+    n = mixed.shape[0]
+    q, k = torch.empty(n, n_v_heads, dk), torch.empty(n, n_v_heads, dk)
+    lib.memra_gdn_heads_rows(mixed.data_ptr(), n, mixed.shape[1], n_k_heads, n_v_heads, dk, eps,
+                             float(torch.tensor(dk ** -0.5, dtype=torch.float32)), q.data_ptr(), k.data_ptr(),
+                             lib.avx2)
+    return q, k
+
+
+def step_rows(q, k, v, beta, g, states: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One token of the delta rule, the states stepped in place: q, k [R, H, Dk], v [R, H, Dv], beta, g
+    [R, H] fp32; states [R, H, Dk, Dv] (slots None) or a pool [slots, H, Dk, Dv] read at slots [R] ->
+    o [R, H, Dv] (decode_reference.delta_rule_step's bits)."""
+    lib = cpu_qdot.library()
+    r, h, dk = q.shape
+    dv = v.shape[-1]
+    assert states.is_contiguous() and states.dtype == torch.float32 and states.shape[-3:] == (h, dk, dv)
+    q, k, v, beta, g = (t.float().contiguous() for t in (q, k, v, beta, g))
+    slots = None if slots is None else slots.to(torch.int64).contiguous()
+    o = torch.empty(r, h, dv)
+    lib.memra_delta_rows(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), g.data_ptr(), states.data_ptr(),
+                         None if slots is None else slots.data_ptr(), r, h, dk, dv, o.data_ptr(),
+                         torch.get_num_threads())
+    counters.bump("cpu_gdn_steps")
+    return o
