@@ -8,7 +8,8 @@ rebinds it to the new tensor (autograd keeps every version it needs), and the op
 the reference op that the pool-backed path calls, on the same values.
 
 Where the sampler's table runs the CPU's C kernels (MEMRA_CPU_DECODE: RMSNorm and SwiGLU over any rows, a
-generated token's decode attention), `TrainOps.mirror(model.ops)` runs them too, so the walk in the sampler's
+generated token's decode attention, GDN's q / k norms and a generated token's delta-rule step),
+`TrainOps.mirror(model.ops)` runs them too, so the walk in the sampler's
 grouping gives the sampler's bits: each through `CKernel`, whose forward is the C call itself and whose backward
 is the gradient of the op's torch form (reference), recomputed (the two agree to fp32 rounding:
 memra.kernels.decode_reference).
@@ -20,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from memra.kernels import cpu_decode, reference
+from memra.kernels import cpu_decode, cpu_gdn, reference
 from memra.kernels.cuts import window_start
 from memra.kernels.table import KernelTable
 
@@ -170,8 +171,25 @@ class TrainOps(KernelTable):
     def gdn_prefill(self, q, k, v, beta, g, state, pos0):
         return reference.gdn_prefill(q, k, v, beta, g, state.t, pos0)
 
+    def gdn_heads(self, mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv):
+        """As the sampler's table: q / k normed in C where it runs them (every token, prompts too), v and the
+        gates in torch."""
+        if not self._cpu_gdn(mixed, dk):
+            return reference.gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
+        q, k = _c(lambda m: cpu_gdn.heads_rows(m, n_k_heads, n_v_heads, dk),
+                  lambda m: reference.gdn_heads(m, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)[:2], mixed)
+        v = mixed[:, 2 * n_k_heads * dk:].reshape(mixed.shape[0], n_v_heads, dv).float()
+        return (q, k, v, *reference.gdn_gates(b, a, a_neg, dt_bias))
+
+    def delta_rule_step(self, q, k, v, beta, g, s):
+        """A generated token's delta-rule step: the sampler's C step where it runs it (on a copy of the state;
+        KernelTable.delta_rule_step), with the torch step's gradient."""
+        if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:
+            return _c(lambda *xs: KernelTable.delta_rule_step(self, *xs), reference.delta_rule_step, q, k, v, beta, g, s)
+        return reference.delta_rule_step(q, k, v, beta, g, s)
+
     def gdn_recurrent(self, q, k, v, beta, g, state):
-        return reference.gdn_recurrent(q, k, v, beta, g, state.t)
+        return reference.gdn_recurrent(q, k, v, beta, g, state.t, step=self.delta_rule_step)
 
 
 class SamplerValues(torch.autograd.Function):
