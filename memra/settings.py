@@ -179,7 +179,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_CPU_DECODE", "0", "1 = fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) "
      "in C, in fixed orders of their own (memra.kernels.decode_reference), a packed dense layer's decode step in "
      "one call (memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn): faster, "
-     "other bits; off until memra.train's walk computes with the same orders (E11 holds only against the torch ops)"),
+     "other bits; memra.train's walk mirrors them (E11 holds with it on); off by default until the suite's "
+     "comparisons of two kernel paths (GGUF-packed with HF-rounded weights, windowed with global attention, the "
+     "pipeline's dual-wave liveness) hold with it on"),
     ("MEMRA_LINEAR_PERSISTENT", "0", "1 = on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
      "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
      "the bucket kernel's bits (memra.kernels.triton.linear_persistent); off until a GPU run shows it faster"),
