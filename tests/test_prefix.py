@@ -239,3 +239,25 @@ def test_speculating_requests_with_the_cache_keep_their_tokens(demo, method):
     live = counters.delta(before)
     assert live["spec_verify_forwards"] > 0
     assert (live["prefix_cached_tokens"] > 0) == (method == "ngram")
+
+
+def test_waiting_lookups_compare_only_primes_that_share_a_first_page(demo, monkeypatch):
+    """Issue 45: with many requests waiting and primes in flight, every step's lookups compared each waiting
+    request with every prime ahead of it (O(waiting x primes) a step: 30-50 ms before a mixed step at 512
+    rows). Only a prime with the same first page can hold a request, so only those are compared; the shared
+    prompt is still held for the prime in flight and served from it, and every answer is the cold engine's."""
+    import memra.prefix.serving as serving
+
+    vocab, calls = demo.cfg.vocab_size, []
+    shared = _tokens(128, 7, vocab)
+    reqs = [(_tokens(100, 100 + k, vocab), SamplingParams(temperature=0.0, max_tokens=2)) for k in range(24)]
+    reqs[3:3] = [(shared + _tokens(8, 1, vocab), SamplingParams(temperature=0.0, max_tokens=2)),
+                 (shared + _tokens(8, 2, vocab), SamplingParams(temperature=0.0, max_tokens=2))]
+    cfg = dict(max_batch=32, max_ctx=256, prefill_budget=64)
+    cold = run_requests(Engine(demo, EngineConfig(prefix_caching=False, **cfg)), reqs)
+    common = serving._common_pages
+    monkeypatch.setattr(serving, "_common_pages", lambda a, b: calls.append(1) or common(a, b))
+    warm = run_requests(Engine(demo, EngineConfig(**cfg)), reqs)
+    assert [g[0] for g in warm] == [g[0] for g in cold]
+    assert warm[4][3] == 128  # the second sharer waited for the first's prime and resumed from its pages
+    assert 0 < len(calls) <= 10  # the sharers' group only (every waiting x every prime: hundreds)

@@ -12,6 +12,8 @@ identical prompts): it starts prefilled, sampling its first token from the same 
 
 from __future__ import annotations
 
+from itertools import islice
+
 from memra.engine.scheduled import Status
 
 
@@ -21,7 +23,7 @@ class PrefixHooks:
     def waiting_head(self) -> list[str]:
         """The WAITING rids that could start this step, in queue order (as many as places are free)."""
         places = max(0, self.cfg.max_admitted - self.num_running())
-        return [self._waiting[i] for i in range(min(places, len(self._waiting)))]
+        return list(islice(self._waiting, places))  # a deque's index is O(i): walking it so was O(places^2)
 
     def set_cached(self, rid: str, cached: int, stops: tuple[int, ...], held: bool) -> None:
         seq = self._seqs[rid]

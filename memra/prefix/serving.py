@@ -95,20 +95,26 @@ class PrefixCache:
     def offer(self, scheduler, seqs: dict) -> None:
         """Tell the scheduler how much of each request that could start now is cached, where its chunks stop,
         and whether it waits for a prime in flight."""
-        earlier = [s for s in seqs.values() if s.cache is not None and s.prefix is not None
-                   and s.prefix.node is not None and s.cache.pos < len(s.prompt)]
+        # The primes in flight or queued ahead, by first page: only one that shares a request's first page
+        # (or, under a page, its whole prompt) can hold it, so a lookup walks its own group, not every prime:
+        # with hundreds waiting and primes in flight, every step's lookups were O(waiting x primes).
+        earlier: dict[tuple, list] = {}
+        for s in seqs.values():
+            if s.cache is not None and s.prefix is not None and s.prefix.node is not None and s.cache.pos < len(s.prompt):
+                earlier.setdefault(_group(s), []).append(s)
         blocked = False  # admission stops at the first held request: the ones behind it start no prime now
         for rid in scheduler.waiting_head():
             s = seqs[rid]
             st = s.prefix = s.prefix or PrefixState(pages_of(s.prompt))
             if st.version != self.tree.version or st.held or blocked:
-                self._look_up(s, st, earlier, scheduler)
+                self._look_up(s, st, earlier.get(_group(s), ()), scheduler)
                 scheduler.set_cached(rid, st.cut, tuple(sorted(st.stops)), st.held)
             blocked = blocked or st.held
             if not blocked and not self.whole_prime(s):  # one that adds no page serves nobody: nobody waits for it
-                earlier.append(s)
+                earlier.setdefault(_group(s), []).append(s)
 
-    def _look_up(self, s, st: PrefixState, earlier: list, scheduler) -> None:
+    def _look_up(self, s, st: PrefixState, earlier, scheduler) -> None:
+        """`earlier`: the primes ahead of `s` in its group (_group), oldest first."""
         if self.whole_prime(s):
             st.version, st.held, st.stops = self.tree.version, False, frozenset()
             return
@@ -225,6 +231,12 @@ class PrefixCache:
 
     def hit_rate(self) -> float:
         return self.served / self.queried if self.queried else 0.0
+
+
+def _group(s) -> tuple:
+    """What a prime must share with a request to hold it: its first page (a shared prefix of a page or more),
+    or, for a prompt under a page, the prompt itself (only its very twin holds it)."""
+    return s.prefix.pages[0] if s.prefix.pages else tuple(s.prompt)
 
 
 def _common_pages(a: list, b: list) -> int:
