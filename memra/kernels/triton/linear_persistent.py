@@ -149,6 +149,7 @@ def persistent_config(elem_bytes: int = 2) -> tuple[int, int, int, int, int, int
     return PERSISTENT_CONFIG
 
 
+@functools.cache  # a launch's variant is one of a handful: decided once, looked up after
 def fit_shared_memory(config: tuple, elem_bytes: int, residual: bool, swiglu: bool) -> tuple:
     """`config` for one variant on the GPU: SwiGLU's halves take half the columns each; then the epilogue in
     column halves, fewer stages, narrower tiles, in that order, until the pipelined operand tiles and the
