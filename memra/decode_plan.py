@@ -25,10 +25,13 @@ import warnings
 
 import torch
 
+from memra.cache import BLOCK_SIZE
 from memra.kernels.exact import ExactnessError, platform_report
+from memra.pools import ModelPools
 from memra.runner.bodies import decode_stacked
 
 BUCKET = 64
+CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:
@@ -80,12 +83,23 @@ def settle_plan(model) -> None:
     if not model.settings.exact:
         return
     before = set(model._pools)
+    if () not in model._pools:
+        model._pools[()] = check_pools(model)
     decode_plan(model)
     made = [key for key in model._pools if key not in before]
     for key in made:
         del model._pools[key]
     if made and model.device.type == "cuda":
         torch.cuda.empty_cache()  # the freed pools, back to the driver: the engine sizes itself from what is free
+
+
+def check_pools(model) -> ModelPools:
+    """Pools for the plan check alone, sized for the sequences it holds at once (an arrangement's caches and
+    a bucket's pad rows), not from the model's KV budget: a budget meant for a few contexts (a small
+    --kv-memory) holds fewer recurrent slots than the check opens, and the check would stop the engine."""
+    per_sequence = -(-32 // BLOCK_SIZE) + 1  # verify_plan's caches hold 32 tokens; one block of slack
+    return ModelPools(model.cfg, model.dtype, model.device, budget_bytes=1 << 62, max_slots=CHECK_SEQUENCES,
+                      max_blocks=CHECK_SEQUENCES * per_sequence, first_tokens=BLOCK_SIZE)
 
 
 def pad_caches(model, n: int):
