@@ -112,7 +112,9 @@ class StaticDecode:
         self.model, self.kv, self.rec, self.bucket, self.nb = model, kv, rec, bucket, nb
         dev = model.device
         self.args = torch.zeros(bucket, 3 + nb, dtype=torch.long, device=dev)
-        self.logits = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        if bucket not in model.decode_logits:  # shared by the bucket's table widths: cloned out after each replay
+            model.decode_logits[bucket] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = model.decode_logits[bucket]
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
         self.starts = torch.arange(bucket, device=dev) * (nb * BLOCK_SIZE)  # row r's prefix in the flat rows
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -143,7 +145,9 @@ class StaticDecode:
     def run(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> torch.Tensor:
         """The step for these rows -> their logits [B, V], replayed (or first captured: run_static)."""
         self.fill(ids, caches, scratch)
-        run_static(self)
+        if self.model.device.type == "cuda" and self.model.decode_graph_pool is None:
+            self.model.decode_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
+        run_static(self, self.model.decode_graph_pool)
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
 
 
@@ -264,7 +268,10 @@ def drop_graphs(model, kv: KvPool, rec: RecurrentPool | None) -> None:
         for key in [k for k in store if (k.kv, k.rec) == (id(kv), id(rec) if rec is not None else None)]:
             del store[key]
     model.graph_scratch.pop((id(kv), id(rec)), None)
-    if not model.mixed_graphs:  # the shared logits buffers and memory pool of the mixed steps: none left to use them
+    if not model.decode_graphs:  # the shared logits buffers and memory pool of the decode steps: none left to use them
+        model.decode_logits.clear()
+        model.decode_graph_pool = None
+    if not model.mixed_graphs:  # the same for the mixed steps
         model.mixed_logits.clear()
         model.mixed_graph_pool = None
 

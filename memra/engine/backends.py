@@ -75,6 +75,10 @@ class InProcess:
         try:
             self.model.prime_batch([[1]] * rows, caches)
             for n in sizes:
+                if caches[0].pos + 1 >= max_ctx:  # a short max_ctx (fewer positions than buckets): start them over
+                    for c in caches:
+                        c.reset()
+                    self.model.prime_batch([[1]] * rows, caches)
                 self.model.decode_step_batch([1] * n, caches[:n])
             if full_width_pass(max_ctx, len(sizes)):
                 self.model.prime([1] * ATTN_SPLIT, caches[0])  # a row past one split: the graphs of the full width

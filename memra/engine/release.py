@@ -1,7 +1,7 @@
 """Giving an engine's device memory back: memra.LLM.close(), its context manager and its finalizer (Releasing).
 
 What an LLM holds on its device: the model's weights (when the LLM loaded them), the engine's KV and
-recurrent pools, and the captured steps over those pools (memra.graphs), each with its memory pool. The
+recurrent pools, and the captured steps over those pools (memra.graphs) with the memory pools they share. The
 model and the engine sit in reference cycles (the executor and the model name each other; the engine and
 its scoring jobs too), so dropping the last name of an LLM leaves them to Python's cycle collector, which
 may not run before the next LLM asks for the same memory. Closing breaks that: the engine shuts down
