@@ -34,10 +34,23 @@ def test_config_refuses_a_bad_prefill_budget(kwargs):
         SchedulerConfig(**kwargs)
 
 
-@pytest.mark.parametrize("bad", [0, 32, 64.0])
+@pytest.mark.parametrize("bad", [-64, 32, 64.0])
 def test_the_engine_config_refuses_a_bad_prefill_budget(bad):
     with pytest.raises(MemraError, match="prefill_budget"):
         EngineConfig(prefill_budget=bad)
+
+
+def test_the_default_budget_is_split_only_where_mixed_steps_are_captured():
+    """EngineConfig.split_budget: None (the default) is the largest captured mixed step's prompt bucket for a
+    wide batch whose mixed steps are graphs, else shared; 0 is shared everywhere; a number is itself."""
+    from memra.engine.types import MIXED_PROMPT_TOKENS
+    from memra.mixed_graphs import MIXED_TOKENS
+
+    assert MIXED_PROMPT_TOKENS == MIXED_TOKENS[-1] == 512
+    wide, narrow = EngineConfig(max_batch=256), EngineConfig(max_batch=128)
+    assert wide.split_budget(True) == 512 and wide.split_budget(False) is None and narrow.split_budget(True) is None
+    assert EngineConfig(max_batch=256, prefill_budget=0).split_budget(True) is None
+    assert EngineConfig(prefill_budget=128).split_budget(False) == 128
 
 
 def test_shared_budget_starves_prefill_under_wide_decode_and_the_split_one_does_not():

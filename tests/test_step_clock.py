@@ -70,13 +70,14 @@ def test_auto_max_batch_is_the_largest_bucket_the_budget_holds():
 
 
 def test_variants_parse_and_run_on_one_model_into_one_table(capsys):
-    assert parse_variants("256, 256/512,auto/512 ,auto") == [(256, None), (256, 512), ("auto", 512), ("auto", None)]
-    for bad in ("", "0", "x/512", "256/0", "256/-4", "-1"):
+    assert parse_variants("256, 256/512,auto/512 ,auto,256/0") == [(256, None), (256, 512), ("auto", 512), ("auto", None),
+                                                                   (256, 0)]
+    for bad in ("", "0", "x/512", "256/-4", "-1"):
         with pytest.raises(MemraError, match="--variants"):
             parse_variants(bad)
     cfg = ThroughputConfig(model="demo", num_prompts=6, input_len=70, output_len=5, device=DEVICE, check=1)
     reports = run_variants(cfg, [(2, None), (4, 64)], log=lambda line: None)
-    assert [(r.max_batch, r.prefill_budget) for r in reports] == [(2, None), (4, 64)]
+    assert [(r.max_batch, r.prefill_budget) for r in reports] == [(2, None), (4, 64)]  # 2 rows: shared by default
     assert all(r.output_tokens == 30 and r.check_failures == [] and r.length_failures == 0 for r in reports)
     for r in reports:  # the counters of the timed run: no graphs off CUDA
         assert r.captures == 0 and 0 <= r.one_forward <= r.steps["mixed"]["steps"]
@@ -143,11 +144,13 @@ def test_no_mixed_graph_is_captured_mid_run_when_the_pool_holds_few_contexts():
     from memra.pools import KvBudget
 
     probe = memra.LLM("demo", device="cuda", max_batch=1, max_ctx=256, warm_up=False)
-    block = probe.engine.backend.kv.block_bytes
+    block, slot = probe.engine.backend.kv.block_bytes, probe.engine.backend.rec.slot_bytes
     probe.close()
     # 150 blocks: room for 9 whole 256-token contexts (the old bound: mixed graphs up to 8 rows), and for
-    # 16 rows of short sequences, which start while others decode (mixed steps of up to 16 rows)
-    llm = memra.LLM("demo", device="cuda", max_batch=16, max_ctx=256, kv_budget=KvBudget(gib=151 * block / (1 << 30)))
+    # 16 rows of short sequences, which start while others decode (mixed steps of up to 16 rows); beside
+    # them the recurrent slots of 16 rows and the scratch row (no prefix snapshots: caching off)
+    budget = KvBudget(gib=(151 * block + 17 * slot) / (1 << 30))
+    llm = memra.LLM("demo", device="cuda", max_batch=16, max_ctx=256, kv_budget=budget, enable_prefix_caching=False)
     assert llm.engine.backend.blocks * 16 // 256 < 16
     before = counters.snapshot()
     prompts = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 9)] for i in range(40)]

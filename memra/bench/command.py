@@ -274,11 +274,12 @@ def add_throughput_parser(kinds) -> None:
                    help="sequences decoded at once, or auto: the largest graph bucket whose sequences (the "
                         "workload's mean length) fit the KV memory (default %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
-                   help="prompt tokens a step takes apart from its decode rows (the scheduler's split budget; "
-                        "512 keeps every mixed step a captured graph); default: shared with the decode rows")
+                   help="prompt tokens a step takes apart from its decode rows (the scheduler's split budget), or "
+                        "0: shared with them; default: 512 at max_batch >= 256 where mixed steps are captured graphs "
+                        "(CUDA), so each stays one replayed forward, else shared")
     p.add_argument("--variants", default=None, metavar="LIST",
                    help="run several MAX_BATCH[/PREFILL_BUDGET] settings on one loaded model, one after the "
-                        "other, and print one table, e.g. 256,256/512,512,512/512,auto/512 (overrides "
+                        "other, and print one table, e.g. 256,256/0,512,auto/0,auto (/0: a shared budget; overrides "
                         "--max-batch and --prefill-budget)")
     p.add_argument("--kv-fraction", type=float, default=d.kv_fraction,
                    help="share of the free device memory the KV pool may take (default %(default)s)")

@@ -13,9 +13,10 @@ with and without it gives the grammar's cost per token. Beside the rates it prin
 of the prompts again one at a time and compares their tokens with the batched run's: the throughput
 is the exact engine's, and the run shows it. The step mix includes what sat between the steps (the
 host's gap, and on CUDA the GPU's idle share, memra.engine.step_clock) and the decode steps' row
-histogram. --max-batch auto sizes the batch from the KV memory (memra.engine.batch_size);
---prefill-budget turns on the scheduler's split budget; --variants runs several such settings on one
-loaded model and prints one table (memra.bench.throughput_variants).
+histogram. --max-batch auto (the default) sizes the batch from the KV memory (memra.engine.batch_size);
+--prefill-budget sets the scheduler's split budget (0: shared; default: EngineConfig.split_budget's);
+--variants runs several such settings on one loaded model and prints one table
+(memra.bench.throughput_variants).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class ThroughputConfig:
     output_len: int | None = None
     seed: int = 0
     temperature: float = 1.0  # vLLM's benchmark samples at 1.0; each request seeded with seed + its index
-    max_batch: int | str = 256  # or "auto": the largest graph bucket the KV memory holds (memra.engine.batch_size)
-    prefill_budget: int | None = None  # the scheduler's split budget (EngineConfig.prefill_budget); None: off
+    max_batch: int | str = "auto"  # the largest graph bucket the KV memory holds (memra.engine.batch_size), or a number
+    prefill_budget: int | None = None  # the scheduler's split budget (EngineConfig.prefill_budget): 0 shared, None the default
     kv_fraction: float = 0.8  # of the free device memory after the weights, for the KV pool: the rest holds
     # the activations and the captured graphs of every batch bucket up to max_batch
     device: str | None = None
@@ -73,9 +74,9 @@ class ThroughputConfig:
             raise MemraError(f"--num-prompts must be positive, got {self.num_prompts}")
         if self.max_batch != "auto" and not (type(self.max_batch) is int and self.max_batch > 0):
             raise MemraError(f"--max-batch must be a positive integer or auto, got {self.max_batch!r}")
-        if self.prefill_budget is not None and not (type(self.prefill_budget) is int and self.prefill_budget >= 64):
-            raise MemraError(f"--prefill-budget must be an integer of at least 64 (one aligned prefill piece), "
-                             f"got {self.prefill_budget!r}")
+        if self.prefill_budget not in (None, 0) and not (type(self.prefill_budget) is int and self.prefill_budget >= 64):
+            raise MemraError(f"--prefill-budget must be an integer of at least 64 (one aligned prefill piece), or 0 "
+                             f"(shared with the decode rows), got {self.prefill_budget!r}")
         for name in ("input_len", "output_len"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -244,7 +245,8 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     mix = llm.engine.step_mix.since(before)
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
                               sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines(),
-                              max_batch, cfg.prefill_budget, sizing, dict(mix.rows), mix.idle_share, mix.wait_share,
+                              max_batch, llm.engine.scheduler.cfg.prefill_budget, sizing, dict(mix.rows),
+                              mix.idle_share, mix.wait_share,
                               counted.get("mixed_steps", 0), counted.get("graph_captures", 0))
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))
     checks = _spread(len(reqs), cfg.check)

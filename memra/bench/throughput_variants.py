@@ -2,9 +2,9 @@
 after the other on one loaded model and one workload, then one table.
 
 A variant is MAX_BATCH[/PREFILL_BUDGET]: MAX_BATCH a number or `auto` (memra.engine.batch_size),
-PREFILL_BUDGET the scheduler's split budget (memra.engine.scheduler; absent: shared with the decode rows,
-today's rule). Each variant builds its engine (warm-up and graph captures are outside its timing), runs
-the whole workload, re-runs --check requests alone, and closes its engine, giving its pools and graphs
+PREFILL_BUDGET the scheduler's split budget (memra.engine.scheduler; 0: shared with the decode rows; absent:
+the engine's default, EngineConfig.split_budget). Each variant builds its engine (warm-up and graph
+captures are outside its timing), runs the whole workload, re-runs --check requests alone, and closes its engine, giving its pools and graphs
 back before the next one sizes its own. The table has, per variant: output tokens/s, the decode and mixed
 steps (count, mean ms, mean rows, mean prompt tokens), the mean host gap between steps, the GPU's idle
 share between steps + within them (CUDA events, memra.engine.step_clock; "-" elsewhere), the share of
@@ -21,7 +21,7 @@ from memra.errors import MemraError
 
 
 def parse_variants(text: str) -> list[tuple[int | str, int | None]]:
-    """"256,512/512,auto/512" -> [(256, None), (512, 512), ("auto", 512)]; a bad entry is a one-line error."""
+    """"256,512/512,auto/0" -> [(256, None), (512, 512), ("auto", 0)]; a bad entry is a one-line error."""
     out = []
     for entry in (e.strip() for e in text.split(",")):
         batch, _, budget = entry.partition("/")
@@ -30,7 +30,7 @@ def parse_variants(text: str) -> list[tuple[int | str, int | None]]:
             pb = int(budget) if budget else None
         except ValueError:
             mb = pb = 0
-        if mb == 0 or (mb != "auto" and mb < 0) or (pb is not None and pb <= 0):
+        if mb == 0 or (mb != "auto" and mb < 0) or (pb is not None and pb < 0):
             raise MemraError(f"--variants: {entry!r} is not MAX_BATCH[/PREFILL_BUDGET] (e.g. 256, 512/512, auto/512)")
         out.append((mb, pb))
     if not out:
@@ -46,7 +46,8 @@ def run_variants(cfg, variants: list[tuple[int | str, int | None]], log=print) -
     model, reqs, workload = prepare(cfg)  # every variant's settings checked first, then the one load
     reports = []
     for i, one in enumerate(configs):
-        log(f"--- variant {i + 1}/{len(configs)}: max_batch {one.max_batch}, prefill budget {one.prefill_budget or 'shared'}")
+        said = "default" if one.prefill_budget is None else one.prefill_budget or "shared"
+        log(f"--- variant {i + 1}/{len(configs)}: max_batch {one.max_batch}, prefill budget {said}")
         reports.append(run_on(model, reqs, workload, one, log))
         log(reports[-1].table())
     return reports

@@ -50,7 +50,7 @@ from memra.engine.speculation import speculation_for
 from memra.engine.step_clock import StepClock
 from memra.engine.weight_swap import WeightSwaps
 from memra.engine.types import EngineConfig, TokenEvent, Unavailable, public_error, refuse_request
-from memra.engine.warmup import warm_up
+from memra.engine.warmup import warm_engine
 from memra.errors import MemraError
 from memra.sampling import SamplingParams, fresh_seed
 from memra.step import EXACT_PIECE, mixed_step
@@ -73,7 +73,7 @@ class Engine:
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE,
             max_waiting=cfg.max_waiting, block_size=BLOCK_SIZE, total_blocks=self.backend.blocks,
             total_slots=self.backend.slots, preemption=self.backend.preemption,
-            grouping=cfg.grouping(self.backend.mixes_graphed), prefill_budget=cfg.prefill_budget))
+            grouping=cfg.grouping(self.backend.mixes_graphed), prefill_budget=cfg.split_budget(self.backend.mixes_graphed)))
         self.seqs: dict[str, SeqState] = {}
         # A step's token events wait here until its forwards are launched: the readers (the server's text
         # and HTTP threads) then take the GIL while the GPU runs, not while the engine launches.
@@ -154,7 +154,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the first-use costs before the first request does (memra.engine.warmup): kernel compilation
         for every prefill size class, the decode plan's check, and on a GPU every batch bucket's decode graph."""
-        warm_up(self.model, self.backend, self.cfg.max_batch, self.cache_ctx, self.cfg.token_budget, self.cfg.prefill_budget)
+        warm_engine(self)
 
     def start(self, warm_up: bool = True) -> "Engine":
         if warm_up:

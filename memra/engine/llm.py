@@ -58,7 +58,8 @@ class LLM(Releasing):
     warm_up: pay kernel compilation and (on a GPU) every batch bucket's graph capture now (Engine.warm_up).
     prefill_wait_steps, prefill_group: hold a request that could start while others decode, so that several
     start in one prefill (memra.engine.admission; EngineConfig's defaults). prefill_budget: prompt tokens a
-    step takes apart from its decode rows (memra.engine.scheduler's split budget; None: they share one budget).
+    step takes apart from its decode rows (memra.engine.scheduler's split budget; 0: they share one budget;
+    None: EngineConfig.split_budget, 512 at max_batch >= 256 where mixed steps are captured graphs, else shared).
     speculative: draft-and-verify decoding, "mtp" or "ngram" (draft length 4) or a memra.spec.SpecConfig;
     the outputs are the same tokens and logprobs as without it (E4), only the speed changes.
     enable_prefix_caching: reuse the primed pages of earlier prompts (vLLM's name; memra.prefix, promise E8:

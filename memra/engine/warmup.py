@@ -14,8 +14,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from memra.cache import BLOCK_SIZE
 from memra.graphs import BUCKETS, bucket_for, full_width_pass
+from memra.engine.release import release_memory
+from memra.errors import MemraError
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
 from memra.sampling import DevSamp
@@ -58,6 +62,24 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int, p
     backend.warm_graphs(max_batch, cache_ctx)
     if captures_mixed(model):
         _mixed_graphs(model, backend, graph_rows(backend, max_batch), cache_ctx, token_budget, prefill_budget)
+
+
+def warm_engine(engine) -> None:
+    """warm_up on an engine's backend. Out of device memory here (the captured steps of a wide max_batch,
+    beside pools that took the whole KV budget), the engine gives its memory back and the caller gets one
+    line naming the fix, before any request is taken."""
+    cfg = engine.cfg
+    try:
+        warm_up(engine.model, engine.backend, cfg.max_batch, engine.cache_ctx, cfg.token_budget,
+                engine.scheduler.cfg.prefill_budget)
+    except torch.OutOfMemoryError:
+        pools = getattr(engine.backend, "pools", None)
+        held = pools.capacity_bytes / (1 << 30) if pools is not None else 0.0
+        engine.shutdown(drain_timeout=0.0)
+        release_memory(engine.model.device)
+        raise MemraError(f"max_batch {engine.cfg.max_batch}: its captured steps ran out of device memory beside the "
+                         f"cache pools ({held:.1f} GiB); lower --max-batch, or the pools' share (--kv-fraction, "
+                         "--gpu-memory-utilization, --kv-memory)") from None
 
 
 def _prompt(j: int, n: int, vocab: int) -> list[int]:
