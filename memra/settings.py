@@ -80,7 +80,7 @@ class Settings:
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
     cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
-    linear_persistent: bool = False  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
+    linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -107,7 +107,7 @@ class Settings:
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
             cpu_decode=flag(e, "MEMRA_CPU_DECODE", False),
-            linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", False),
+            linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -182,9 +182,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "other bits; memra.train's walk mirrors them (E11 holds with it on); off by default until the suite's "
      "comparisons of two kernel paths (GGUF-packed with HF-rounded weights, windowed with global attention, the "
      "pipeline's dual-wave liveness) hold with it on"),
-    ("MEMRA_LINEAR_PERSISTENT", "0", "1 = on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
+    ("MEMRA_LINEAR_PERSISTENT", "1", "on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
      "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
-     "the bucket kernel's bits (memra.kernels.triton.linear_persistent); off until a GPU run shows it faster"),
+     "the bucket kernel's bits (memra.kernels.triton.linear_persistent); 0 = the bucket kernel at every M"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

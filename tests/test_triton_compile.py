@@ -155,7 +155,7 @@ def test_every_launched_variant_compiles_to_a_cubin(records, tmp_path_factory):
 PERSISTENT = "memra.kernels.triton.linear_persistent._linear_persistent_kernel"
 
 
-@pytest.mark.slow  # 34 s on CI's 2 cores; the door is off by default, and the quick run still types every variant
+@pytest.mark.slow  # 34 s on CI's 2 cores; the quick run still types every variant and compiles the kernel's first
 def test_every_persistent_linear_variant_compiles_to_a_cubin(records, tmp_path_factory):
     """The persistent linear's variants differ most in shared memory (TMA's stored tile, the residual's beside
     it, fp32's tiles): each one to an sm_90 cubin, so a variant over the block's limit fails here (the quick run

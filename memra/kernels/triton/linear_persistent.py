@@ -37,11 +37,12 @@ from memra.kernels.triton.linear import _epilogue, _mma
 
 # Calls of more rows than this take the persistent kernel (triton.linear's two buckets above 256 rows).
 PERSISTENT_ABOVE = 256
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN, EPILOGUE_SPLIT): one tile for every M. Not yet measured:
-# the Triton persistent-matmul tutorial's Hopper shape; tools/gpu_tune_linear.py times the candidates.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M, FLATTEN, EPILOGUE_SPLIT): one tile for every M, the best of
+# tools/gpu_tune_linear.py --quick's candidates on an H100 (1.30x the bucket kernel's layer time at M=1024 and
+# M=4096, 72-80% of the bf16 peak there); docs/PERFORMANCE.md has the table.
 # SwiGLU halves BLOCK_N (a gate and an up tile a K step: the plain tile's bytes and accumulator registers);
 # fit_shared_memory trims a variant's stages (the residual's) or width (fp32's) to what a block may use.
-PERSISTENT_CONFIG = (128, 256, 64, 8, 3, 8, True, 1)
+PERSISTENT_CONFIG = (128, 256, 64, 8, 3, 8, False, 2)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes sm_90 gives a block (H100, H200): its pipeline and its epilogue's tiles
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: fewer than its tiles, so each program walks several
 
