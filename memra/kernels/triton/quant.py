@@ -231,11 +231,15 @@ def _planes(w) -> tuple[int, tuple[torch.Tensor, ...], int]:
     raise MemraError(f"no packed GPU kernel reads a {type(w).__name__}")
 
 
-def quant_config(m: int) -> tuple[int, int, int, int, int]:
-    """The tile configuration of an M-row packed call: its bucket's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+def quant_config(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """The tile configuration of an M-row packed call: its bucket's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+    fp32 activations take two stages: their tiles are twice a bf16 one's, and the prefill tile's three stages
+    needed 180 KB of shared memory, past the 163 KB an sm_80 block gets. Stages pipeline the loads; they
+    move no bits (the K order is the tile's)."""
     if _interpreting():
         return QUANT_INTERPRET_CONFIG
-    return next(cfg for top, cfg in QUANT_BUCKETS if top is None or m <= top)
+    bm, bn, bk, warps, stages = next(cfg for top, cfg in QUANT_BUCKETS if top is None or m <= top)
+    return bm, bn, bk, warps, min(stages, 2) if dtype == torch.float32 else stages
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,7 +260,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
         if m:
             fmt, planes, group = _planes(part)
             b = bias[lo:hi] if bias is not None else y
-            bm, bn, bk, warps, stages = quant_config(m)
+            bm, bn, bk, warps, stages = quant_config(m, x.dtype)
             n_part, chunks = hi - lo, triton.cdiv(k, QUANT_CHUNK_K)
             split = chunks > 1 and m <= SPLIT_ROWS
             sums = torch.empty(chunks, m, n_part, dtype=torch.float32, device=x.device) if split else y
