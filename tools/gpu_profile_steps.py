@@ -1,0 +1,129 @@
+"""Where one decode step's and one mixed step's time goes at scale, on the engine's own path (its captured
+graphs and exact kernels, the default doors), run through the device tool:
+
+    python tools/gpu_profile_steps.py [--model random:llama-3-8b] [--rows 256] [--prompt 160] [--new 16] [--steps 8]
+
+1. `rows` requests of `prompt` tokens start and run until a step is a pure decode step; the next `steps`
+   decode steps are profiled (torch.profiler records the kernels of replayed graphs too).
+2. `new` requests of 512 prompt tokens join while the rows decode: the steps are then mixed steps (the decode
+   rows and a prefill piece, the scheduler's split budget); `steps` of them are profiled.
+
+For each kind it prints the wall time per step (under the profiler), the GPU kernel time per step, and the
+top kernels by time with their share of the step. The matmul kernels (the linears) are summed into one line
+with their achieved TFLOP/s and share of the dense bf16 peak: 2 x the trunk's linear weights x the step's
+tokens, plus the lm_head's rows. A profiler, not a benchmark: `memra bench throughput` gives the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import memra  # noqa: E402
+from memra.sampling import SamplingParams  # noqa: E402
+
+LINEAR_NAMES = ("linear", "gemm", "matmul", "_mm", "persistent")
+
+
+def dense_peak(name: str) -> float | None:
+    """Dense bf16 tensor-core peak in TFLOP/s from the device name (the vendor's sheet, without sparsity)."""
+    n = name.upper()
+    if "H100" in n and "PCIE" in n:
+        return 756.0
+    if "H100" in n or "H200" in n:
+        return 989.0
+    return 312.0 if "A100" in n else None
+
+
+def linear_weights(model) -> tuple[int, int]:
+    """(the trunk's linear weight elements, the lm_head's): every 2-D layer weight wider than a conv kernel."""
+    w = model._weights
+    trunk = sum(v.numel() for k, v in w.items() if k.startswith("layers.") and v.dim() == 2 and min(v.shape) >= 64)
+    return trunk, w["lm_head"].numel()
+
+
+def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float, float, float, int]:
+    """Step the engine until a step of kind `want` runs, then profile until `steps` more of them ran (at most
+    4x that many steps). -> (the profiler's key averages, and per step of that kind: wall seconds, decode
+    rows, prompt tokens; how many ran)."""
+    kinds = engine.step_mix.kinds
+    for _ in range(limit):
+        before = kinds[want].steps
+        engine.step()
+        if kinds[want].steps > before:
+            break
+    else:
+        raise SystemExit(f"no {want} step in {limit} steps")
+    rows0, tok0, n0, all0 = kinds[want].decode_rows, kinds[want].prompt_tokens, kinds[want].steps, engine.steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(4 * steps):  # bounded: a workload that runs out of prompts turns to decode steps
+            if kinds[want].steps - n0 >= steps:
+                break
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ran, others = max(1, kinds[want].steps - n0), engine.steps - all0 - (kinds[want].steps - n0)
+    if others:
+        print(f"note: {others} steps of another kind ran inside the {want} window; its kernels are counted too")
+    return (prof.key_averages(), wall / ran, (kinds[want].decode_rows - rows0) / ran,
+            (kinds[want].prompt_tokens - tok0) / ran, ran)
+
+
+def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak) -> list[str]:
+    cuda = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    total_us = max(sum(e.self_device_time_total for e in cuda) / steps, 1e-9)
+    lines = [f"{kind} step: {rows:.0f} decode rows + {tokens:.0f} prompt tokens; wall {wall_s * 1e3:.2f} ms/step "
+             f"(profiled), GPU kernels {total_us / 1e3:.2f} ms/step"]
+    lin = [e for e in cuda if any(s in e.key.lower() for s in LINEAR_NAMES)]
+    lin_us = sum(e.self_device_time_total for e in lin) / steps
+    trunk, head = weights
+    flops = 2 * trunk * (rows + tokens) + 2 * head * (rows + (1 if tokens else 0))
+    if lin_us > 0:
+        tf = flops / (lin_us * 1e-6) / 1e12
+        share = f", {100 * tf / peak:.0f}% of the bf16 peak" if peak else ""
+        lines.append(f"  linears (matmul kernels, {len(lin)} names): {lin_us / 1e3:.2f} ms/step, "
+                     f"{100 * lin_us / total_us:.0f}% of the kernels, {tf:.0f} TFLOP/s{share}")
+    lines.append(f"  {'kernel':<70} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
+    for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:12]:
+        us = e.self_device_time_total / steps
+        lines.append(f"  {e.key[:70]:<70} {us / 1e3:>8.3f} {100 * us / total_us:>5.1f}% {e.count / steps:>10.1f}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=160)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    model = memra.load(args.model, device="cuda")
+    llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=1024 + 64)
+    engine, vocab = llm.engine, model.cfg.vocab_size
+    params = SamplingParams(max_tokens=512, temperature=1.0, seed=0, ignore_eos=True)
+    sink = lambda event: None  # noqa: E731 - the tokens are not the point here
+    for i in range(args.rows):
+        engine.submit([(i * 7 + j) % vocab for j in range(args.prompt)], params, sink)
+    peak, weights = dense_peak(torch.cuda.get_device_name()), linear_weights(model)
+    out = [f"{args.model} on {torch.cuda.get_device_name()}; doors as loaded; peak {peak} TFLOP/s"]
+    events, wall, rows, tokens, ran = drive(engine, "decode", args.steps)
+    out += report("decode", events, wall, rows, tokens, ran, weights, peak)
+    for i in range(args.new):
+        engine.submit([(i * 11 + j) % vocab for j in range(512)], params, sink)
+    events, wall, rows, tokens, ran = drive(engine, "mixed", args.steps)
+    out += report("mixed", events, wall, rows, tokens, ran, weights, peak)
+    print("\n".join(out))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
