@@ -12,6 +12,7 @@ import threading
 _lock = threading.Lock()
 _counts = {
     "decode_batch_rows": 0,  # rows decoded through decode_step_batch[_sampled]
+    "stacked_decode_forwards": 0,  # decode steps whose rows ran as one stacked forward (the stacked plan)
     "device_sampled_rows": 0,  # rows whose next token was chosen on the device
     "lean_parked_rows": 0,  # sampled rows whose logits were parked in cache.last_logits_dev
     "prime_pieces": 0,  # prompt pieces prime ran (a forward each, or a share of a batched one)

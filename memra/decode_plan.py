@@ -32,12 +32,30 @@ from memra.runner.bodies import decode_stacked
 
 BUCKET = 64
 CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
+CPU_CHECK_ROWS = 8  # verify_plan's sequences for the stacked plan on CPU
+
+
+def cpu_rows_invariant(model) -> bool:
+    """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 dense model
+    whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed projections the integer-dot
+    kernel reads, C norms, SwiGLU and attention) and whose head is packed too: each of those kernels computes
+    a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py), and what is left is the embedding
+    lookup and residual adds. A GDN layer's torch gates and norms, or an fp32 linear (MKL picks its kernel
+    by M), are not held to that, so hybrids and unpacked models keep the row plan."""
+    from memra.kernels import cpu_layer, cpu_qdot, split
+
+    ops = model.ops
+    if not (ops.cpu_ops and ops.qdot and model.device.type == "cpu" and model.dtype == torch.float32):
+        return False
+    head = model.lm_head
+    return (isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
+            and all(cpu_layer.plan_for(b) is not None for b in model.blocks))
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:
     """Is `plan` usable on this model now? (verdict, why not). The on-model check runs once per model."""
     if plan == "stacked":
-        if not model.ops.invariant:
+        if not (model.ops.invariant or cpu_rows_invariant(model)):
             return False, "the batch-invariant kernels are not live here (they need CUDA, Triton and MEMRA_TRITON=1)"
         broken = [f for f in platform_report(model.dtype, model.device, model.ops.persistent_linear) if f.startswith("triton")]
         if broken:
@@ -59,7 +77,7 @@ def decode_plan(model) -> str:
     if want == "row":
         return "row"
     if want == "auto":
-        if not model.ops.invariant:
+        if not (model.ops.invariant or cpu_rows_invariant(model)):
             return "row"
         ok, why = _plan_ok(model, "stacked")
         if not ok:
@@ -135,11 +153,14 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
 
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(BUCKET)]
-    tokens = [rng.randrange(vocab) for _ in range(BUCKET)]
-    shuffled = list(range(BUCKET))
+    # on CPU (cpu_rows_invariant: every kernel computes a row from that row alone) 8 rows show the same;
+    # 64 there cost a 300M model 11 s of its load
+    n = BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(n)]
+    tokens = [rng.randrange(vocab) for _ in range(n)]
+    shuffled = list(range(n))
     rng.shuffle(shuffled)
-    arrangements = [list(range(BUCKET)), shuffled, list(range(BUCKET // 2))] + [[i] for i in range(3)]
+    arrangements = [list(range(n)), shuffled, list(range(n // 2))] + [[i] for i in range(3)]
     seen: dict[int, torch.Tensor] = {}
     for order in arrangements:
         caches = [model.new_cache(32) for _ in order]

@@ -178,7 +178,8 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
     ("MEMRA_CPU_DECODE", "0", "1 = fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) "
      "in C, in fixed orders of their own (memra.kernels.decode_reference), a packed dense layer's decode step in "
-     "one call (memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn): faster, "
+     "one call (memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn); a packed "
+     "dense model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant): faster, "
      "other bits; memra.train's walk mirrors them (E11 holds with it on); off by default until the suite's "
      "comparisons of two kernel paths (GGUF-packed with HF-rounded weights, windowed with global attention, the "
      "pipeline's dual-wave liveness) hold with it on"),

@@ -151,3 +151,37 @@ def test_gate_all_green_with_the_door_open_and_its_canary_fails():
     assert not run_battery(model.with_doors(MEMRA_GATE_CANARY="1"), steps=4, batch=3, mode="strict", plen=12,
                            out=lines.append)
     assert lines[-1].startswith("FAILED")
+
+
+def test_a_packed_dense_model_decodes_its_rows_stacked_each_with_its_bits_alone():
+    """memra.decode_plan.cpu_rows_invariant: with the door open, a packed dense model's step runs B rows in one
+    forward (the weights read once for all of them, as llama.cpp's batched decode does) and each row keeps the
+    bits it has alone, which are the row plan's (one C call a layer). Liveness: one stacked forward for the
+    step, not one a row. Where a kernel is not held to rows alone (the door shut: torch's ops; an fp32 weight:
+    MKL picks its kernel by M) the plan stays per row."""
+    from memra.decode_plan import cpu_rows_invariant, decode_plan
+    from memra.settings import Settings
+
+    model = tiny_model("q8_0", Settings(cpu_decode=True))
+    assert cpu_rows_invariant(model) and decode_plan(model) == "stacked"
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6, 2, 6]]
+
+    def run(m, group):
+        caches = [m.new_cache(32) for _ in group]
+        firsts = [int(m.prime(prompts[i], c).argmax()) for i, c in zip(group, caches)]
+        for c in caches:
+            c.reserve(1)
+        return m.decode_step_batch(firsts, caches)
+
+    before = counters.snapshot()["stacked_decode_forwards"]
+    stacked = run(model, range(5))
+    assert counters.snapshot()["stacked_decode_forwards"] - before == 1  # the five rows in one forward
+    for i in range(5):
+        assert torch.equal(stacked[i], run(model, [i])[0]), i  # alone: the row form, one C call a layer
+    assert torch.equal(stacked, run(model.with_doors(MEMRA_DECODE_PLAN="row"), range(5)))
+    from memra.gate.score_arm import run_score_battery
+
+    assert run_score_battery(model, steps=8, out=lambda line: None)  # E9 on the stacked plan (E4: the gate test)
+    shut = model.with_doors(MEMRA_CPU_DECODE="0")
+    assert not cpu_rows_invariant(shut) and decode_plan(shut) == "row"
+    assert not cpu_rows_invariant(tiny_model(None, Settings(cpu_decode=True)))

@@ -135,7 +135,10 @@ class UnsplitExecutor:
 
     def run_decode(self, ids: torch.Tensor, caches, plan: str, batched: bool) -> torch.Tensor:
         m = self.model
-        if plan == "stacked":
+        # one row on CPU: the row plan's form, whose layers are one C call each (memra.kernels.cpu_layer), with
+        # the stacked form's bits (tests/test_cpu_decode.py)
+        if plan == "stacked" and not (len(caches) == 1 and m.device.type == "cpu"):
+            counters.bump("stacked_decode_forwards")
             return decode_stacked(m, ids, caches)
         if plan == "bucket":
             return decode_bucketed(m, ids, caches, decode_stacked)
