@@ -132,10 +132,13 @@ def test_the_mixed_graph_warm_up_is_bounded_by_blocks_written_not_by_whole_conte
     def backend(blocks, slots=None):
         return types.SimpleNamespace(blocks=blocks, slots=slots)
 
-    assert graph_rows(backend(24_000), 768) == 767  # and the prefilling prompt, one of max_batch
-    assert graph_rows(backend(24_000, slots=300), 768) == 299  # one slot is the prefilling prompt's
-    assert graph_rows(backend(100), 768) == 100 - (512 + 512) // 16 - 2
-    assert graph_rows(backend(10), 64) == 0
+    assert graph_rows(backend(24_000), 768, 2048) == 767  # and the prefilling prompt, one of max_batch
+    assert graph_rows(backend(24_000, slots=300), 768, 2048) == 299  # one slot is the prefilling prompt's
+    assert graph_rows(backend(100), 768, 2048) == 100 - (512 + 512) // 16 - 2
+    assert graph_rows(backend(10), 64, 2048) == 0
+    # a short context: its prompts are at most cache_ctx - 1 tokens and no row passes a split (the demo's
+    # 4-row engine at 75 tokens had 20 blocks, warmed no mixed step, and captured two mid-run on an H100)
+    assert graph_rows(backend(20, slots=4), 4, 75) == 3
 
 
 @cuda_only

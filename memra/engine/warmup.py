@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from memra.cache import BLOCK_SIZE
-from memra.graphs import BUCKETS, bucket_for, full_width_pass
+from memra.graphs import BUCKETS, bucket_for, full_width_pass, long_tables
 from memra.engine.release import release_memory
 from memra.errors import MemraError
 from memra.kernels.cuts import ATTN_SPLIT
@@ -61,7 +61,7 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int, p
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
     if captures_mixed(model):
-        _mixed_graphs(model, backend, graph_rows(backend, max_batch), cache_ctx, token_budget, prefill_budget)
+        _mixed_graphs(model, backend, graph_rows(backend, max_batch, cache_ctx), cache_ctx, token_budget, prefill_budget)
 
 
 def warm_engine(engine) -> None:
@@ -92,14 +92,18 @@ def _room(backend, cache_ctx: int) -> int:
     return backend.blocks * BLOCK_SIZE // cache_ctx
 
 
-def graph_rows(backend, max_batch: int) -> int:
+def graph_rows(backend, max_batch: int, cache_ctx: int) -> int:
     """Decoding rows the mixed-graph warm-up can run: each holds one block, beside one row primed past an
-    attention split and one prompt of the largest token bucket (and the prompt is one of max_batch). Not sequences
-    of cache_ctx each (_room): that bounded the captures by what the rows may come to hold. A pool of 24k
-    blocks (an H100's) holds 190 contexts of 2,048 tokens, so the warm-up stopped at the 256-row bucket, and at
-    max_batch 512 the 384- and 512-row mixed steps were captured mid-run, on the first step that met each
-    (on an H200, 385 contexts: the 512-row ones)."""
-    spare = backend.blocks - (ATTN_SPLIT + max(MIXED_TOKENS)) // BLOCK_SIZE - 2
+    attention split (where cache_ctx reaches past one) and one prompt of the largest token bucket a sequence
+    of cache_ctx holds (and the prompt is one of max_batch). Not sequences of cache_ctx each (_room): that
+    bounded the captures by what the rows may come to hold. A pool of 24k blocks (an H100's) holds 190
+    contexts of 2,048 tokens, so the warm-up stopped at the 256-row bucket, and at max_batch 512 the 384- and
+    512-row mixed steps were captured mid-run, on the first step that met each (on an H200, 385 contexts: the
+    512-row ones). And not a 512-token prompt where cache_ctx is shorter: a small pool (the demo's 20 blocks at
+    75 tokens) then warmed no mixed step at all, and the first steps captured theirs mid-run."""
+    prompt = min(max(MIXED_TOKENS), cache_ctx - 1)
+    split = ATTN_SPLIT if long_tables(cache_ctx) else 0
+    spare = backend.blocks - (split + prompt) // BLOCK_SIZE - 2
     return max(0, min(max_batch - 1, (backend.slots or max_batch) - 1, spare))
 
 
