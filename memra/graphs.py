@@ -112,9 +112,11 @@ class StaticDecode:
         self.model, self.kv, self.rec, self.bucket, self.nb = model, kv, rec, bucket, nb
         dev = model.device
         self.args = torch.zeros(bucket, 3 + nb, dtype=torch.long, device=dev)
-        if bucket not in model.decode_logits:  # shared by the bucket's table widths: cloned out after each replay
-            model.decode_logits[bucket] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
-        self.logits = model.decode_logits[bucket]
+        # one buffer for the bucket's table widths over these pools (one engine's), cloned out after each replay
+        key = (bucket, id(kv))
+        if key not in model.decode_logits:
+            model.decode_logits[key] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = model.decode_logits[key]
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
         self.starts = torch.arange(bucket, device=dev) * (nb * BLOCK_SIZE)  # row r's prefix in the flat rows
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -268,8 +270,9 @@ def drop_graphs(model, kv: KvPool, rec: RecurrentPool | None) -> None:
         for key in [k for k in store if (k.kv, k.rec) == (id(kv), id(rec) if rec is not None else None)]:
             del store[key]
     model.graph_scratch.pop((id(kv), id(rec)), None)
-    if not model.decode_graphs:  # the shared logits buffers and memory pool of the decode steps: none left to use them
-        model.decode_logits.clear()
+    for key in [k for k in model.decode_logits if k[1] == id(kv)]:
+        del model.decode_logits[key]
+    if not model.decode_graphs:  # the memory pool the decode captures share: none left to use it
         model.decode_graph_pool = None
     if not model.mixed_graphs:  # the same for the mixed steps
         model.mixed_logits.clear()

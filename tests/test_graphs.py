@@ -162,7 +162,8 @@ def test_graphs_of_both_table_widths_equal_eager(load_model):
             # both widths captured (the load's plan check may have captured a third, its own caches')
             assert {SPLIT_BLOCKS, table_blocks(1024)} <= {k.table_blocks for k in model.decode_graphs}
             # one memory pool for every decode capture, one logits buffer per bucket (memra.graphs.StaticDecode)
-            statics = [s for k, s in model.decode_graphs.items() if k.bucket == graphs.bucket_for(3)]
+            statics = [s for k, s in model.decode_graphs.items()
+                       if k.bucket == graphs.bucket_for(3) and k.kv == id(caches[0].kv)]
             assert len(statics) >= 2 and len({s.logits.data_ptr() for s in statics}) == 1
             assert model.decode_graph_pool is not None
     assert _bits(out["0"][0], out["1"][0])
@@ -264,14 +265,16 @@ def test_graphed_decode_after_the_state_pool_grows_equals_eager(load_model):
 
 
 def test_a_buckets_table_widths_share_one_logits_buffer_and_closing_drops_it(load_model):
-    """The decode statics of one bucket (a narrow and a full table width) write one logits buffer, cloned out
-    after each replay, and their captures share one memory pool (memra.graphs): a 512-row Qwen3.5-9B engine
-    on an H100 ran out of memory while capturing, its buckets' private pools and per-width buffers holding
-    ~7 GiB. Dropping the pools' graphs drops the buffers."""
+    """The decode statics of one bucket over one engine's pools (a narrow and a full table width) write one
+    logits buffer, cloned out after each replay, and their captures share one memory pool (memra.graphs): a
+    512-row Qwen3.5-9B engine on an H100 ran out of memory while capturing, its buckets' private pools and
+    per-width buffers holding ~7 GiB. Dropping the pools' graphs drops their buffers."""
     model = load_model(hf_dir("llama")).with_doors()  # a view: no decode graphs of earlier tests
     kv = kv_pool(model.cfg, 64, model.dtype, model.device)
     narrow, wide = StaticDecode(model, kv, None, 4, SPLIT_BLOCKS), StaticDecode(model, kv, None, 4, 2 * SPLIT_BLOCKS)
     assert narrow.logits is wide.logits and narrow.logits.shape == (4, model.cfg.vocab_size)
     assert StaticDecode(model, kv, None, 8, SPLIT_BLOCKS).logits is not narrow.logits
+    other = kv_pool(model.cfg, 64, model.dtype, model.device)  # another engine's pools: buffers of their own
+    assert StaticDecode(model, other, None, 4, SPLIT_BLOCKS).logits is not narrow.logits
     graphs.drop_graphs(model, kv, None)
-    assert not model.decode_logits and model.decode_graph_pool is None
+    assert list(model.decode_logits) == [(4, id(other))] and model.decode_graph_pool is None

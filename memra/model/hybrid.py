@@ -97,7 +97,7 @@ class HybridModel:
         self.plan_verified: dict[tuple, bool] = {}  # decode_plan: on-model checks already run, by (plan, device, kernels)
         self.pad_caches: list[Cache] = []  # scratch caches for the inert rows that fill a decode bucket
         self.decode_graphs: dict = {}  # memra.graphs: captured decode steps, by bucket and pools
-        self.decode_logits: dict = {}  # ... their logits buffers, one per bucket (read out after each replay)
+        self.decode_logits: dict = {}  # ... their logits buffers, one per bucket and KV pool (read out after each replay)
         self.decode_graph_pool = None  # ... the one memory pool their captures share (they never run at once)
         self.graph_scratch: dict = {}  # memra.graphs: each pool's scratch block and slot for inert rows
         self.mixed_graphs: dict = {}  # memra.mixed_graphs: captured mixed steps, by buckets and pools
