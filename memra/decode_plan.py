@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from memra.cache import BLOCK_SIZE
+from memra.graphs import drop_graphs
 from memra.kernels.exact import ExactnessError, platform_report
 from memra.pools import ModelPools
 from memra.runner.bodies import decode_stacked
@@ -106,7 +107,8 @@ def settle_plan(model) -> None:
     decode_plan(model)
     made = [key for key in model._pools if key not in before]
     for key in made:
-        del model._pools[key]
+        pools = model._pools.pop(key)
+        drop_graphs(model, pools.kv, pools.rec)  # what the check captured over them (on a GPU) goes with them
     if made and model.device.type == "cuda":
         torch.cuda.empty_cache()  # the freed pools, back to the driver: the engine sizes itself from what is free
 
