@@ -117,6 +117,8 @@ class StaticDecode:
         if key not in model.decode_logits:
             model.decode_logits[key] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.logits = model.decode_logits[key]
+        if dev.type == "cuda" and model.decode_graph_pool is None:
+            model.decode_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
         self.starts = torch.arange(bucket, device=dev) * (nb * BLOCK_SIZE)  # row r's prefix in the flat rows
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -147,8 +149,6 @@ class StaticDecode:
     def run(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> torch.Tensor:
         """The step for these rows -> their logits [B, V], replayed (or first captured: run_static)."""
         self.fill(ids, caches, scratch)
-        if self.model.device.type == "cuda" and self.model.decode_graph_pool is None:
-            self.model.decode_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
         run_static(self, self.model.decode_graph_pool)
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
 

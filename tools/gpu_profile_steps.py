@@ -26,19 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memra  # noqa: E402
+from gpu_tune_linear import dense_peak  # noqa: E402 - tools/, this script's folder
 from memra.sampling import SamplingParams  # noqa: E402
 
 LINEAR_NAMES = ("linear", "gemm", "matmul", "_mm", "persistent")
-
-
-def dense_peak(name: str) -> float | None:
-    """Dense bf16 tensor-core peak in TFLOP/s from the device name (the vendor's sheet, without sparsity)."""
-    n = name.upper()
-    if "H100" in n and "PCIE" in n:
-        return 756.0
-    if "H100" in n or "H200" in n:
-        return 989.0
-    return 312.0 if "A100" in n else None
 
 
 def linear_weights(model) -> tuple[int, int]:
@@ -113,7 +104,7 @@ def main() -> None:
     sink = lambda event: None  # noqa: E731 - the tokens are not the point here
     for i in range(args.rows):
         engine.submit([(i * 7 + j) % vocab for j in range(args.prompt)], params, sink)
-    peak, weights = dense_peak(torch.cuda.get_device_name()), linear_weights(model)
+    peak, weights = dense_peak(torch.cuda.get_device_name())[0], linear_weights(model)
     out = [f"{args.model} on {torch.cuda.get_device_name()}; doors as loaded; peak {peak} TFLOP/s"]
     events, wall, rows, tokens, ran = drive(engine, "decode", args.steps)
     out += report("decode", events, wall, rows, tokens, ran, weights, peak)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from memra.cache import BLOCK_SIZE
 from memra.engine.admission import PrefillGrouping
 from memra.errors import ContextOverflowError, MemraError
+from memra.mixed_graphs import MIXED_TOKENS
 from memra.sampling import SamplingParams
 from memra.spec import SpecConfig
 from memra.step import EXACT_PIECE
 
-MIXED_PROMPT_TOKENS = 512  # memra.mixed_graphs.MIXED_TOKENS[-1] (a test holds them equal; that module needs the GPU stack)
+MIXED_PROMPT_TOKENS = MIXED_TOKENS[-1]  # the largest prompt bucket a captured mixed step takes
 WIDE_BATCH = 256  # from here the default budget is split (EngineConfig.split_budget)
 
 
