@@ -269,7 +269,8 @@ def test_a_buckets_table_widths_share_one_logits_buffer_and_closing_drops_it(loa
     logits buffer, cloned out after each replay, and their captures share one memory pool (memra.graphs): a
     512-row Qwen3.5-9B engine on an H100 ran out of memory while capturing, its buckets' private pools and
     per-width buffers holding ~7 GiB. Dropping the pools' graphs drops their buffers."""
-    model = load_model(hf_dir("llama")).with_doors()  # a view: no decode graphs of earlier tests
+    loaded = load_model(hf_dir("llama"))
+    model = loaded.with_settings(loaded.settings)  # a fresh view: none of the earlier tests' decode graphs
     kv = kv_pool(model.cfg, 64, model.dtype, model.device)
     narrow, wide = StaticDecode(model, kv, None, 4, SPLIT_BLOCKS), StaticDecode(model, kv, None, 4, 2 * SPLIT_BLOCKS)
     assert narrow.logits is wide.logits and narrow.logits.shape == (4, model.cfg.vocab_size)

@@ -192,6 +192,9 @@ def test_paged_attention_rows_is_each_row_alone(dtype):
     close(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17), dtype)
     for r, n in enumerate(lens.tolist()):
         same_bits(tk.paged_decode_attention(q[r], k_pool, v_pool, rows[:n], 0.17), out[r])
+    # A captured step tells the kernel its table's width, far past most rows: the splits past a row's
+    # prefix are empty and pass through the combine, which must not move a bit.
+    same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=256), out)  # 8 splits
     packed = torch.cat([rows[:n] for n in lens.tolist()])  # decode's shape: one table per row, concatenated
     offs = torch.cumsum(lens, 0) - lens
     same_bits(tk.paged_attention_rows(q, k_pool, v_pool, packed, offs, lens, 0.17), out)
@@ -403,6 +406,9 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     close(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17), dtype)
     for r, n in enumerate(lens.tolist()):
         same_bits(tk.paged_decode_attention(q[r], k_pool, v_pool, rows[:n], 0.17), out[r])
+    # A captured step tells the kernel its table's width, far past most rows: the splits past a row's
+    # prefix are empty and pass through the combine, which must not move a bit.
+    same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=256), out)  # 8 splits
 
 
 def _gdn_inputs(t, h=2, dk=32, dv=48, seed=60):

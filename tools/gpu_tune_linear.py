@@ -47,7 +47,15 @@ PERSISTENT_CANDIDATES = [
     (128, 256, 64, 8, 3, 8, True, 1), (128, 256, 64, 8, 3, 8, False, 1), (128, 256, 64, 8, 3, 8, True, 2),
     (128, 256, 64, 8, 4, 8, True, 2), (128, 128, 64, 8, 4, 8, True, 1), (128, 128, 64, 4, 4, 8, True, 1),
     (128, 128, 128, 8, 3, 8, True, 1), (256, 128, 64, 8, 3, 8, True, 1), (128, 256, 64, 8, 3, 16, True, 1),
-    (128, 128, 64, 8, 4, 16, False, 1),
+    (128, 128, 64, 8, 4, 16, False, 1), (64, 128, 64, 4, 4, 8, True, 1), (128, 64, 64, 4, 4, 8, True, 1),
+    (128, 128, 64, 8, 3, 8, False, 2), (64, 256, 64, 4, 3, 8, True, 1),
+]
+# At decode's M (64-256 rows) the step streams the weights: tall narrow tiles, enough of them to fill the SMs.
+SMALL_M_CANDIDATES = [
+    (64, 128, 64, 4, 4, 8, True, 1), (128, 64, 64, 4, 4, 8, True, 1), (128, 32, 128, 4, 4, 8, True, 1),
+    (128, 64, 128, 4, 4, 8, True, 1), (64, 64, 128, 4, 4, 8, True, 1), (64, 32, 128, 4, 5, 8, True, 1),
+    (128, 32, 64, 4, 6, 8, True, 1), (64, 128, 128, 4, 3, 8, True, 1), (128, 128, 64, 4, 4, 8, True, 1),
+    (128, 64, 128, 8, 4, 8, True, 1),
 ]
 QUICK_CANDIDATES = [(128, 256, 64, 8, 3, 8, True, 1), (128, 128, 64, 8, 4, 8, True, 1), (128, 256, 64, 8, 3, 8, False, 2)]
 
@@ -181,7 +189,7 @@ def summary(ms, projs, impls, times, dropped, peak, cands) -> None:
         return sum(2.0 * m * n * k * w for nm, (n, k, w) in projs.items() if nm.startswith(model))
 
     print("\nlayer time (ms, weighted by projection count) and share of the dense peak")
-    print("    M  model   cuBLAS          bucket          frozen          best candidate")
+    print("    M  model   cuBLAS          bucket          frozen          best candidates")
     cand_labels = [lb for lb in impls if lb.startswith("P") and lb not in dropped]
     for m in ms:
         for model in ("l8b", "q9b"):
@@ -191,7 +199,7 @@ def summary(ms, projs, impls, times, dropped, peak, cands) -> None:
                 row.append(f"{t * 1e3:7.3f} {100 * flops(m, model) / t / 1e12 / peak:3.0f}%" if t and peak else
                            f"{t * 1e3:7.3f}  -  " if t else "   n/a      ")
             ranked = sorted((t, lb) for lb in cand_labels if (t := layer(m, model, lb)) is not None)
-            best = f"{ranked[0][0] * 1e3:7.3f} {ranked[0][1]}" if ranked else "n/a"
+            best = ", ".join(f"{t * 1e3:7.3f} {lb}" for t, lb in ranked[:3]) if ranked else "n/a"
             print(f"{m:5d}  {model}  " + "  ".join(f"{c:14s}" for c in row) + f"  {best}")
     # the freeze: one tile for all M of a bucket, the least total layer time over both models and the bucket's Ms
     bucket_ms = {"M in (256, 512]": [m for m in ms if 256 < m <= 512], "M > 512": [m for m in ms if m > 512],
@@ -216,15 +224,19 @@ def summary(ms, projs, impls, times, dropped, peak, cands) -> None:
 
 
 def bucket_candidates(m: int) -> list[tuple[int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) worth trying for the bucket kernel at this M."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) worth trying for the bucket kernel at this M. Up to 256 rows
+    a decode step is bound by reading the weights, so the candidates there include tiles as tall as the
+    bucket (every weight tile read by one program) with narrow columns (enough programs to fill the SMs)."""
     if m <= 16:
         return [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (2, 4)
                 for s in (3, 4, 5) if not (bk == 256 and s == 5)]
-    if m <= 128:
+    if m <= 64:
         return [(bm, bn, bk, 4, s) for bm in (32, 64) for bn in (32, 64, 128) for bk in (64, 128)
-                for s in (3, 4)] + [(128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]
-    return [(bm, bn, 64, w, s) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8)
-            for s in (3, 4) if not (bm == 128 and bn == 256 and s == 4)]
+                for s in (3, 4)]
+    tall = (128,) if m <= 128 else (128, 256)
+    return [(64, 128, 128, 4, 4)] + [(bm, bn, bk, w, s) for bm in tall for bn in (16, 32, 64, 128)
+                                     for bk in (64, 128) for w in (4, 8) for s in (3, 4)
+                                     if (bm + bn) * bk * 2 * s <= 220 * 1024 and not (bm == 256 and bn == 16)]
 
 
 def sweep_buckets(ms: list[int]) -> None:
@@ -247,8 +259,13 @@ def sweep_buckets(ms: list[int]) -> None:
             print(f"M={m}: configs whose bits DIFFER from the reference: {bad}")
         for model in ("l8b", "q9b"):
             total = lambda ts: sum(ts[nm] * SHAPES[nm][2] for nm in SHAPES if nm.startswith(model))  # noqa: E731
+            weight_bytes = sum(2 * n * k * c for nm, (n, k, c) in SHAPES.items() if nm.startswith(model))
             ranked = sorted((total(ts), cfg) for cfg, same, ts in results if same)
-            print(f"M={m:5d} {model}: best " + ", ".join(f"{c}={t * 1e3:.3f} ms" for t, c in ranked[:4]))
+            now = next((total(ts) for cfg, same, ts in results if cfg == T.linear_config(m)), None)
+            print(f"M={m:5d} {model}: LINEAR_BUCKETS' tile {T.linear_config(m)}: "
+                  + (f"{now * 1e3:.3f} ms, weights read at {weight_bytes / now / 1e12:.2f} TB/s" if now else "not swept"))
+            print(f"M={m:5d} {model}: best " + ", ".join(f"{c}={t * 1e3:.3f} ms ({weight_bytes / t / 1e12:.2f} TB/s)"
+                                                         for t, c in ranked[:5]), flush=True)
 
 
 def main() -> None:
@@ -256,13 +273,14 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="row counts (default 256..8192; --quick 256,1024,4096)")
     ap.add_argument("--quick", action="store_true", help="three persistent candidates at three M (~90 s)")
     ap.add_argument("--buckets", action="store_true", help="tune the bucket kernel's tiles at small M instead")
+    ap.add_argument("--small", action="store_true", help="the persistent kernel's narrow tiles (decode's M: 64-256)")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.buckets:
         sweep_buckets([int(s) for s in (a.ms or "1,4,16,32,64,128,256").split(",")])
         return
     ms = [int(s) for s in (a.ms or ("256,1024,4096" if a.quick else "256,512,1024,2048,4096,8192")).split(",")]
-    cands = QUICK_CANDIDATES if a.quick else PERSISTENT_CANDIDATES
+    cands = QUICK_CANDIDATES if a.quick else SMALL_M_CANDIDATES if a.small else PERSISTENT_CANDIDATES
     sweep_large(ms, cands)
 
 

@@ -1,0 +1,134 @@
+"""The decode attention kernel's read bandwidth at the engine's shapes, and its launch options (run through the
+device tool, on one GPU):
+
+    python tools/gpu_tune_attention.py [--cases 256x200,128x600,64x1500,16x4000]
+
+A decode step's attention streams every row's K and V once (the KV of its whole prefix), so its floor is those
+bytes over the read bandwidth. For each case (rows x context) and each attention shape (Llama-3-8B: 32 query / 8
+KV heads of 128; Qwen3.5-9B's gated attention: 16 / 4 of 256), it times triton.attention.paged_attention_rows
+over one layer's paged pool (blocks handed out in a shuffled order, as a server's pool ends up) and prints the
+achieved bandwidth for the kernel as launched today (its default warps and stages) and for other warps and
+stages; then as a captured step launches it where its table is wider than one split (the splits of a
+2,048-position table, most of them past the rows' prefixes, and the combine), with its bits compared to the
+unsplit call's. Warps and stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
+reduce in another tree under another layout: each variant's output is compared bit for bit with today's, and
+the table says which differ (a variant with other bits would be a new reference, never a silent change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton  # noqa: E402
+
+from memra.kernels.cuts import ATTN_SPLIT  # noqa: E402
+from memra.kernels.triton import attention as A  # noqa: E402
+
+SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}  # (query heads, KV heads, head size)
+VARIANTS = [(w, s) for w in (4, 8) for s in (1, 2, 3, 4)]  # (warps, stages); None = the launch as memra does it
+BLOCK = 16
+TABLE = 2048  # positions a captured step's table covers (a 1,088-position max_ctx rounds up to it)
+
+
+def pool_for(rows: int, ctx: int, hkv: int, d: int, gen: torch.Generator):
+    """A paged pool holding `rows` prefixes of `ctx` positions in shuffled blocks -> (k, v, flat rows, starts, lens)."""
+    per = -(-ctx // BLOCK)
+    n_blocks = rows * per + 1
+    k = torch.randn(n_blocks, BLOCK, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(n_blocks, BLOCK, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(n_blocks - 1, device="cuda", generator=gen).view(rows, per)
+    flat = (order[:, :, None] * BLOCK + torch.arange(BLOCK, device="cuda")).reshape(rows, -1)[:, :ctx]
+    starts = torch.arange(rows, device="cuda") * ctx
+    lens = torch.full((rows,), ctx, device="cuda", dtype=torch.long)
+    return k, v, flat.reshape(-1).contiguous(), starts, lens
+
+
+def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None):
+    """paged_attention_rows, with warps/stages given to the split kernel where `options` says; ctx: the bound
+    on the rows' prefixes the launch is told (a captured step: its table's width)."""
+    if options is None:
+        return A.paged_attention_rows(q, k, v, rows, starts, lens, scale, max_len=ctx)
+    n, hq, d = q.shape
+    hkv = k.shape[-2]
+    n_splits = triton.cdiv(ctx, ATTN_SPLIT)
+    block_d = triton.next_power_of_2(d)
+    shape = dict(GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
+                 BLOCK_S=A._decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=False, **options)
+    o = torch.empty_like(q)
+    qk = scale * 1.4426950408889634
+    if n_splits <= 1:
+        A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, hq, qk, PARTIAL=False, **shape)
+        return o
+    m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    A._decode_attention_kernel[(n, hkv, n_splits)](q, k, v, rows, starts, lens, part, m, l, hq, qk, PARTIAL=True, **shape)
+    A._combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
+    return o
+
+
+def seconds(fn, reps: int = 20) -> float:
+    """GPU seconds per call, from a CUDA graph of back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (3 * reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="256x200,128x600,64x1500,16x4000", help="rows x context, comma-separated")
+    a = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}; Triton {triton.__version__}; ATTN_SPLIT {ATTN_SPLIT}")
+    print("case            shape        today: us  TB/s | best variant (warps, stages): us  TB/s | variants with other bits")
+    for case in a.cases.split(","):
+        rows, ctx = (int(x) for x in case.split("x"))
+        for name, (hq, hkv, d) in SHAPES.items():
+            k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
+            q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            scale = d ** -0.5
+            kv_bytes = 2 * rows * ctx * hkv * d * 2
+            ref = launch(q, k, v, flat, starts, lens, scale, ctx, None)
+            today = seconds(lambda: launch(q, k, v, flat, starts, lens, scale, ctx, None))
+            best, other_bits = None, []
+            for w, s in VARIANTS:
+                opts = dict(num_warps=w, num_stages=s)
+                try:
+                    out = launch(q, k, v, flat, starts, lens, scale, ctx, opts)
+                    t = seconds(lambda: launch(q, k, v, flat, starts, lens, scale, ctx, opts))
+                except Exception as e:  # noqa: BLE001 -- a variant the compiler refuses (shared memory)
+                    print(f"  {case} {name} ({w}, {s}): {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if not torch.equal(out, ref):
+                    other_bits.append((w, s))
+                if best is None or t < best[0]:
+                    best = (t, (w, s))
+            print(f"{case:15s} {name:11s} {today * 1e6:8.1f} {kv_bytes / today / 1e12:5.2f} | "
+                  f"{best[1]}: {best[0] * 1e6:8.1f} {kv_bytes / best[0] / 1e12:5.2f} | {other_bits or 'none'}", flush=True)
+            if ctx < TABLE:  # as a captured step runs it: the splits of the table's width, then the combine
+                wide = launch(q, k, v, flat, starts, lens, scale, TABLE, None)
+                t_wide = seconds(lambda: launch(q, k, v, flat, starts, lens, scale, TABLE, None))
+                print(f"{'':15s} {name:11s} told a table of {TABLE}: {t_wide * 1e6:8.1f} us "
+                      f"({kv_bytes / t_wide / 1e12:5.2f} TB/s); bits {'equal' if torch.equal(wide, ref) else 'DIFFER'}",
+                      flush=True)
+            del k, v
+
+
+if __name__ == "__main__":
+    main()
