@@ -352,3 +352,23 @@ def test_a_launched_server_that_cannot_start_is_one_line_naming_why(tmp_path):
     with pytest.raises(MemraError, match=r"the server exited with status \d+: .*no-such-model") as err:
         launch_server(str(tmp_path / "no-such-model"), max_batch=2, max_ctx=64, device="cpu", dtype=None, api_key=None)
     assert "\n" not in str(err.value)
+
+
+def test_memra_offline_batched_gives_each_answer_alone_and_refuses_where_one_differs(monkeypatch):
+    """The bench's batched offline reference (memra.LLM over every request at once) equals generating each
+    request alone (promise E1, what the one-at-a-time reference did), and refuses in one line when its
+    cross-checked rows differ alone (the canary: an 'alone' answer made to differ)."""
+    import memra
+    from memra.bench.serve_checks import ALONE_CHECKS, MemraOffline
+
+    model = memra.load("demo")
+    requests = [(f"the {w} sat on a mat and", n) for w, n in (("cat", 6), ("dog", 9), ("owl", 4), ("bee", 7), ("elk", 5))]
+    batched = MemraOffline(model, batched=True, max_batch=4)
+    batched.prepare(requests)
+    assert set(batched.answers) == set(requests)  # liveness: the batch ran and answered every request
+    alone = MemraOffline(model)
+    assert [batched(*r) for r in requests] == [alone(*r) for r in requests]
+    canary = MemraOffline(model, batched=True)
+    monkeypatch.setattr(canary, "alone", lambda prompt, max_tokens: "never this")
+    with pytest.raises(MemraError, match="not batch-invariant"):
+        canary.prepare(requests[:ALONE_CHECKS])

@@ -123,7 +123,7 @@ def _bench(args, cfg: ServeBenchConfig, server) -> int:
         if server is not None:
             server.stop()  # its memory back before the offline model loads
         target = args.offline_check or args.launch
-        problems += check_against_offline(report, memra_offline(target, args.device, args.dtype))
+        problems += check_against_offline(report, memra_offline(target, args.device, args.dtype, batched=True))
     for p in problems:
         print(f"check failed: {p}")
     if args.json:

@@ -1,7 +1,8 @@
 """The checks that turn a `memra bench serve` run into a correctness test, not just a speed number:
 
 - check_against_offline: each completed greedy answer equals what offline generation produces for the
-  same prompt (memra's promise: serving under load changes no token); memra_offline supplies memra's own;
+  same prompt (memra's promise: serving under load changes no token); memra_offline supplies memra's own
+  (MemraOffline: one at a time, or batched through memra.LLM with its first rows cross-checked alone);
 - check_metrics: the server's Prometheus token and request counters moved by what the client saw
   (scrape_metrics reads them before and after; the run must be the server's only client meanwhile,
   since the deltas are global).
@@ -115,8 +116,13 @@ def check_against_offline(report: ServeBenchReport, offline: Callable[[str, int]
                           check_cancelled: bool = True) -> list[str]:
     """Each completed request that finished by "length" or "stop" must have returned exactly
     offline(prompt, max_tokens); with check_cancelled, what a cancelled stream received must be a prefix
-    of it. Returns one description per mismatch (empty: all equal)."""
+    of it. An `offline` with a `prepare` method (MemraOffline) gets every request first, to generate them
+    in one batch. Returns one description per mismatch (empty: all equal)."""
     problems = []
+    if hasattr(offline, "prepare"):  # a batched offline generator: every answer it will be asked for, at once
+        offline.prepare([(r.prompt, r.max_tokens) for r in report.results
+                         if (r.state == "completed" and r.finish_reason in ("length", "stop"))
+                         or (check_cancelled and r.state == "cancelled")])
     for r in report.results:
         if r.state == "completed" and r.finish_reason in ("length", "stop"):
             want = offline(r.prompt, r.max_tokens)
@@ -176,20 +182,63 @@ def check_metrics(before: dict[str, float], after: dict[str, float], report: Ser
     return problems
 
 
-def memra_offline(model_path, device: str | None = None, dtype: str | None = None) -> Callable[[str, int], str]:
-    """offline(prompt, max_tokens) for check_against_offline: memra's own greedy generation, with the
-    prompt encoded and the output decoded as `memra generate` does (special tokens added, skipped).
-    `model_path` may also be an already loaded model."""
+ALONE_CHECKS = 4  # requests of a batched offline run also generated one at a time (its E1 cross-check)
+
+
+class MemraOffline:
+    """offline(prompt, max_tokens) for check_against_offline: memra's own greedy generation, with the prompt
+    encoded and the output decoded as `memra generate` does (special tokens added, skipped).
+
+    One at a time (generate_tokens, the B=1 path) by default. With `batched`, check_against_offline first
+    hands every request it will check to `prepare`, which generates them all in one memra.LLM run and keeps
+    the answers: on a GPU the B=1 path takes minutes for a few hundred answers (73k tokens at ~175 tok/s),
+    the batch seconds. Each row of a batch is its B=1 run (promise E1); `prepare` re-runs the first
+    ALONE_CHECKS requests one at a time and refuses, in one line, where one differs."""
+
+    def __init__(self, model, batched: bool = False, max_batch: int = 256):
+        self.model, self.batched, self.max_batch = model, batched, max_batch
+        self.tok = model.tokenizer
+        self.answers: dict[tuple[str, int], str] = {}
+
+    def alone(self, prompt: str, max_tokens: int) -> str:
+        from memra.generate import generate_tokens
+        from memra.sampling import SamplingParams
+
+        ids = self.tok.encode(prompt, add_special=True)
+        out = generate_tokens(self.model, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), eos_ids=self.tok.eos_ids)
+        return self.tok.decode(list(out), skip_special=True)
+
+    def __call__(self, prompt: str, max_tokens: int) -> str:
+        key = (prompt, max_tokens)
+        return self.answers[key] if key in self.answers else self.alone(prompt, max_tokens)
+
+    def prepare(self, requests: list[tuple[str, int]]) -> None:
+        """Generate `requests` [(prompt, max_tokens)] in one batch (only when batched) and keep the answers."""
+        todo = list(dict.fromkeys(r for r in requests if r not in self.answers))
+        if not self.batched or not todo:
+            return
+        from memra.engine.llm import LLM
+        from memra.sampling import SamplingParams
+
+        prompts = [{"prompt_token_ids": self.tok.encode(p, add_special=True)} for p, _ in todo]
+        params = [SamplingParams(max_tokens=n, temperature=0.0) for _, n in todo]
+        ctx = max(len(p["prompt_token_ids"]) + n for p, (_, n) in zip(prompts, todo))
+        llm = LLM(self.model, max_batch=min(self.max_batch, len(todo)), max_ctx=ctx, generation_config=None)
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            llm.close()
+        for key, out in zip(todo, outs):
+            self.answers[key] = self.tok.decode(list(out.outputs[0].token_ids), skip_special=True)
+        for key in todo[:ALONE_CHECKS]:
+            if (alone := self.alone(*key)) != self.answers[key]:
+                raise MemraError(f"offline generation is not batch-invariant: a {key[1]}-token answer differs alone "
+                                 f"({_first_difference(alone, self.answers[key])}); no served answer can be checked")
+
+
+def memra_offline(model_path, device: str | None = None, dtype: str | None = None, batched: bool = False) -> MemraOffline:
+    """MemraOffline for a model path (loaded here) or an already loaded model."""
     import memra
-    from memra.generate import generate_tokens
-    from memra.sampling import SamplingParams
 
     model = memra.load(model_path, device=device, dtype=dtype) if isinstance(model_path, (str, os.PathLike)) else model_path
-    tok = model.tokenizer
-
-    def offline(prompt: str, max_tokens: int) -> str:
-        ids = tok.encode(prompt, add_special=True)
-        out = list(generate_tokens(model, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0), eos_ids=tok.eos_ids))
-        return tok.decode(out, skip_special=True)
-
-    return offline
+    return MemraOffline(model, batched=batched)
