@@ -72,6 +72,18 @@ def test_kernel_is_its_twin_bit_for_bit(fmt):
     assert torch.equal(cpu_qdot.linear(x3, w, bias), out.view(5, 1, -1))
 
 
+def test_q6_k_keeps_the_files_planes_and_their_values():
+    """Q6_K stays in the file's two bit planes (0.83 bytes a value, the file's 0.82, not a byte a value), and
+    unpacking them gives the dequantizer's quants for any bytes."""
+    from memra.loading import dequant
+
+    qw = random_k(QType.Q6_K, 8, 512, 7)
+    w = split.Q6KSplit.from_quant(qw)
+    assert w.shape == (8, 512) and w.nbytes / (8 * 512) < 0.84 < qw.data.numel() / (8 * 512) + 0.02
+    want = (dequant.q6_k_quants(qw.data.reshape(-1, 210)).to(torch.int16) - 32).to(torch.int8).reshape(8, 512)
+    assert torch.equal(w.quants(0, 8), want) and torch.equal(w.quants(3, 5), want[3:5])
+
+
 def test_activation_quantizer_is_its_twin():
     x = activations(3, 768)
     x[1, 5] = 2.5 * (x[1].abs().max() / 127)  # an exact .5 after scaling, where half-even matters

@@ -46,10 +46,11 @@ def _weight(w) -> Weight | None:
     out = Weight(n=w.shape[0], k=w.shape[1], nparts=len(parts))
     for i, p in enumerate(parts):
         kind = _KIND[type(p)]
-        quants = p.qs if kind == 4 else p.q
+        quants = p.qs if kind == 4 else p.ql if kind == 6 else p.q
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        mn = p.qh if kind == 6 else getattr(p, "mins", None)  # Q6_K's high-bit plane rides in the min slot
         out.parts[i] = Part(kind, p.shape[0], ptr(quants), ptr(p.d), ptr(getattr(p, "dmin", None)), ptr(p.scale if
-                            kind != 8 else None), ptr(getattr(p, "mins", None)))
+                            kind != 8 else None), ptr(mn))
         assert all(t.is_contiguous() for t in p._tensors().values())
     return out
 

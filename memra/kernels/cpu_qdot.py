@@ -49,7 +49,7 @@ _SIGNATURES = {
     "memra_quantize_rows": ([_p, _i64, _i64, _i64, _p, _p, _p], None),
     "memra_qdot_q8_0": ([_p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_qdot_qk": ([_int, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int], None),
-    "memra_qdot_q6k": ([_p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
+    "memra_qdot_q6k": ([_p, _p, _p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_attend_rows": ([_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _i64,
                            ctypes.c_float, _p, _int, _int], None),
     "memra_rms_rows": ([_p, _p, _p, _p, _i64, _i64, ctypes.c_float, _p, _int], None),
@@ -139,7 +139,7 @@ def _plan(lib, w) -> tuple:
         if isinstance(w, split.Q8Split):
             plan = (lib.memra_qdot_q8_0, 32, (_ptr(w.q), _ptr(w.d), n, k), False)
         elif isinstance(w, split.Q6KSplit):
-            plan = (lib.memra_qdot_q6k, 256, (_ptr(w.q), _ptr(w.d), _ptr(w.scale), n, k), False)
+            plan = (lib.memra_qdot_q6k, 256, (_ptr(w.ql), _ptr(w.qh), _ptr(w.d), _ptr(w.scale), n, k), False)
         else:
             bits, quants = (4, w.qs) if isinstance(w, split.Q4KSplit) else (5, w.q)
             plan = (lib.memra_qdot_qk, 256, (bits, _ptr(quants), _ptr(w.d), _ptr(w.dmin), _ptr(w.scale),

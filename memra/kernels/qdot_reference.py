@@ -44,6 +44,8 @@ def _ints(w, a: int, b: int) -> torch.Tensor:
     if isinstance(w, split.Q4KSplit):
         qs = w.qs[a:b].view(b - a, -1, 1, 32)
         return torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(b - a, -1).int()
+    if isinstance(w, split.Q6KSplit):
+        return w.quants(a, b).int()
     return w.q[a:b].int()
 
 

@@ -9,11 +9,12 @@ a value; on a GPU the fused kernels
     Q4KSplit  Q4_K: 4-bit q as the file packs it [N, K/2] | fp32 d, dmin [N, K/256]
               | 6-bit scale, min as bytes [N, K/32]                       value = (d * scale) * q - (dmin * min)
     Q5KSplit  Q5_K: 5-bit q, a byte each [N, K] | the rest as Q4_K        value = (d * scale) * q - (dmin * min)
-    Q6KSplit  Q6_K: q - 32, int8 [N, K] | fp32 d [N, K/256]
+    Q6KSplit  Q6_K: 6-bit q as the file's two planes [N, K/2], [N, K/4] | fp32 d [N, K/256]
               | int8 scale [N, K/16]                                      value = (d * scale) * (q - 32)
 
-Q5_K and Q6_K spread a value's bits over two planes; their splits hold a whole byte per value (1.6x and
-1.3x the file's bytes) so a tile decodes as Q8_0's does, with no bit gathering per step.
+Q5_K spreads a value's bits over two planes; its split holds a whole byte per value (1.6x the file's
+bytes) so a tile decodes as Q8_0's does, with no bit gathering per step. Q6_K keeps its planes (a byte per
+value would be 1.3x the file): its kernels gather the two fields.
 
 The file interleaves every block's header with its quants, so decoding from it means a strided read and
 a small widening per block; split, a tile is one widening copy (Q4_K: of its nibbles, interleaved in
@@ -199,9 +200,12 @@ def _per_sub_block(d: torch.Tensor, ints: torch.Tensor, sub: int) -> torch.Tenso
 
 @dataclass(frozen=True, eq=False)
 class Q6KSplit(_Split):
-    """A Q6_K weight [N, K]: 1.08 bytes a value against the file's 0.82."""
+    """A Q6_K weight [N, K]: 0.83 bytes a value against the file's 0.82. The 6-bit quants stay in the file's
+    two planes (the kernels gather a value's low nibble and its high two bits; a byte per value held a
+    Q4_K_M file at 1.3-1.6x its size in memory)."""
 
-    q: torch.Tensor  # int8 [N, K]: the stored 6-bit q less 32, -32..31 (exact in fp32, as dequant's q - 32)
+    ql: torch.Tensor  # uint8 [N, K / 2]: per 256 values the file's 128 low-nibble bytes (q6_quants says where)
+    qh: torch.Tensor  # uint8 [N, K / 4]: per 256 values the file's 64 bytes of high two-bit fields
     d: torch.Tensor  # fp32 [N, K // 256]
     scale: torch.Tensor  # int8 [N, K // 16]
     dtype: torch.dtype
@@ -212,19 +216,34 @@ class Q6KSplit(_Split):
     def from_quant(cls, qw: QuantWeight) -> "Q6KSplit":
         n, k = qw.shape
         blocks = qw.data.view(n * (k // 256), 210)
-        q = _in_chunks(blocks, lambda b: (dequant.q6_k_quants(b).to(torch.int16) - 32).to(torch.int8), torch.int8)
         d = dequant._f16_field(blocks, 208).view(n, k // 256)
-        return cls(q.reshape(n, k), d, blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, k // 16), qw.dtype)
+        return cls(blocks[:, :128].reshape(n, k // 2).contiguous(), blocks[:, 128:192].reshape(n, k // 4).contiguous(),
+                   d, blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, k // 16), qw.dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return self.ql.shape[0], 2 * self.ql.shape[1]
+
+    def quants(self, a: int, b: int) -> torch.Tensor:
+        """Rows a..b's q - 32 as int8 [b - a, K], in value order."""
+        return q6_quants(self.ql[a:b], self.qh[a:b])
 
     def decode(self, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows a..b as fp32 [b - a, K] (into `out` where given)."""
-        out = _widen(self.q, a, b, out)
+        out = _widen(self.quants(a, b), 0, b - a, out)
         out.view(b - a, -1, 16).mul_(_per_sub_block(self.d[a:b], self.scale[a:b], 16))
         return out
+
+
+def q6_quants(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """Q6_K's planes uint8 [n, K / 2], [n, K / 4] -> q - 32, int8 [n, K] (dequant's unpacking). Value v of a
+    256-value block, with h = v // 128, c = v % 128 // 32, l = v % 32: its low nibble is byte 64 h + 32 (c % 2)
+    + l of the block's 128 (the high nibble where c >= 2), its high two bits are bits 2c of byte 32 h + l of
+    the block's 64."""
+    n = ql.shape[0]
+    blocks = torch.cat((ql.reshape(-1, 128), qh.reshape(-1, 64)), dim=1)  # [n * K / 256, 192] as the file
+    q = _in_chunks(blocks, lambda b: (dequant.q6_k_quants(b).to(torch.int16) - 32).to(torch.int8), torch.int8)
+    return q.reshape(n, -1)
 
 
 @dataclass(frozen=True, eq=False)

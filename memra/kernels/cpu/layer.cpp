@@ -19,8 +19,8 @@ void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, 
 void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
                    int64_t N, int64_t K, const int8_t* x, const float* xd, const int32_t* xs, int64_t M, float* y,
                    int64_t ldy, int nthreads, int avx2);
-void memra_qdot_q6k(const int8_t* q, const float* d, const int8_t* sc, int64_t N, int64_t K, const int8_t* x,
-                    const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2);
+void memra_qdot_q6k(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t N, int64_t K,
+                    const int8_t* x, const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2);
 void memra_rms_rows(const float* x, const float* add, float* sum, const float* w, int64_t M, int64_t n, float eps,
                     float* y, int avx2);
 void memra_silu_mul_rows(const float* gu, int64_t M, int64_t F, float* y, int avx2);
@@ -76,8 +76,8 @@ void linear(const Weight& w, const float* x, float* y, int nthreads, int avx2) {
         have256 = true;
       }
       if (p.kind == 6)
-        memra_qdot_q6k((const int8_t*)p.q, (const float*)p.d, (const int8_t*)p.sc, p.n, K, q256.data(), d256.data(),
-                       1, y + col, w.n, nthreads, avx2);
+        memra_qdot_q6k((const uint8_t*)p.q, (const uint8_t*)p.mn, (const float*)p.d, (const int8_t*)p.sc, p.n, K,
+                       q256.data(), d256.data(), 1, y + col, w.n, nthreads, avx2);
       else
         memra_qdot_qk((int)p.kind, (const uint8_t*)p.q, (const float*)p.d, (const float*)p.dmin,
                       (const uint8_t*)p.sc, (const uint8_t*)p.mn, p.n, K, q256.data(), d256.data(), s256.data(), 1,

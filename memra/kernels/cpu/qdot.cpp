@@ -83,13 +83,22 @@ float qk_scalar(int bits, const uint8_t* q, const float* d, const float* dmin, c
   return acc;
 }
 
-float q6k_scalar(const int8_t* q, const float* d, const int8_t* sc, const int8_t* x, const float* xd, int64_t nsb) {
+// Q6_K's q - 32 of value v (0..255) of a block whose planes start at ql (128 bytes) and qh (64): the file's
+// layout (memra.kernels.split.q6_quants).
+inline int32_t q6_value(const uint8_t* ql, const uint8_t* qh, int v) {
+  const int h = v / 128, c = v % 128 / 32, l = v % 32;
+  const int lo = (ql[64 * h + 32 * (c % 2) + l] >> (4 * (c / 2))) & 0x0F, hi = (qh[32 * h + l] >> (2 * c)) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+float q6k_scalar(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, const int8_t* x,
+                 const float* xd, int64_t nsb) {
   float acc = 0;
   for (int64_t s = 0; s < nsb; s++) {
     int32_t isum = 0;
     for (int j = 0; j < 16; j++) {
       int32_t dot = 0;
-      for (int i = 0; i < 16; i++) dot += (int32_t)q[256 * s + 16 * j + i] * x[256 * s + 16 * j + i];
+      for (int i = 0; i < 16; i++) dot += q6_value(ql + 128 * s, qh + 64 * s, 16 * j + i) * x[256 * s + 16 * j + i];
       isum += (int32_t)sc[16 * s + j] * dot;
     }
     acc = acc + (d[s] * xd[s]) * (float)isum;
@@ -229,9 +238,21 @@ AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin,
   for (int r = 0; r < R; r++) y[r] = acc[r];
 }
 
+// Values 32t..32t+31 of a Q6_K block (t = 0..7) as int8 q - 32: the low nibbles of 32 ql bytes (high ones for
+// the block's third and fourth runs of 32 in each half) and two bits of 32 qh bytes.
+AVX2 inline __m256i q6_run(const uint8_t* ql, const uint8_t* qh, int t) {
+  const int h = t / 4, c = t % 4;
+  const __m256i lo = _mm256_and_si256(
+      _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32 * (c % 2))), 4 * (c / 2)),
+      _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(qh + 32 * h)), 2 * c),
+                                      _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
 template <int R>
-AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K, const int8_t* x, const float* xd,
-                   float* y) {
+AVX2 void q6k_avx2(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K, const int8_t* x,
+                   const float* xd, float* y) {
   const int64_t nsb = K / 256;
   float acc[R];
   for (int r = 0; r < R; r++) acc[r] = 0;
@@ -249,8 +270,11 @@ AVX2 void q6k_avx2(const int8_t* q, const float* d, const int8_t* sc, int64_t K,
       __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
                                      _mm_load_si128((const __m128i*)kSpread[j % 8]));
       for (int r = 0; r < R; r++) {
-        if (j % 4 == 0) _mm_prefetch((const char*)(q + (r + R) * K + 256 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
-        __m256i qv = _mm256_loadu_si256((const __m256i*)(q + r * K + 256 * s + 16 * j));
+        if (j % 8 == 0) {  // the next group's planes, as q8_0_vnni prefetches its rows
+          _mm_prefetch((const char*)(ql + (r + R) * (K / 2) + 128 * s + 8 * j), _MM_HINT_T0);
+          _mm_prefetch((const char*)(qh + (r + R) * (K / 4) + 64 * s + 4 * j), _MM_HINT_T0);
+        }
+        __m256i qv = q6_run(ql + r * (K / 2) + 128 * s, qh + r * (K / 4) + 64 * s, j / 2);
         __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
         ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, _mm256_shuffle_epi8(j < 8 ? lo[r] : hi[r], idx)));
       }
@@ -353,16 +377,19 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
       });
 }
 
-void memra_qdot_q6k(const int8_t* q, const float* d, const int8_t* sc, int64_t N, int64_t K, const int8_t* x,
-                    const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
+void memra_qdot_q6k(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t N, int64_t K,
+                    const int8_t* x, const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t nsb = K / 256;
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
-        q6k_avx2<G>(q + n0 * K, d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K, xd + m * nsb, out);
+        q6k_avx2<G>(ql + n0 * (K / 2), qh + n0 * (K / 4), d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K,
+                    xd + m * nsb, out);
       },
       [&](int64_t n, int64_t m, float* out) {
-        if (avx2) q6k_avx2<1>(q + n * K, d + n * nsb, sc + n * (K / 16), K, x + m * K, xd + m * nsb, out);
-        else *out = q6k_scalar(q + n * K, d + n * nsb, sc + n * (K / 16), x + m * K, xd + m * nsb, nsb);
+        if (avx2) q6k_avx2<1>(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
+                              xd + m * nsb, out);
+        else *out = q6k_scalar(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), x + m * K,
+                               xd + m * nsb, nsb);
       });
 }
 

@@ -18,7 +18,8 @@ activation dtype exactly as the twin (memra.kernels.quant.reference_linear) roun
   Q8_0  q * d                          int8 q [N, K], fp16 d [N, K/32]
   Q4_K  (d * scale) * q - dmin * min   nibbles [N, K/2], fp32 d, dmin [N, K/256], bytes scale, min [N, K/32]
   Q5_K  the same, with a byte per q    uint8 q [N, K]
-  Q6_K  (d * scale) * q                int8 q - 32 [N, K], fp32 d [N, K/256], int8 scale [N, K/16]
+  Q6_K  (d * scale) * q                6-bit q as the file's planes: uint8 ql [N, K/2], qh [N, K/4] (q - 32 from
+                                       both), fp32 d [N, K/256], int8 scale [N, K/16]
   FP8   e4m3(q) * s                    e4m3 bytes [N, K], fp32 s [N, cdiv(K, block)] (HF FP8 block-scaled)
   NVFP4 e2m1(q) * s                    two nibbles a byte [N, K/2], fp32 s [N, cdiv(K, 16)] (modelopt / c-t)
   (FP8 / NVFP4 decode their codes exactly in integer arithmetic, then one fp32 product; on a GPU only with
@@ -137,8 +138,15 @@ def _tile_values(q_ptr, d_ptr, dmin_ptr, sc_ptr, mn_ptr, rn, k0, kk, mask, N, K,
     elif FORMAT == 0:  # Q8_0
         q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
         return q * _spread(_group_scales(d_ptr, rows, cols, k0, K, 32, BLOCK_K), 32, BLOCK_K)
-    elif FORMAT == 3:  # Q6_K: groups of 16
-        q = tl.load(q_ptr + rows * K + kk[:, None], mask=mask, other=0).to(tl.float32)
+    elif FORMAT == 3:  # Q6_K: groups of 16; a value's low nibble from ql (q_ptr), its high two bits from qh (mn_ptr)
+        v = kk % 256
+        h, c, lane = v // 128, v % 128 // 32, v % 32
+        lo = tl.load(q_ptr + rows * (K // 2) + (kk // 256 * 128 + 64 * h + 32 * (c % 2) + lane)[:, None], mask=mask,
+                     other=0).to(tl.int32)
+        hi = tl.load(mn_ptr + rows * (K // 4) + (kk // 256 * 64 + 32 * h + lane)[:, None], mask=mask,
+                     other=0).to(tl.int32)
+        q = (((lo >> (4 * (c // 2))[:, None]) & 0x0F) | (((hi >> (2 * c)[:, None]) & 3) << 4)) - 32
+        q = tl.where(mask, q, 0).to(tl.float32)  # zero past the weight, as the byte-per-value load gave
         d = tl.load(d_ptr + rn * (K // 256) + k0 // 256, mask=both(cols, k0 < K), other=0.0)
         return q * _spread(d[None, :] * _group_scales(sc_ptr, rows, cols, k0, K, 16, BLOCK_K), 16, BLOCK_K)
     else:  # Q4_K, Q5_K: per 256 d and dmin, per 32 a 6-bit scale and min
@@ -222,7 +230,7 @@ def _planes(w) -> tuple[int, tuple[torch.Tensor, ...], int]:
     if isinstance(w, Q5KSplit):
         return Q5_K, (w.q, w.d, w.dmin, w.scale, w.mins), 32
     if isinstance(w, Q6KSplit):
-        return Q6_K, (w.q, w.d, w.d, w.scale, w.scale), 32
+        return Q6_K, (w.ql, w.d, w.d, w.scale, w.qh), 32
     if isinstance(w, Fp8BlockSplit):
         q = w.q.view(torch.uint8)
         return FP8_BLOCK, (q, w.s, w.s, w.s, w.s), w.cols
