@@ -48,9 +48,11 @@ def cpu_rows_invariant(model) -> bool:
     ops = model.ops
     if not (ops.cpu_ops and ops.qdot and model.device.type == "cpu" and model.dtype == torch.float32):
         return False
-    head = model.lm_head
+    head, blocks = getattr(model, "lm_head", None), getattr(model, "blocks", None)
+    if head is None or blocks is None:  # a pipeline of stages (memra.pp): its layers live in other processes
+        return False
     return (isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
-            and all(cpu_layer.plan_for(b) is not None for b in model.blocks))
+            and all(cpu_layer.plan_for(b) is not None for b in blocks))
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:

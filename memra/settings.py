@@ -79,7 +79,7 @@ class Settings:
     gate_seed: int = 0
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
-    cpu_decode: bool = False  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
+    cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
@@ -106,7 +106,7 @@ class Settings:
             gate_seed=integer(e, "MEMRA_GATE_SEED", 0),
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
-            cpu_decode=flag(e, "MEMRA_CPU_DECODE", False),
+            cpu_decode=flag(e, "MEMRA_CPU_DECODE", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
