@@ -103,6 +103,7 @@ class GraphKey:
     rec: int | None  # id() of the recurrent pool
     rec_version: int | None
     tokens: int = 0  # a mixed step's prompt-token bucket (memra.mixed_graphs); 0 for a decode step
+    decode_blocks: int = 0  # a mixed step's decode rows' table width (memra.mixed_graphs); 0 for a decode step
 
 
 class StaticDecode:
@@ -227,11 +228,12 @@ def eager_table_step(model, caches: list[Cache]) -> StackedStep:
                       torch.arange(len(caches), device=dev) * (nb * BLOCK_SIZE))
 
 
-def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None, tokens: int = 0) -> GraphKey:
+def graph_key(bucket: int, nb: int, kv: KvPool, rec: RecurrentPool | None, tokens: int = 0,
+              decode_blocks: int = 0) -> GraphKey:
     """Which captured step serves this bucket and width over these pools as they are now (an enlarged
     pool has new tensors, so its version is part of the key)."""
     return GraphKey(bucket, nb, id(kv), kv.version, id(rec) if rec is not None else None,
-                    rec.version if rec is not None else None, tokens)
+                    rec.version if rec is not None else None, tokens, decode_blocks)
 
 
 def static_for(store: dict, key: GraphKey, make):

@@ -70,13 +70,18 @@ def token_bucket(tokens: int) -> int | None:
 
 
 class StaticMixed:
-    """One (batch bucket, token bucket)'s static mixed step: its buffer, its captured graph, its logits."""
+    """One (batch bucket, token bucket, table widths)'s static mixed step: its buffer, its captured graph, its
+    logits. nb: the prompt pieces' table width; decode_nb: the decode rows' (default nb; MEMRA_MIXED_DECODE_WIDTH
+    gives them their own, so that a piece past one attention split does not take every decode row through
+    the split attention: the same bits, as _combine_splits_kernel explains)."""
 
-    def __init__(self, model, kv: KvPool, rec: RecurrentPool | None, bucket: int, tokens: int, nb: int):
+    def __init__(self, model, kv: KvPool, rec: RecurrentPool | None, bucket: int, tokens: int, nb: int,
+                 decode_nb: int | None = None):
         self.model, self.kv, self.rec, self.bucket, self.tokens, self.nb = model, kv, rec, bucket, tokens, nb
+        self.decode_nb = nb if decode_nb is None else decode_nb
         self.chunks = tokens // GDN_CHUNK + 2 * PIECES  # a piece of t tokens has at most t / 64 + 2 chunks
         b, p = bucket, PIECES
-        sizes = dict(ids=b + tokens, rows=b * (2 + nb), pos=tokens, write=tokens, out=b + p, tables=p * nb,
+        sizes = dict(ids=b + tokens, rows=b * (2 + self.decode_nb), pos=tokens, write=tokens, out=b + p, tables=p * nb,
                      small=9 * p + self.chunks + 1)
         self.at, n = {}, 0
         for name, size in sizes.items():
@@ -88,7 +93,7 @@ class StaticMixed:
             model.mixed_logits[b] = torch.zeros(b + p, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.logits = model.mixed_logits[b]
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
-        self.starts = torch.arange(b, device=dev) * (nb * BLOCK_SIZE)  # decode row r's prefix in its flat rows
+        self.starts = torch.arange(b, device=dev) * (self.decode_nb * BLOCK_SIZE)  # decode row r's prefix in its flat rows
         self.spans: tuple[tuple, tuple] = ((), ())  # the last fill's pieces, for the reference kernels (CPU)
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -124,7 +129,7 @@ class StaticMixed:
         host = np.zeros(self.buf.numel(), dtype=np.int64)
         view = lambda name: self._view(host, name)  # noqa: E731
         b = len(dec_caches)
-        view("rows")[:] = host_rows(dec_caches, bp, nb, scratch).reshape(-1)  # then the inert decode rows
+        view("rows")[:] = host_rows(dec_caches, bp, self.decode_nb, scratch).reshape(-1)  # then the inert decode rows
         pos, write, out, tables = view("pos"), view("write"), view("out"), view("tables").reshape(p, nb)
         attn, rec = view("small")[: 4 * p].reshape(p, 4), view("small")[4 * p : 9 * p].reshape(p, 5)
         out[:bp] = np.arange(bp)
@@ -184,7 +189,9 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
     if not (captures_mixed(model) and graphable(model, caches)) or len(pieces) >= PIECES:
         return None
     tokens = token_bucket(sum(x.numel() for x in pieces))
-    nb = step_blocks(caches, [c.pos + 1 for c in dec_caches] + [c.pos + x.numel() for x, c in zip(pieces, pre_caches)])
+    decode_ends = [c.pos + 1 for c in dec_caches]
+    nb = step_blocks(caches, decode_ends + [c.pos + x.numel() for x, c in zip(pieces, pre_caches)])
+    decode_nb = step_blocks(dec_caches, decode_ends) if model.settings.mixed_decode_width and dec_caches else nb
     bucket = bucket_for(len(dec_caches))
     if tokens is None or tokens > nb * BLOCK_SIZE or bucket is None:
         return None  # a wave past every bucket, or a padding piece longer than a table reaches
@@ -192,8 +199,8 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
     scratch = scratch_of(kv, rec, model.graph_scratch)
     if scratch is None:
         return None
-    static = static_for(model.mixed_graphs, graph_key(bucket, nb, kv, rec, tokens),
-                        lambda: StaticMixed(model, kv, rec, bucket, tokens, nb))
+    static = static_for(model.mixed_graphs, graph_key(bucket, nb, kv, rec, tokens, decode_nb),
+                        lambda: StaticMixed(model, kv, rec, bucket, tokens, nb, decode_nb))
     if model.device.type == "cuda" and model.mixed_graph_pool is None:
         model.mixed_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
     return static.run(ids, dec_caches, pieces, pre_caches, scratch, model.mixed_graph_pool)

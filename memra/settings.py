@@ -81,6 +81,7 @@ class Settings:
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
     cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
+    mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -108,6 +109,7 @@ class Settings:
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
             cpu_decode=flag(e, "MEMRA_CPU_DECODE", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
+            mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -147,6 +149,7 @@ class Settings:
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
+                "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width),
                 **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
@@ -176,16 +179,19 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "eager too where no graph fits | 0"),
     ("MEMRA_CPU_QDOT", "1", "packed GGUF linears on CPU as int8 block dot products (a C file built at first use); "
      "0 = the tiled twin (dequantize a tile, then BLAS): other bits, 7-8x slower"),
-    ("MEMRA_CPU_DECODE", "0", "1 = fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) "
-     "in C, in fixed orders of their own (memra.kernels.decode_reference), a packed dense layer's decode step in "
-     "one call (memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn); a packed "
-     "dense model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant): faster, "
-     "other bits; memra.train's walk mirrors them (E11 holds with it on); off by default until the suite's "
-     "comparisons of two kernel paths (GGUF-packed with HF-rounded weights, windowed with global attention, the "
-     "pipeline's dual-wave liveness) hold with it on"),
+    ("MEMRA_CPU_DECODE", "1", "fp32 on CPU: RMSNorm, SwiGLU and decode attention (RoPE, K/V write, every head) in C, "
+     "in fixed orders of their own (memra.kernels.decode_reference), a packed dense layer's decode step in one call "
+     "(memra.kernels.cpu_layer), and GDN's q/k norms and delta-rule step (memra.kernels.cpu_gdn); a packed dense "
+     "model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant); memra.train's walk "
+     "mirrors them (E11 holds either way). 0 = torch's ops for those steps (slower, other bits; each row then runs "
+     "alone). Without a C++ compiler the torch ops run, with a one-line notice"),
     ("MEMRA_LINEAR_PERSISTENT", "1", "on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
      "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
      "the bucket kernel's bits (memra.kernels.triton.linear_persistent); 0 = the bucket kernel at every M"),
+    ("MEMRA_MIXED_DECODE_WIDTH", "0", "1 = a captured mixed step's decode rows read a block table of their own width "
+     "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
+     "long prompt piece then no longer sends every decode row through the split attention and its combine; the "
+     "same bits, a third table width of mixed graphs to capture; off until a GPU run shows it faster"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

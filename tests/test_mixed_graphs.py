@@ -16,7 +16,7 @@ import torch
 from conftest import DEVICE, HYBRID_ARCHS, hf_dir, rel_err
 from memra import counters, step
 from memra.gate.prime_batch_arm import cache_bits
-from memra.graphs import reserve_scratch, scratch_of, table_blocks
+from memra.graphs import SPLIT_BLOCKS, reserve_scratch, scratch_of, table_blocks
 from memra.mixed_graphs import PIECES, StaticMixed, graphed_mixed, token_bucket
 
 RUNNING = [9, 70, 3]  # the decoding sequences' prompt lengths
@@ -29,20 +29,20 @@ def _ids(n: int, salt: int, vocab: int) -> list[int]:
     return [(5 * salt + 11 * j + 2) % vocab for j in range(n)]
 
 
-def _ready(model, new=NEW):
+def _ready(model, new=NEW, ctx=512, primed=PRIMED):
     """RUNNING primed and decoded once, NEW's caches opened (the pools' scratch set aside first, as a
-    server does; the third primed PRIMED tokens already). -> (running caches, new caches, the prompts,
-    the decode ids on the device)."""
+    server does; the third primed `primed` tokens already), every cache of `ctx` positions. -> (running
+    caches, new caches, the prompts, the decode ids on the device)."""
     vocab = model.cfg.vocab_size
-    probe = model.new_cache(512)
+    probe = model.new_cache(ctx)
     reserve_scratch(model, probe.kv, probe.rec)
     probe.free()
-    running = [model.new_cache(512) for _ in RUNNING]
+    running = [model.new_cache(ctx) for _ in RUNNING]
     model.prime_batch([_ids(n, i, vocab) for i, n in enumerate(RUNNING)], running)
     model.decode_step_batch([7, 8, 9], running)
-    new_caches = [model.new_cache(512) for _ in new]
+    new_caches = [model.new_cache(ctx) for _ in new]
     if len(new) > 2:
-        model.prime(_ids(PRIMED, 99, vocab), new_caches[2])
+        model.prime(_ids(primed, 99, vocab), new_caches[2])
     prompts = [_ids(n, 10 + i, vocab) for i, n in enumerate(new)]
     return running, new_caches, prompts, torch.tensor([4, 5, 6], device=model.device)
 
@@ -54,8 +54,11 @@ def _pieces(model, prompts, caches):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on the GPU the captured step is held to the two calls' bits below")
-@pytest.mark.parametrize("arch", ["llama", *HYBRID_ARCHS])
-def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch):
+@pytest.mark.parametrize("arch, nb, decode_nb", [("llama", 32, None), *((a, 32, None) for a in HYBRID_ARCHS),
+                                                 ("qwen3_5", 64, 8)])
+def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch, nb, decode_nb):
+    """decode_nb: the decode rows' table of a width of their own (MEMRA_MIXED_DECODE_WIDTH), narrower than the
+    pieces' (here 8 blocks, which hold every running row; the pieces' 64 reach past one attention split)."""
     model = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP="1", MEMRA_CUDA_GRAPHS="0")
     running, new, prompts, ids = _ready(model)
     want_running, want_new, _, _ = _ready(model)
@@ -64,7 +67,8 @@ def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch):
     pieces = _pieces(model, prompts, new)
     for c in running:
         c.reserve(1)
-    static = StaticMixed(model, running[0].kv, running[0].rec, 4, token_bucket(sum(NEW)), table_blocks(512))
+    static = StaticMixed(model, running[0].kv, running[0].rec, 4, token_bucket(sum(NEW)), nb, decode_nb)
+    assert static.nb == nb and static.decode_nb == (decode_nb or nb) and table_blocks(512) == 32
     got, lasts = static.run(ids, running, pieces, new, scratch_of(running[0].kv, running[0].rec, model.graph_scratch))
     for c in running:
         c.pos += 1
@@ -87,9 +91,9 @@ def test_token_buckets_and_what_declines(load_model):
         assert graphed_mixed(model, ids, running, _pieces(model, prompts, new), new) is None
 
 
-def _two_calls_and_graphed(model, new):
-    running, caches, prompts, ids = _ready(model, new)
-    want_running, want_caches, _, _ = _ready(model, new)
+def _two_calls_and_graphed(model, new, **ready):
+    running, caches, prompts, ids = _ready(model, new, **ready)
+    want_running, want_caches, _, _ = _ready(model, new, **ready)
     want, want_lasts = model.decode_step_batch(ids, want_running), model.prime_batch(prompts, want_caches)
     before = counters.snapshot()
     got, lasts = step.mixed_step(model, ids, running, prompts, caches)
@@ -115,6 +119,17 @@ def test_the_graphed_mixed_step_has_the_two_calls_bits(load_model, arch):
     assert equal and fewer["mixed_steps"] == 1
     single, equal = _two_calls_and_graphed(model, [5, 1])  # a 1-token piece attends as every prompt token does
     assert equal and single["mixed_steps"] == 1
+
+
+@cuda_only
+def test_the_decode_rows_own_table_width_keeps_the_two_calls_bits(load_model):
+    """MEMRA_MIXED_DECODE_WIDTH: a prompt piece past one attention split (64 tokens from position 480) makes
+    the pieces' table full width while the decode rows keep one split's: the step has the two calls' bits,
+    and the graph it ran is keyed by both widths (liveness: the narrow decode table ran)."""
+    model = load_model(hf_dir("llama"), dtype="bfloat16").with_doors(MEMRA_MIXED_DECODE_WIDTH="1")
+    delta, equal = _two_calls_and_graphed(model, NEW, ctx=1024, primed=480)
+    split = [k for k in model.mixed_graphs if k.decode_blocks != k.table_blocks]
+    assert equal and delta["mixed_steps"] == 1 and split and all(k.decode_blocks == SPLIT_BLOCKS for k in split)
 
 
 @cuda_only

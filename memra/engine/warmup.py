@@ -120,28 +120,38 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
 
 def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int, prefill_budget: int | None) -> None:
     """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs),
-    at both table widths (memra.graphs.step_blocks): `rows` sequences decode while one more prefills a
-    prompt in the token bucket. Where a step declines the graph (no scratch), this runs the two calls
+    at every table width it can meet (memra.graphs.step_blocks; with MEMRA_MIXED_DECODE_WIDTH the decode
+    rows' own width too): `rows` sequences decode while one more prefills a prompt in the token bucket. Where a step declines the graph (no scratch), this runs the two calls
     instead, harmlessly."""
     sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
     per_pass = len(MIXED_TOKENS) * len(sizes)  # steps, each advancing the decoding rows a position
     if rows < 1 or cache_ctx < 2 + per_pass:
         return
-    # the second pass: a decoding row past one attention split, the steps of the full table width
-    passes = 2 if full_width_pass(cache_ctx, per_pass) else 1
+    # Passes: every table narrow; with MEMRA_MIXED_DECODE_WIDTH the prompt piece past one attention split (its
+    # table full width) beside short decode rows (theirs narrow); then a decoding row past the split, every
+    # table full width.
+    passes = ["narrow"]
+    if model.settings.mixed_decode_width and full_width_pass(cache_ctx, 2 * per_pass):
+        passes.append("piece past the split")
+    if full_width_pass(cache_ctx, per_pass * len(passes)):
+        passes.append("row past the split")
     caches = [backend.new_cache(cache_ctx) for _ in range(rows)]
     try:
         model.prime_batch([[1]] * rows, caches)
-        for p in range(passes):
-            if p:
+        for width in passes:
+            if width == "row past the split":
                 model.prime([1] * ATTN_SPLIT, caches[0])
             for tokens in MIXED_TOKENS:
                 for n in sizes:
                     length = min(tokens, cache_ctx - 1, token_budget - n if prefill_budget is None else prefill_budget)
                     if token_bucket(length) != tokens:
                         continue  # no step of n rows reaches this bucket
+                    if width == "piece past the split" and ATTN_SPLIT + length >= cache_ctx:
+                        continue
                     new = backend.new_cache(cache_ctx)
                     try:
+                        if width == "piece past the split":
+                            model.prime([1] * ATTN_SPLIT, new)
                         mixed_step(model, [1] * n, caches[:n], [_prompt(n, length, model.cfg.vocab_size)], [new])
                     finally:
                         new.free()
