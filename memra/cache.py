@@ -99,7 +99,7 @@ class KvPool:
             return
         for table in (self.k, self.v):
             for i, t in table.items():
-                table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
+                table[i] = torch.cat((t, t.new_empty((extra, *t.shape[1:]))))  # zeroed when allocated
         self.free.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
         self.max_blocks = max(self.max_blocks, n_blocks)
@@ -116,8 +116,12 @@ class RecurrentPool:
         assert g is not None
         self.layers = cfg.gdn_layers
         dev = lambda i: (layer_devices or {}).get(i, device)
-        self.conv = {i: torch.zeros(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
-        self.ssm = {i: torch.zeros(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
+        # Not zeroed here: allocate() zeroes the slot it hands out, and no path reads a slot it was not handed
+        # (padding rows use the scratch slot, itself allocated). Zeroing them all touched every page: on a
+        # CPU that held 4 slots of a Qwen3.5-0.8B shape resident (72 MiB, a quarter of its Q4_K file) before
+        # any sequence ran.
+        self.conv = {i: torch.empty(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
+        self.ssm = {i: torch.empty(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
                     for i in self.layers}
         self.n_slots = n_slots
         self.max_slots = max(n_slots, max_slots or n_slots)
@@ -146,7 +150,7 @@ class RecurrentPool:
             return
         for table in (self.conv, self.ssm):
             for i, t in table.items():
-                table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
+                table[i] = torch.cat((t, t.new_empty((extra, *t.shape[1:]))))  # zeroed when allocated
         self.free.extend(range(self.n_slots, n_slots))
         self.n_slots = n_slots
         self.version += 1
