@@ -99,7 +99,7 @@ class KvPool:
             return
         for table in (self.k, self.v):
             for i, t in table.items():
-                table[i] = torch.cat((t, t.new_empty((extra, *t.shape[1:]))))  # zeroed when allocated
+                table[i] = torch.cat((t, t.new_zeros((extra, *t.shape[1:]))))
         self.free.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
         self.max_blocks = max(self.max_blocks, n_blocks)
@@ -107,8 +107,8 @@ class KvPool:
 
 
 class RecurrentPool:
-    """Per-sequence recurrent state slots for the GDN layers. With `max_slots` above `n_slots` the pool
-    grows on demand (doubling, up to max_slots)."""
+    """Per-sequence recurrent state slots for the GDN layers, growing on demand up to `max_slots`. A slot is
+    zeroed when handed out (allocate): no path reads one it was not handed, so unused ones take no memory."""
 
     def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str,
                  layer_devices: dict[int, torch.device] | None = None, max_slots: int | None = None):
@@ -116,10 +116,6 @@ class RecurrentPool:
         assert g is not None
         self.layers = cfg.gdn_layers
         dev = lambda i: (layer_devices or {}).get(i, device)
-        # Not zeroed here: allocate() zeroes the slot it hands out, and no path reads a slot it was not handed
-        # (padding rows use the scratch slot, itself allocated). Zeroing them all touched every page: on a
-        # CPU that held 4 slots of a Qwen3.5-0.8B shape resident (72 MiB, a quarter of its Q4_K file) before
-        # any sequence ran.
         self.conv = {i: torch.empty(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
         self.ssm = {i: torch.empty(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
                     for i in self.layers}

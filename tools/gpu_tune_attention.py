@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
+from gpu_tune_linear import bench  # noqa: E402 - tools/, this script's folder
 from memra.kernels.cuts import ATTN_SPLIT  # noqa: E402
 from memra.kernels.triton import attention as A  # noqa: E402
 
@@ -34,6 +34,11 @@ SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}  # (query head
 VARIANTS = [(w, s) for w in (4, 8) for s in (1, 2, 3, 4)]  # (warps, stages); None = the launch as memra does it
 BLOCK = 16
 TABLE = 2048  # positions a captured step's table covers (a 1,088-position max_ctx rounds up to it)
+
+
+def seconds(fn) -> float:
+    """GPU seconds per call (gpu_tune_linear's CUDA-graph timing, 20 calls a replay)."""
+    return bench(fn, 1e10)
 
 
 def pool_for(rows: int, ctx: int, hkv: int, d: int, gen: torch.Generator):
@@ -71,23 +76,6 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None):
     A._decode_attention_kernel[(n, hkv, n_splits)](q, k, v, rows, starts, lens, part, m, l, hq, qk, PARTIAL=True, **shape)
     A._combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
     return o
-
-
-def seconds(fn, reps: int = 20) -> float:
-    """GPU seconds per call, from a CUDA graph of back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (3 * reps)
 
 
 def main() -> None:
