@@ -102,7 +102,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _notice(why: str) -> None:
-    print(f"memra: packed CPU linears run the tiled twin (slower): {why}", file=sys.stderr)
+    print(f"memra: the CPU's C kernels are off (packed linears run the tiled twin, the decode path torch's ops; "
+          f"slower): {why}", file=sys.stderr)
 
 
 def supports(w) -> bool:
