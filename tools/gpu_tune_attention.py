@@ -31,7 +31,7 @@ from memra.kernels.cuts import ATTN_SPLIT  # noqa: E402
 from memra.kernels.triton import attention as A  # noqa: E402
 
 SHAPES = {"llama-3-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}  # (query heads, KV heads, head size)
-VARIANTS = [(w, s) for w in (4, 8) for s in (1, 2, 3, 4)]  # (warps, stages); None = the launch as memra does it
+VARIANTS = [(w, s) for w in (4, 8) for s in (1, 2, 3, 4)]  # (warps, stages) beside the launch as memra makes it
 BLOCK = 16
 TABLE = 2048  # positions a captured step's table covers (a 1,088-position max_ctx rounds up to it)
 
@@ -62,9 +62,8 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None):
     n, hq, d = q.shape
     hkv = k.shape[-2]
     n_splits = triton.cdiv(ctx, ATTN_SPLIT)
-    block_d = triton.next_power_of_2(d)
-    shape = dict(GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-                 BLOCK_S=A._decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=False, **options)
+    shape = {**A.decode_shape(q, k), **options}
+    block_d = shape["BLOCK_D"]
     o = torch.empty_like(q)
     qk = scale * 1.4426950408889634
     if n_splits <= 1:

@@ -4,8 +4,8 @@ after the other on one loaded model and one workload, then one table.
 A variant is MAX_BATCH[/PREFILL_BUDGET]: MAX_BATCH a number or `auto` (memra.engine.batch_size),
 PREFILL_BUDGET the scheduler's split budget (memra.engine.scheduler; 0: shared with the decode rows; absent:
 the engine's default, EngineConfig.split_budget). Each variant builds its engine (warm-up and graph
-captures are outside its timing), runs the whole workload, re-runs --check requests alone, and closes its engine, giving its pools and graphs
-back before the next one sizes its own. The table has, per variant: output tokens/s, the decode and mixed
+captures are outside its timing), runs the whole workload, re-runs --check requests alone, and closes its
+engine, giving its pools and graphs back before the next one sizes its own. The table has, per variant: output tokens/s, the decode and mixed
 steps (count, mean ms, mean rows, mean prompt tokens), the mean host gap between steps, the GPU's idle
 share between steps + within them (CUDA events, memra.engine.step_clock; "-" elsewhere), the share of
 decode steps under 128 rows (the tail), the mixed steps run as one forward (the rest made two calls:

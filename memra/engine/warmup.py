@@ -121,8 +121,8 @@ def _mixed(model, backend, prompts: list[list[int]], cache_ctx: int) -> None:
 def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int, prefill_budget: int | None) -> None:
     """Capture the mixed step of every (batch bucket, token bucket) a step can meet (memra.mixed_graphs),
     at every table width it can meet (memra.graphs.step_blocks; with MEMRA_MIXED_DECODE_WIDTH the decode
-    rows' own width too): `rows` sequences decode while one more prefills a prompt in the token bucket. Where a step declines the graph (no scratch), this runs the two calls
-    instead, harmlessly."""
+    rows' own width too): `rows` sequences decode while one more prefills a prompt in the token bucket.
+    Where a step declines the graph (no scratch), this runs the two calls instead, harmlessly."""
     sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
     per_pass = len(MIXED_TOKENS) * len(sizes)  # steps, each advancing the decoding rows a position
     if rows < 1 or cache_ctx < 2 + per_pass:

@@ -111,6 +111,15 @@ def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.const
     tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
 
 
+def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
+    """The decode kernel's constexprs for q [R, Hq, D] over k_pool [.., Hkv, D]: fixed by the model, so a row's
+    bits never depend on the batch (tools/gpu_tune_attention.py launches with these too)."""
+    hq, d, hkv = q.shape[-2], q.shape[-1], k_pool.shape[-2]
+    group, block_d = hq // hkv, triton.next_power_of_2(d)
+    return dict(GROUP=group, HKV=hkv, D=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                BLOCK_S=_decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=q.dtype == torch.float32 or _interpreting())
+
+
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
@@ -128,9 +137,8 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         return o
     n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
     q, rows, starts, lens = q.contiguous(), rows.contiguous(), starts.contiguous(), lens.contiguous()
-    group, block_d = hq // hkv, triton.next_power_of_2(d)
-    shape = dict(GROUP=group, HKV=hkv, D=d, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                 BLOCK_S=_decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=q.dtype == torch.float32 or _interpreting())
+    shape = decode_shape(q, k_pool)
+    block_d = shape["BLOCK_D"]
     qk_scale = scale * 1.4426950408889634  # exp2 in the kernel
     if n_splits <= 1:
         _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, qk_scale,
