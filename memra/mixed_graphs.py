@@ -35,7 +35,8 @@ test_mixed_graphs.py holds them equal on the GPU).
 Where it applies (graphed_mixed returns None elsewhere, and the engine makes the two calls): a GPU with
 graphs on (MEMRA_CUDA_GRAPHS) running the invariant kernels; every cache in the same two pools, with
 room for a scratch; fewer than PIECES pieces (a 1-token piece is one like any other: every prompt token
-attends through the prefill kernel); at most max(MIXED_TOKENS) prompt tokens, within the step's table
+attends through the prefill kernel); at most the largest token bucket's prompt tokens (512, or
+MEMRA_MIXED_TOKENS's 1024 or 2048), within the step's table
 width (memra.graphs.step_blocks). Longer waves are prefill-bound, where the launches' host time hides behind the kernels anyway.
 """
 
@@ -54,6 +55,7 @@ from memra.graphs import (
     scratch_of,
     static_for,
     step_blocks,
+    table_blocks,
     table_step,
 )
 from memra.kernels.pieces import ATTENTION_TILE, AttentionPieces, RecurrentPieces, recurrent_rows
@@ -62,11 +64,17 @@ from memra.model.context import Segments
 from memra.upload import upload
 
 MIXED_TOKENS = (64, 128, 256, 512)  # prompt-token buckets of a captured mixed step
+LARGER_TOKENS = (1024, 2048)  # buckets MEMRA_MIXED_TOKENS adds, up to its value (Settings.mixed_tokens)
 PIECES = 16  # piece entries of every captured mixed step: the live pieces, the padding piece, empty ones
 
 
-def token_bucket(tokens: int) -> int | None:
-    return next((t for t in MIXED_TOKENS if t >= tokens), None)
+def token_buckets(largest: int = MIXED_TOKENS[-1]) -> tuple[int, ...]:
+    """The prompt-token buckets of a model whose largest is `largest` (its Settings.mixed_tokens)."""
+    return tuple(t for t in MIXED_TOKENS + LARGER_TOKENS if t <= largest)
+
+
+def token_bucket(tokens: int, largest: int = MIXED_TOKENS[-1]) -> int | None:
+    return next((t for t in token_buckets(largest) if t >= tokens), None)
 
 
 class StaticMixed:
@@ -188,13 +196,15 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
     caches = [*dec_caches, *pre_caches]
     if not (captures_mixed(model) and graphable(model, caches)) or len(pieces) >= PIECES:
         return None
-    tokens = token_bucket(sum(x.numel() for x in pieces))
+    tokens = token_bucket(sum(x.numel() for x in pieces), model.settings.mixed_tokens)
     decode_ends = [c.pos + 1 for c in dec_caches]
     nb = step_blocks(caches, decode_ends + [c.pos + x.numel() for x, c in zip(pieces, pre_caches)])
+    if tokens is not None and tokens > nb * BLOCK_SIZE:  # the padding piece (from position 0) reaches past a
+        nb = table_blocks(tokens)  # narrow table: the pieces read a wider one, which keeps every row's bits
     decode_nb = step_blocks(dec_caches, decode_ends) if model.settings.mixed_decode_width and dec_caches else nb
     bucket = bucket_for(len(dec_caches))
-    if tokens is None or tokens > nb * BLOCK_SIZE or bucket is None:
-        return None  # a wave past every bucket, or a padding piece longer than a table reaches
+    if tokens is None or bucket is None:
+        return None  # a wave past every bucket, or more decode rows than the largest bucket
     kv, rec = caches[0].kv, caches[0].rec
     scratch = scratch_of(kv, rec, model.graph_scratch)
     if scratch is None:

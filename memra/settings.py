@@ -25,6 +25,7 @@ from memra.errors import MemraError
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 DECODE_PLANS = ("auto", "row", "stacked", "bucket")
+MIXED_TOKEN_LIMITS = (512, 1024, 2048)  # MEMRA_MIXED_TOKENS's values: the largest captured prompt bucket
 
 
 def process_env() -> Mapping[str, str]:
@@ -82,6 +83,7 @@ class Settings:
     cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
+    mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -91,6 +93,9 @@ class Settings:
             raise MemraError(f"MEMRA_DECODE_PLAN={self.decode_plan!r} is not one of {', '.join(DECODE_PLANS)}")
         if self.mixed_step not in ("auto", "1", "0"):
             raise MemraError(f"MEMRA_MIXED_STEP={self.mixed_step!r} is not auto, 1 or 0")
+        if self.mixed_tokens not in MIXED_TOKEN_LIMITS:
+            raise MemraError(f"MEMRA_MIXED_TOKENS={self.mixed_tokens} is not one of "
+                             f"{', '.join(map(str, MIXED_TOKEN_LIMITS))}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -110,6 +115,7 @@ class Settings:
             cpu_decode=flag(e, "MEMRA_CPU_DECODE", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
+            mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -149,7 +155,7 @@ class Settings:
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
-                "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width),
+                "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
                 **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
@@ -192,6 +198,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "
      "same bits, a third table width of mixed graphs to capture; off until a GPU run shows it faster"),
+    ("MEMRA_MIXED_TOKENS", "512", "the largest prompt-token bucket of a captured mixed step: 512, 1024 or 2048. "
+     "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
+     "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "
+     "warm-up, the same bits (every kernel is batch-invariant); 512 until a GPU run shows a larger one faster"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

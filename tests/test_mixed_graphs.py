@@ -10,6 +10,8 @@ separate calls (decode_step_batch, prime_batch) with torch.equal: logits and eve
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from conftest import DEVICE, HYBRID_ARCHS, hf_dir, rel_err
 from memra import counters, step
 from memra.gate.prime_batch_arm import cache_bits
 from memra.graphs import SPLIT_BLOCKS, reserve_scratch, scratch_of, table_blocks
-from memra.mixed_graphs import PIECES, StaticMixed, graphed_mixed, token_bucket
+from memra.mixed_graphs import PIECES, StaticMixed, graphed_mixed, token_bucket, token_buckets
 
 RUNNING = [9, 70, 3]  # the decoding sequences' prompt lengths
 NEW = [5, 130, 64, 33]  # the prompts the step prefills: 232 tokens, the 256-token bucket
@@ -85,6 +87,8 @@ def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch, n
 
 def test_token_buckets_and_what_declines(load_model):
     assert [token_bucket(n) for n in (1, 64, 65, 232, 512)] == [64, 64, 128, 256, 512] and token_bucket(513) is None
+    assert token_buckets(1024) == (64, 128, 256, 512, 1024) and token_bucket(513, 2048) == 1024  # MEMRA_MIXED_TOKENS
+    assert token_bucket(1025, 2048) == 2048 and token_bucket(2049, 2048) is None
     model = load_model(hf_dir("llama")).with_doors(MEMRA_EXACT="0")
     running, new, prompts, ids = _ready(model)
     if DEVICE != "cuda":  # no graphs off the GPU: the engine mixes eagerly there, or makes the two calls
@@ -121,15 +125,39 @@ def test_the_graphed_mixed_step_has_the_two_calls_bits(load_model, arch):
     assert equal and single["mixed_steps"] == 1
 
 
+def _longer(src, tmp_path, positions=1024):
+    """The fixture with room for `positions` (its own 512 stop short of a second attention split): its
+    files linked, its config copied with max_position_embeddings raised."""
+    dst = tmp_path / src.name
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f.resolve())
+    (dst / "config.json").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}))
+    return dst
+
+
 @cuda_only
-def test_the_decode_rows_own_table_width_keeps_the_two_calls_bits(load_model):
+def test_the_decode_rows_own_table_width_keeps_the_two_calls_bits(load_model, tmp_path):
     """MEMRA_MIXED_DECODE_WIDTH: a prompt piece past one attention split (64 tokens from position 480) makes
     the pieces' table full width while the decode rows keep one split's: the step has the two calls' bits,
     and the graph it ran is keyed by both widths (liveness: the narrow decode table ran)."""
-    model = load_model(hf_dir("llama"), dtype="bfloat16").with_doors(MEMRA_MIXED_DECODE_WIDTH="1")
+    model = load_model(_longer(hf_dir("llama"), tmp_path), dtype="bfloat16").with_doors(MEMRA_MIXED_DECODE_WIDTH="1")
     delta, equal = _two_calls_and_graphed(model, NEW, ctx=1024, primed=480)
     split = [k for k in model.mixed_graphs if k.decode_blocks != k.table_blocks]
     assert equal and delta["mixed_steps"] == 1 and split and all(k.decode_blocks == SPLIT_BLOCKS for k in split)
+
+
+@cuda_only
+def test_a_larger_token_bucket_keeps_the_two_calls_bits(load_model, tmp_path):
+    """MEMRA_MIXED_TOKENS=2048: 550 prompt tokens (past the default 512 bucket) replay the 1,024-token graph,
+    whose padding piece reaches past one split, so the pieces read a wider table than the narrow step's;
+    the step has the two calls' bits (liveness: a graph of that bucket ran)."""
+    model = load_model(_longer(hf_dir("llama"), tmp_path), dtype="bfloat16").with_doors(MEMRA_MIXED_TOKENS="2048")
+    delta, equal = _two_calls_and_graphed(model, [300, 250], ctx=1024)
+    keys = [k for k in model.mixed_graphs if k.tokens == 1024]
+    assert equal and delta["mixed_steps"] == 1 and keys and all(k.table_blocks >= 64 for k in keys)
 
 
 @cuda_only

@@ -42,15 +42,34 @@ def test_the_engine_config_refuses_a_bad_prefill_budget(bad):
 
 def test_the_default_budget_is_split_only_where_mixed_steps_are_captured():
     """EngineConfig.split_budget: None (the default) is the largest captured mixed step's prompt bucket for a
-    wide batch whose mixed steps are graphs, else shared; 0 is shared everywhere; a number is itself."""
-    from memra.engine.types import MIXED_PROMPT_TOKENS
-    from memra.mixed_graphs import MIXED_TOKENS
-
-    assert MIXED_PROMPT_TOKENS == MIXED_TOKENS[-1] == 512
+    wide batch whose mixed steps are graphs (512, or what MEMRA_MIXED_TOKENS raises it to), else shared; 0 is
+    shared everywhere; a number is itself."""
     wide, narrow = EngineConfig(max_batch=256), EngineConfig(max_batch=128)
-    assert wide.split_budget(True) == 512 and wide.split_budget(False) is None and narrow.split_budget(True) is None
-    assert EngineConfig(max_batch=256, prefill_budget=0).split_budget(True) is None
-    assert EngineConfig(prefill_budget=128).split_budget(False) == 128
+    assert wide.split_budget(512) == 512 and wide.split_budget(2048) == 2048 and wide.split_budget(0) is None
+    assert narrow.split_budget(512) is None
+    assert EngineConfig(max_batch=256, prefill_budget=0).split_budget(512) is None
+    assert EngineConfig(prefill_budget=128).split_budget(0) == 128
+
+
+def test_a_step_takes_at_most_max_pieces_prefill_chunks_and_the_rest_wait_their_turn():
+    """max_pieces (a captured mixed step's piece entries less its padding piece): a step prefills at most that
+    many chunks; the others wait in order (nobody younger starts first) and every request still finishes."""
+    with pytest.raises(ValueError, match="max_pieces"):
+        SchedulerConfig(max_pieces=0)
+    sched = Scheduler(SchedulerConfig(max_running=40, token_budget=4096, prefill_align=16, total_blocks=4096,
+                                      max_waiting=64, prefill_budget=2048, max_pieces=3))
+    for i in range(10):
+        sched.add(f"r{i}", 40 if i % 2 else 20, 3)
+    first = step(sched)
+    assert [rid for rid, _, _ in first.prefill] == ["r0", "r1", "r2"]
+    second = step(sched)
+    assert [rid for rid, _, _ in second.prefill] == ["r3", "r4", "r5"] and second.decode == ["r0", "r1", "r2"]
+    for _ in range(20):
+        plan = step(sched)
+        assert len(plan.prefill) <= 3
+        if plan.empty:
+            break
+    assert sched.num_waiting() == 0 and sched.schedule().empty  # everyone finished
 
 
 def test_shared_budget_starves_prefill_under_wide_decode_and_the_split_one_does_not():

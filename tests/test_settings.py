@@ -17,13 +17,14 @@ def test_every_door_is_parsed_with_its_default_and_refused_by_name():
     assert s == Settings() and s.exact and s.cuda_graphs and s.decode_plan == "auto" and s.pp_doors == ()
     env = {"MEMRA_EXACT": "0", "MEMRA_TRITON": "off", "MEMRA_GDN_KERNEL": "false", "MEMRA_SAMPLE_KERNEL": "0",
            "MEMRA_CUDA_GRAPHS": "no", "MEMRA_DECODE_PLAN": "Row", "MEMRA_GATE_SEED": "7", "MEMRA_GATE_CANARY": "1",
-           "MEMRA_PP_STAGES": "2", "MEMRA_PRIME_PIPE": "0", "HOME": "/root"}
+           "MEMRA_PP_STAGES": "2", "MEMRA_PRIME_PIPE": "0", "MEMRA_MIXED_TOKENS": "2048", "HOME": "/root"}
     s = Settings.from_env(env)
     assert (s.exact, s.triton, s.gdn_kernel, s.sample_kernel, s.cuda_graphs) == (False,) * 5
-    assert s.decode_plan == "row" and s.gate_seed == 7 and s.gate_canary
+    assert s.decode_plan == "row" and s.gate_seed == 7 and s.gate_canary and s.mixed_tokens == 2048
     assert s.pp_env == {"MEMRA_PP_STAGES": "2", "MEMRA_PRIME_PIPE": "0"}  # the pipeline's doors, for its parser
     assert Settings.from_env(s.as_env()) == s  # what as_env writes reads back the same
-    for name, bad in (("MEMRA_EXACT", "maybe"), ("MEMRA_GATE_SEED", "x"), ("MEMRA_DECODE_PLAN", "sideways")):
+    for name, bad in (("MEMRA_EXACT", "maybe"), ("MEMRA_GATE_SEED", "x"), ("MEMRA_DECODE_PLAN", "sideways"),
+                      ("MEMRA_MIXED_TOKENS", "768"), ("MEMRA_MIXED_TOKENS", "big")):
         with pytest.raises(MemraError, match=name):
             Settings.from_env({name: bad})
     with pytest.raises(MemraError, match="not a door"):

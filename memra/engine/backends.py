@@ -17,7 +17,7 @@ from memra.pools import ModelPools
 from memra.errors import MemraError
 from memra.graphs import BUCKETS, bucket_for, drop_graphs, full_width_pass, reserve_scratch
 from memra.kernels.cuts import ATTN_SPLIT
-from memra.mixed_graphs import captures_mixed
+from memra.mixed_graphs import PIECES, captures_mixed
 from memra.pp.fence import PipelineError
 from memra.prefix.policy import prefix_cache, snapshot_slots
 from memra.prefix.serving import NoPrefixCache
@@ -59,6 +59,8 @@ class InProcess:
         reserve_scratch(model, self.kv, self.rec)
         self.slots = cfg.max_batch if self.rec is not None else None
         self.mixes_graphed = captures_mixed(model)  # a step that starts requests replays a graph (memra.mixed_graphs)
+        self.mixed_tokens = model.settings.mixed_tokens if self.mixes_graphed else 0  # its largest prompt bucket
+        self.max_pieces = PIECES - 1 if self.mixes_graphed else None  # prefill chunks a step: one entry pads
 
     def warm_graphs(self, max_batch: int, max_ctx: int) -> None:
         """Capture the decode graph of every batch bucket a step of up to max_batch rows can use, now,
@@ -167,6 +169,8 @@ class ProcessPipeline:
     preemption = False
     device_tokens = False
     mixes_graphed = False
+    mixed_tokens = 0
+    max_pieces = None
     rt = None
     prefix = NoPrefixCache()  # no shared pools: no prefix cache either (its ranks keep their own caches)
 

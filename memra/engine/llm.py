@@ -59,7 +59,8 @@ class LLM(Releasing):
     prefill_wait_steps, prefill_group: hold a request that could start while others decode, so that several
     start in one prefill (memra.engine.admission; EngineConfig's defaults). prefill_budget: prompt tokens a
     step takes apart from its decode rows (memra.engine.scheduler's split budget; 0: they share one budget;
-    None: EngineConfig.split_budget, 512 at max_batch >= 256 where mixed steps are captured graphs, else shared).
+    None: EngineConfig.split_budget: at max_batch >= 256 where mixed steps are captured graphs, their largest
+    prompt bucket, 512 unless MEMRA_MIXED_TOKENS raises it; else shared).
     speculative: draft-and-verify decoding, "mtp" or "ngram" (draft length 4) or a memra.spec.SpecConfig;
     the outputs are the same tokens and logprobs as without it (E4), only the speed changes.
     enable_prefix_caching: reuse the primed pages of earlier prompts (vLLM's name; memra.prefix, promise E8:

@@ -44,7 +44,7 @@ One step, in this order:
 Split budget (`prefill_budget` P; None: one budget, decode rows charged first, so a wide batch starves
 prefill). With P set, decode rows (and resumed decoders) are charged to token_budget and every prefill
 chunk to P, whatever the decode rows took: each step prefills up to P tokens, never more. P at the largest
-captured mixed-step bucket (memra.mixed_graphs.MIXED_TOKENS) keeps every mixed step a graph replay.
+captured mixed-step bucket, and at most max_pieces chunks a step, keep every mixed step a graph replay.
 
 Preemption off (`preemption=False`). For an engine that cannot swap (a pipeline whose stages live in
 other processes): the caller sizes total_blocks for every running sequence's whole context
@@ -52,24 +52,24 @@ other processes): the caller sizes total_blocks for every running sequence's who
 raises RuntimeError at the point where it would have to swap one out instead of planning a swap the
 engine cannot carry out (fail closed: a broken sizing stops the engine loudly, it never corrupts).
 
-Prefill chunks. A sequence at `start` with budget b and room for r more tokens in its blocks plus the
-free ones: n = min(prompt_len - start, b, r); if start + n < prompt_len, start + n is rounded down to a
-multiple of prefill_align; if that leaves n <= 0 it is not scheduled this step. Every cut therefore
-lands on an absolute multiple of prefill_align or on the prompt end, which the engine's exactness
-relies on (E5). The chunk that reaches the prompt end samples the sequence's first token.
+Prefill chunks. A sequence at `start` with budget b and room for r more tokens in its blocks plus the free
+ones: n = min(prompt_len - start, b, r); if start + n < prompt_len, start + n is rounded down to a multiple
+of prefill_align; if that leaves n <= 0 it is not scheduled this step (nor once max_pieces chunks are). Every
+cut lands on an absolute multiple of prefill_align or on the prompt end, which the engine's exactness relies
+on (E5). The chunk that reaches the prompt end samples the sequence's first token.
 
 Prefix cache: a WAITING request may start at a cached aligned cut (still counted as holding its whole
 cache's blocks), end chunks at `stops`, or be `held` at the queue's head (memra.engine.prefix_hooks).
 
-Liveness. Whenever anything is RUNNING, the oldest RUNNING sequence (or, when it is a prefiller
-blocked by the budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING
-the oldest swapped or waiting sequence starts with the whole pool (add() refuses a request whose
-prompt_len + max_tokens cannot fit it). Swapping loses no work, so every request finishes.
+Liveness. Whenever anything is RUNNING, the oldest RUNNING sequence (or, when it is a prefiller blocked by the
+budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING the oldest swapped or waiting
+sequence starts with the whole pool (add() refuses a request whose prompt_len + max_tokens cannot fit it).
+Swapping loses no work, so every request finishes.
 
-Finished and cancelled sequences are forgotten at once (memory stays bounded for a long-running
-server): `get()` raises KeyError for them and the rid may be reused. Reports about a rid cancelled
-while its step was in flight are ignored. A sequence that reaches max_tokens is finished by the
-scheduler even if the engine did not list it, so a missed report cannot overrun the block bound.
+Finished and cancelled sequences are forgotten at once (memory stays bounded for a long-running server):
+`get()` raises KeyError for them and the rid may be reused. Reports about a rid cancelled while its step
+was in flight are ignored. A sequence that reaches max_tokens is finished by the scheduler even if the
+engine did not list it, so a missed report cannot overrun the block bound.
 """
 
 from __future__ import annotations
@@ -98,12 +98,12 @@ class SchedulerConfig:
     preemption: bool = True  # False: never swap out; schedule() raises where it would have to (module docstring)
     grouping: PrefillGrouping = field(default_factory=PrefillGrouping)  # waiting requests held to start together
     prefill_budget: int | None = None  # prompt tokens a step, apart from decode rows (split budget); None: shared
+    max_pieces: int | None = None  # prefill chunks a step at most (a captured mixed step's piece entries); None: any
 
     def __post_init__(self) -> None:
         names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
-        names += [n for n in ("total_slots", "prefill_budget") if getattr(self, n) is not None]
-        for name in names:
-            v = getattr(self, name)
+        names += [n for n in ("total_slots", "prefill_budget", "max_pieces") if getattr(self, n) is not None]
+        for name, v in ((n, getattr(self, n)) for n in names):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
         if not isinstance(self.preemption, bool):
@@ -149,9 +149,9 @@ class Scheduler(PrefixHooks):
             raise ValueError(f"{rid}: a request with this id is already queued or running")
         need = -(-(prompt_len + max_tokens) // self.cfg.block_size)
         if need > self.cfg.total_blocks:
-            raise ValueError(
-                f"{rid}: {prompt_len} prompt + {max_tokens} new tokens need {need} KV blocks of {self.cfg.block_size} "
-                f"tokens, but the pool has {self.cfg.total_blocks}; shorten the prompt or lower max_tokens")
+            raise ValueError(f"{rid}: {prompt_len} prompt + {max_tokens} new tokens need {need} KV blocks of "
+                             f"{self.cfg.block_size} tokens, but the pool has {self.cfg.total_blocks}; shorten the prompt "
+                             "or lower max_tokens")
         if len(self._waiting) >= self.cfg.max_waiting:
             raise QueueFull(f"{self.cfg.max_waiting} requests are already waiting; retry later")
         self._seqs[rid] = Sequence(rid, prompt_len, max_tokens, self._arrivals, Status.WAITING,
@@ -229,7 +229,7 @@ class Scheduler(PrefixHooks):
             prefill.append((seq.rid, seq.prefilled, n))
             self._reserve(seq, n)
             scheduled.add(seq.rid)
-            pbudget -= n
+            pbudget = pbudget - n if len(prefill) != self.cfg.max_pieces else 0  # the last piece: no prompt tokens left
 
         # 3. Resume swapped (oldest first), then admit waiting (FCFS); stop at the first that cannot start.
         if not blocked and not swap_out:
@@ -243,7 +243,7 @@ class Scheduler(PrefixHooks):
             admit = not hold and self.admitting  # admitting: False while a weight update drains
             candidates = self._with(Status.SWAPPED) + ([self._seqs[rid] for rid in self._waiting] if admit else [])
             for seq in candidates:
-                if self.num_running() >= self.cfg.max_admitted or seq.held:
+                if self.num_running() >= self.cfg.max_admitted or seq.held or len(prefill) == self.cfg.max_pieces:
                     break
                 decoder = seq.decode_ready  # a swapped sequence preempted between tokens
                 if decoder:

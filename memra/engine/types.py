@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from memra.cache import BLOCK_SIZE
 from memra.engine.admission import PrefillGrouping
 from memra.errors import ContextOverflowError, MemraError
-from memra.mixed_graphs import MIXED_TOKENS
 from memra.sampling import SamplingParams
 from memra.spec import SpecConfig
 from memra.step import EXACT_PIECE
 
-MIXED_PROMPT_TOKENS = MIXED_TOKENS[-1]  # the largest prompt bucket a captured mixed step takes
 WIDE_BATCH = 256  # from here the default budget is split (EngineConfig.split_budget)
 
 
@@ -60,15 +58,16 @@ class EngineConfig:
         wait = self.prefill_wait_steps
         return PrefillGrouping((0 if mixed_graphed else 8) if wait is None else wait, group)
 
-    def split_budget(self, mixed_graphed: bool) -> int | None:
-        """The scheduler's prompt tokens a step apart from its decode rows (None: shared). Default: for a wide
-        batch (max_batch >= WIDE_BATCH) whose mixed steps are captured graphs, the largest prompt bucket one
-        captures (512), so that a step with many decode rows still prefills and stays one replayed forward; on
+    def split_budget(self, mixed_tokens: int) -> int | None:
+        """The scheduler's prompt tokens a step apart from its decode rows (None: shared); mixed_tokens: the
+        largest prompt bucket a captured mixed step takes (Settings.mixed_tokens), 0 where none is captured.
+        Default: for a wide batch (max_batch >= WIDE_BATCH) whose mixed steps are captured graphs, that
+        bucket (512 unless MEMRA_MIXED_TOKENS raises it), so that a step with many decode rows still prefills and stays one replayed forward; on
         an H100, 8.4-8.9k output tok/s against 7.7k shared at max_batch 768 (Llama-3-8B shape), 5.66k against
         5.38k at 256 (Qwen3.5-9B; docs/PERFORMANCE.md). Elsewhere shared: an eager step has no bucket to fit,
         and a narrow batch leaves the shared budget room for prompts (not measured faster split)."""
         if self.prefill_budget is None:
-            return MIXED_PROMPT_TOKENS if mixed_graphed and self.max_batch >= WIDE_BATCH else None
+            return mixed_tokens if mixed_tokens and self.max_batch >= WIDE_BATCH else None
         return self.prefill_budget or None
 
     @property

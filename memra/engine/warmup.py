@@ -21,7 +21,7 @@ from memra.graphs import BUCKETS, bucket_for, full_width_pass, long_tables
 from memra.engine.release import release_memory
 from memra.errors import MemraError
 from memra.kernels.cuts import ATTN_SPLIT
-from memra.mixed_graphs import MIXED_TOKENS, captures_mixed, token_bucket
+from memra.mixed_graphs import captures_mixed, token_bucket, token_buckets
 from memra.sampling import DevSamp
 from memra.step import EXACT_PIECE, mixed_step
 
@@ -101,7 +101,7 @@ def graph_rows(backend, max_batch: int, cache_ctx: int) -> int:
     512-row mixed steps were captured mid-run, on the first step that met each (on an H200, 385 contexts: the
     512-row ones). And not a 512-token prompt where cache_ctx is shorter: a small pool (the demo's 20 blocks at
     75 tokens) then warmed no mixed step at all, and the first steps captured theirs mid-run."""
-    prompt = min(max(MIXED_TOKENS), cache_ctx - 1)
+    prompt = min(backend.mixed_tokens or max(token_buckets()), cache_ctx - 1)
     split = ATTN_SPLIT if long_tables(cache_ctx) else 0
     spare = backend.blocks - (split + prompt) // BLOCK_SIZE - 2
     return max(0, min(max_batch - 1, (backend.slots or max_batch) - 1, spare))
@@ -124,7 +124,8 @@ def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int, 
     rows' own width too): `rows` sequences decode while one more prefills a prompt in the token bucket.
     Where a step declines the graph (no scratch), this runs the two calls instead, harmlessly."""
     sizes = sorted({min(b, rows) for b in BUCKETS if b <= (bucket_for(rows) or rows)})
-    per_pass = len(MIXED_TOKENS) * len(sizes)  # steps, each advancing the decoding rows a position
+    largest = model.settings.mixed_tokens
+    per_pass = len(token_buckets(largest)) * len(sizes)  # steps, each advancing the decoding rows a position
     if rows < 1 or cache_ctx < 2 + per_pass:
         return
     # Passes: every table narrow; with MEMRA_MIXED_DECODE_WIDTH the prompt piece past one attention split (its
@@ -141,10 +142,10 @@ def _mixed_graphs(model, backend, rows: int, cache_ctx: int, token_budget: int, 
         for width in passes:
             if width == "row past the split":
                 model.prime([1] * ATTN_SPLIT, caches[0])
-            for tokens in MIXED_TOKENS:
+            for tokens in token_buckets(largest):
                 for n in sizes:
                     length = min(tokens, cache_ctx - 1, token_budget - n if prefill_budget is None else prefill_budget)
-                    if token_bucket(length) != tokens:
+                    if token_bucket(length, largest) != tokens:
                         continue  # no step of n rows reaches this bucket
                     if width == "piece past the split" and ATTN_SPLIT + length >= cache_ctx:
                         continue
