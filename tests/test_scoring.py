@@ -66,6 +66,25 @@ def test_prompt_logprobs_in_generate(llm):
         assert top in plp[i] and plp[i][top].rank == 1
 
 
+@pytest.mark.parametrize("start", [None, 70, 130])
+def test_values_only_scores_are_the_scores_logprobs(load_model, start):
+    """score(values_only=True), the trainer's values (memra.train.exact): each position's logprob as a float,
+    the very value of the full TokenScore, bit for bit, across the prime chunks, the row at start - 1 and the
+    continuation's verify columns (130 tokens past one 64-token chunk, 70 inside the second)."""
+    from memra.engine.scoring import score
+
+    model = load_model(hf_dir("qwen3_5"))
+    ids = tuple(int(t) for t in torch.randint(0, model.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3)))
+    got = []
+    for values_only in (False, True):
+        cache = model.new_cache(len(ids))
+        got.append(score(model, ScoreJob(ids, start), cache, values_only=values_only))
+        cache.free()
+    full, values = got
+    assert values[0] is None and all(type(v) is float for v in values[1:])
+    assert [s.logprob for s in full[1:]] == values[1:]
+
+
 def test_score_refusals(llm):
     with pytest.raises(MemraError, match="continuation_start"):
         llm.engine.score_jobs.submit(ScoreJob((1, 2, 3), 4))

@@ -89,22 +89,38 @@ def row_score(logits: torch.Tensor, token: int, top: int) -> TokenScore:
     return TokenScore(float(lp.double()), rank, tops)
 
 
-def score(model, job: ScoreJob, cache) -> list[TokenScore | None]:
-    """Every position's score (None for position 0), on `cache` (empty; left holding the text)."""
+def row_values(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """Each row's logprob of its token (logits [T, V]): row_score's logprobs without its rank and top-n, and
+    one copy to the host for the block rather than two a row (the trainer's values: memra.train.exact). Row by
+    row, as the sampler's log_softmax runs over one row [V] (on a CPU torch splits a lone row's reduction)."""
+    at = torch.tensor(tokens, dtype=torch.long).to(logits.device)  # [T]
+    picked = [torch.log_softmax(logits[j].float(), dim=-1).index_select(0, at[j : j + 1]) for j in range(len(tokens))]
+    return torch.cat(picked).double().tolist() if picked else []
+
+
+def score(model, job: ScoreJob, cache, values_only: bool = False) -> list[TokenScore | float | None]:
+    """Every position's score (None for position 0), on `cache` (empty; left holding the text). values_only:
+    each score is its logprob alone, a float (row_values)."""
     ids, n = list(job.ids), len(job.ids)
     s = n if job.start is None else job.start
+
+    def rows(logits, first: int, count: int) -> list:  # the scores of ids[first .. first+count-1] from logits[:count]
+        if values_only:
+            return row_values(logits, ids[first : first + count])
+        return [row_score(logits[j], ids[first + j], job.top) for j in range(count)]
+
     out: list[TokenScore | None] = [None]
     # rows 0..s-2: the prompt's prime with every position's logits (row i scores ids[i + 1]); where a
     # continuation follows, row s-1 is the engine's own: the final piece (from the last 64-aligned cut)
     # is primed once for its rows and once more, from a snapshot, for the head over its last position
     cut = ((s - 1) // TILE) * TILE if s < n else s
     for a in range(0, cut, SCORE_CHUNK):
-        _prime_rows(model, ids, a, min(a + SCORE_CHUNK, cut), cache, job.top, out, s)
+        out += _prime_rows(model, ids, a, min(a + SCORE_CHUNK, cut), cache, rows, s)
     if cut < s:
         snap = cache.snapshot()
-        _prime_rows(model, ids, cut, s, cache, job.top, out, s)
+        out += _prime_rows(model, ids, cut, s, cache, rows, s)
         cache.restore(snap)
-        out.append(row_score(prime(model, ids[cut:s], cache), ids[s], job.top))
+        out += rows(prime(model, ids[cut:s], cache)[None], s, 1)
     # rows s..n-2: the continuation's decode steps (verify columns), each scoring the next token
     for a in range(s, n - 1, SCORE_CHUNK):
         b = min(a + SCORE_CHUNK, n - 1)
@@ -113,19 +129,18 @@ def score(model, job: ScoreJob, cache) -> list[TokenScore | None]:
         else:
             logits, _ = decode_step_t(model, ids[a:b], a, cache)
             counters.bump("scored_decode_tokens", b - a)
-        out += [row_score(logits[j], ids[a + j + 1], job.top) for j in range(b - a)]
+        out += rows(logits, a + 1, b - a)
     counters.bump("scored_tokens", n - 1)
     assert len(out) == n
     return out
 
 
-def _prime_rows(model, ids, a: int, b: int, cache, top: int, out: list, limit: int) -> None:
-    """Prime ids[a:b] (a on the 64-grid) with every position's logits [b-a, V]; append the rows that
-    score ids[a+1 .. min(b, limit-1)] (the prompt part: position limit on is scored elsewhere)."""
+def _prime_rows(model, ids, a: int, b: int, cache, rows, limit: int) -> list:
+    """Prime ids[a:b] (a on the 64-grid) with every position's logits [b-a, V] -> the scores (`rows`) of
+    ids[a+1 .. min(b, limit-1)] (the prompt part: position limit on is scored elsewhere)."""
     logits = prime(model, ids[a:b], cache, all_logits=True)
-    for j in range(min(b, limit - 1) - a):
-        out.append(row_score(logits[j], ids[a + j + 1], top))
     counters.bump("scored_prompt_tokens", b - a)
+    return rows(logits, a + 1, min(b, limit - 1) - a)
 
 
 class ScoreJobs:

@@ -29,11 +29,11 @@ def sampler_logprobs(view, seq: Seq) -> torch.Tensor:
     job = ScoreJob(tuple(ids), seq.start if seq.start < n else None, 0)
     cache = view.new_cache(n)
     try:
-        scores = score(view, job, cache)
+        scores = score(view, job, cache, values_only=True)
     finally:
         cache.free()
     counters.bump("train_exact_tokens", n - 1)
-    return torch.tensor([t.logprob for t in scores[1:]], dtype=torch.float32)
+    return torch.tensor(scores[1:], dtype=torch.float32)
 
 
 @torch.inference_mode()
