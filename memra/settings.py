@@ -84,6 +84,7 @@ class Settings:
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
+    batched_logprobs: bool = False  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -116,6 +117,7 @@ class Settings:
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
+            batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", False),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -156,6 +158,7 @@ class Settings:
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
+                "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs),
                 **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
@@ -202,6 +205,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "
      "warm-up, the same bits (every kernel is batch-invariant); 512 until a GPU run shows a larger one faster"),
+    ("MEMRA_BATCHED_LOGPROBS", "0", "1 = on CUDA, the sampler takes the logprobs of every row that asks for them in "
+     "one log-softmax over those rows, a gather and a count (memra.engine.sampler.logprob_numbers), not some seven "
+     "launches a row; the same bits (CUDA's softmax reduces each row alone); off until a GPU run shows it faster"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

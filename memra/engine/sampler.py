@@ -150,14 +150,41 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
     asked = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None]
     payload = None  # the tokens, then each asking row's numbers, as one float64 vector
     if asked:
-        pieces = [tokens.double()]
-        for i, n in asked:  # per row, as offline: a row's log-softmax does not depend on its batchmates
+        payload = torch.cat([tokens.double(), logprob_numbers(logits, tokens, asked, ops.batched_logprobs)])
+    return PendingPick(tokens, asked, start_download(payload if payload is not None else tokens))
+
+
+def logprob_numbers(logits: torch.Tensor, tokens: torch.Tensor, asked: list[tuple[int, int]],
+                    batched: bool) -> torch.Tensor:
+    """The asking rows' numbers as PendingPick lays them out (float64): per (row, n) of `asked`, its chosen
+    token's logprob and rank (vLLM's Logprob.rank: 1 + how many tokens have a strictly higher logprob), then
+    the top n ids and logprobs. Each row's log-softmax is over that row alone, as offline and as scoring
+    computes it. batched (MEMRA_BATCHED_LOGPROBS, CUDA): one log-softmax over every asking row [k, V] and one
+    gather and count for all, a handful of launches instead of some seven a row; CUDA's softmax reduces each
+    row in a block of its own, so a row's values are its one-row values (tests/test_cuda_exact.py holds them
+    equal). Not on a CPU: there torch splits a lone row's reduction across threads."""
+    if not batched:
+        pieces = []
+        for i, n in asked:
             logp = torch.log_softmax(logits[i].float(), dim=-1)
             chosen = logp.index_select(0, tokens[i : i + 1])  # [1]; not logp[tokens[i]]: .item()
-            # its rank (vLLM's Logprob.rank): 1 + how many tokens have a strictly higher logprob
             pieces += [chosen.double(), (logp > chosen).sum().double().unsqueeze(0) + 1]
             if n:
                 vals, ids = torch.topk(logp, n)
                 pieces += [ids.double(), vals.double()]
-        payload = torch.cat(pieces)
-    return PendingPick(tokens, asked, start_download(payload if payload is not None else tokens))
+        return torch.cat(pieces)
+    if len(asked) == logits.shape[0]:  # every row asks (in row order): no gather of the rows
+        rows, picked = logits, tokens
+    else:
+        which = upload_values([i for i, _ in asked], torch.long, logits.device)  # [k]
+        rows, picked = logits.index_select(0, which), tokens.index_select(0, which)
+    logp = torch.log_softmax(rows.float(), dim=-1)  # [k, V]
+    chosen = logp.gather(1, picked[:, None])  # [k, 1]
+    pairs = torch.cat((chosen.double(), ((logp > chosen).sum(1, keepdim=True) + 1).double()), 1)  # [k, 2]
+    pieces = []
+    for j, (_, n) in enumerate(asked):
+        pieces.append(pairs[j])
+        if n:  # one row's topk, as unbatched: ties keep the order a lone row gives them
+            vals, ids = torch.topk(logp[j], n)
+            pieces += [ids.double(), vals.double()]
+    return torch.cat(pieces)

@@ -135,6 +135,7 @@ class KernelTable:
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     # dense linears of more than 256 rows as the persistent kernel (MEMRA_LINEAR_PERSISTENT; triton.linear_persistent)
     persistent_linear: bool = False
+    batched_logprobs: bool = False  # the sampler's logprobs over every asking row at once (MEMRA_BATCHED_LOGPROBS)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
 
@@ -146,7 +147,7 @@ class KernelTable:
         if persistent:  # the descriptors' scratch, in the loading thread's context (others install it at launch)
             _linear_persistent().install_scratch()
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
-                   persistent_linear=persistent,
+                   persistent_linear=persistent, batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
