@@ -90,3 +90,13 @@ def test_structured_runs_hold_every_request_to_the_grammar(tmp_path, capsys):
     assert re.fullmatch("[a-z ]*", text)
     assert main(["bench", "throughput", "demo", "--structured", "yaml"]) == 2
     assert "--structured takes json_object, regex:PATTERN or json:SCHEMA" in capsys.readouterr().err
+
+
+def test_logprobs_runs_ask_for_every_token_and_a_bad_count_is_refused(capsys):
+    """--logprobs N: every request asks for its tokens' logprobs (the sampler's logprob path is timed too);
+    a count past MAX_LOGPROBS is refused before the load."""
+    cfg = ThroughputConfig(model="demo", num_prompts=3, output_len=6, max_batch=3, device=DEVICE, check=1, logprobs=2)
+    report = run_throughput(cfg, log=lambda line: None)
+    assert report.output_tokens == 18 and report.check_failures == [] and "logprobs (top 2)" in report.workload
+    assert main(["bench", "throughput", "demo", "--logprobs", "21"]) == 2
+    assert "--logprobs must be in 0..20" in capsys.readouterr().err

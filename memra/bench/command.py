@@ -262,6 +262,9 @@ def add_throughput_parser(kinds) -> None:
     p.add_argument("--structured", default=None, metavar="KIND",
                    help="hold every request to a grammar: json_object, regex:PATTERN or json:SCHEMA (the run "
                         "beside one without it gives the grammar's cost per token)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks for its tokens' logprobs and the top N (0: the chosen token's only), as "
+                        "an RL sampler does")
     p.add_argument("--dataset", default=None, metavar="JSONL",
                    help='requests from a file, one {"prompt" or "prompt_token_ids", "output_len"} a line; '
                         f"default: synthetic, lengths {lengths_said()}")
@@ -275,8 +278,9 @@ def add_throughput_parser(kinds) -> None:
                         "workload's mean length) fit the KV memory (default %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
                    help="prompt tokens a step takes apart from its decode rows (the scheduler's split budget), or "
-                        "0: shared with them; default: 512 at max_batch >= 256 where mixed steps are captured graphs "
-                        "(CUDA), so each stays one replayed forward, else shared")
+                        "0: shared with them; default: the largest captured mixed-step bucket (512, or "
+                        "MEMRA_MIXED_TOKENS) at max_batch >= 256 where mixed steps are captured graphs (CUDA), so "
+                        "each stays one replayed forward, else shared")
     p.add_argument("--variants", default=None, metavar="LIST",
                    help="run several MAX_BATCH[/PREFILL_BUDGET] settings on one loaded model, one after the "
                         "other, and print one table, e.g. 256,256/0,512,auto/0,auto (/0: a shared budget; overrides "
@@ -300,7 +304,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                            input_len=args.input_len, output_len=args.output_len, seed=args.seed,
                            temperature=args.temperature, max_batch=args.max_batch, kv_fraction=args.kv_fraction,
                            device=args.device or default_device(), dtype=args.dtype, check=args.check,
-                           json_path=args.json, structured=args.structured, prefill_budget=args.prefill_budget)
+                           json_path=args.json, structured=args.structured, prefill_budget=args.prefill_budget,
+                           logprobs=args.logprobs)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     reports = run_variants(cfg, variants, log) if variants else [run_throughput(cfg, log)]
     print(variants_table(reports) if variants else reports[0].table())

@@ -32,7 +32,7 @@ import numpy as np
 from memra import counters
 from memra.errors import MemraError
 from memra.pools import KvBudget
-from memra.sampling import SamplingParams
+from memra.sampling import MAX_LOGPROBS, SamplingParams
 
 LENGTH_MEDIAN, LENGTH_SIGMA, MIN_LEN, MAX_LEN = 160, 1.0, 4, 1024
 
@@ -55,6 +55,7 @@ class ThroughputConfig:
     check: int = 2  # prompts re-run alone and compared with the batched run
     json_path: str | None = None
     structured: str | None = None  # "json_object" | "regex:PATTERN" | "json:SCHEMA": every request held to it
+    logprobs: int | None = None  # every request asks for its tokens' logprobs and the top n (an RL sampler's load)
 
     def constraint(self):
         """--structured as a StructuredOutputs (None without it); a bad spelling is a one-line error."""
@@ -77,6 +78,8 @@ class ThroughputConfig:
         if self.prefill_budget not in (None, 0) and not (type(self.prefill_budget) is int and self.prefill_budget >= 64):
             raise MemraError(f"--prefill-budget must be an integer of at least 64 (one aligned prefill piece), or 0 "
                              f"(shared with the decode rows), got {self.prefill_budget!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise MemraError(f"--logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         for name in ("input_len", "output_len"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -216,6 +219,7 @@ def prepare(cfg: ThroughputConfig) -> tuple:
                     + (f"{cfg.input_len}" if cfg.input_len else lengths_said())
                     + ", output " + (f"{cfg.output_len}" if cfg.output_len else lengths_said()))
     workload += f"; every request held to {cfg.structured}" if cfg.structured else ""
+    workload += f"; every request asks for logprobs (top {cfg.logprobs})" if cfg.logprobs is not None else ""
     return model, reqs, workload
 
 
@@ -235,7 +239,7 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {max_batch}) ...")
     llm = LLM(model, max_batch=max_batch, max_ctx=context, prefill_budget=cfg.prefill_budget)
     params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True,
-                             structured_outputs=held) for i, r in enumerate(reqs)]
+                             structured_outputs=held, logprobs=cfg.logprobs) for i, r in enumerate(reqs)]
     before, counted = llm.engine.step_mix.copy(), counters.snapshot()
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
