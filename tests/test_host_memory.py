@@ -4,14 +4,18 @@ timed or RSS figure:
 - recurrent slots are handed out lowest first, so a released slot is reused before an untouched one is made
   resident (a warm-up's sequence and the first request once touched two 18 MiB slots of Qwen3.5-0.8B);
 - a CPU engine takes no scratch slot for the CUDA graphs' inert rows (it zeroed one that nothing read);
+- loading a GGUF with its tokenizer does not import jinja2 (only rendering a chat template does).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 import memra
-from conftest import hf_dir
+from conftest import gguf_file, hf_dir
 from memra.cache import RecurrentPool
 from memra.engine.engine import Engine, EngineConfig
 from memra.sampling import SamplingParams
@@ -49,3 +53,14 @@ def test_a_cpu_engine_zeroes_one_slot_for_its_warm_up_and_its_request_and_none_f
     assert len(handed) >= 2 and set(handed) == {0}  # the warm-up's slot, reused by the request
     engine.shutdown(drain_timeout=0.0)
 
+
+def test_loading_a_gguf_imports_no_jinja2_until_a_chat_template_is_rendered():
+    code = ("import sys, memra\n"
+            f"m = memra.load({str(gguf_file('qwen3-f32'))!r}, device='cpu')\n"
+            "assert m.tokenizer is not None and 'jinja2' not in sys.modules, 'jinja2 imported by the load'\n"
+            "if m.tokenizer.chat_template is not None:\n"
+            "    m.tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+            "    assert 'jinja2' in sys.modules\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
