@@ -4,7 +4,8 @@ timed or RSS figure:
 - recurrent slots are handed out lowest first, so a released slot is reused before an untouched one is made
   resident (a warm-up's sequence and the first request once touched two 18 MiB slots of Qwen3.5-0.8B);
 - a CPU engine takes no scratch slot for the CUDA graphs' inert rows (it zeroed one that nothing read);
-- loading a GGUF with its tokenizer does not import jinja2 (only rendering a chat template does).
+- loading a GGUF with its tokenizer does not import jinja2 (only rendering a chat template does);
+- the CPU plan check's few rows (each holds a KV block) still fail a row that depends on the others.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import memra
 from conftest import gguf_file, hf_dir
 from memra.cache import RecurrentPool
 from memra.engine.engine import Engine, EngineConfig
+from memra.kernels import cpu_qdot
 from memra.sampling import SamplingParams
 
 
@@ -64,3 +67,48 @@ def test_loading_a_gguf_imports_no_jinja2_until_a_chat_template_is_rendered():
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _packed_dense_model():
+    """A 2-layer packed (Q8_0) Llama with the C decode door open: the stacked plan's CPU case."""
+    import dataclasses
+
+    import memra.random_model as rm
+    from memra.model.hybrid import HybridModel
+    from memra.settings import Settings
+
+    cfg = rm._llama(2, 256, 4, 2, 512, 512)
+    cfg = dataclasses.replace(cfg, attn=dataclasses.replace(cfg.attn, qk_norm=True))
+    w = rm.random_weights(cfg, "cpu", torch.float32, quant="q8_0")
+    return HybridModel(cfg, w, torch.device("cpu"), torch.float32, settings=Settings(cpu_decode=True))
+
+
+@pytest.mark.skipif(cpu_qdot.library() is None, reason="no C++ compiler to build the kernels")
+@pytest.mark.parametrize("canary", [None, "batch", "place", "wide"])
+def test_the_cpu_plan_check_on_its_few_rows_fails_a_row_that_depends_on_the_others(monkeypatch, canary):
+    """memra.decode_plan.verify_plan runs CPU_CHECK_ROWS sequences on CPU (4: each holds a KV block, and at 8
+    the check was a small model's peak RSS). Canaries: a row whose bits move with the batch's size, with its
+    place in the batch, or only in a batch wider than 2 rows, each fails it; unchanged, it passes (liveness:
+    every arrangement's stacked forward ran)."""
+    import memra.decode_plan as dp
+
+    model = _packed_dense_model()
+    assert dp.cpu_rows_invariant(model)
+    honest = dp.decode_stacked
+    nudge = {None: lambda rows: 0.0,
+             "batch": lambda rows: 1e-3 * torch.full((len(rows), 1), float(len(rows))),
+             "place": lambda rows: 1e-3 * torch.arange(len(rows), dtype=torch.float32)[:, None],
+             "wide": lambda rows: 1e-3 * float(len(rows) > 2)}[canary]
+
+    widths: list[int] = []
+
+    def stacked(m, ids, caches):
+        widths.append(len(caches))
+        out = honest(m, ids, caches)
+        return out + nudge(out)
+
+    monkeypatch.setattr(dp, "decode_stacked", stacked)
+    assert dp.verify_plan(model, "stacked") is (canary is None)
+    assert widths[0] == dp.CPU_CHECK_ROWS  # the stacked forward ran, on the check's rows
+    if canary is None:
+        assert sorted(set(widths)) == [1, dp.CPU_CHECK_ROWS // 2, dp.CPU_CHECK_ROWS]  # every arrangement ran
