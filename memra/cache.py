@@ -107,8 +107,9 @@ class KvPool:
 
 
 class RecurrentPool:
-    """Per-sequence recurrent state slots for the GDN layers, growing on demand up to `max_slots`. A slot is
-    zeroed when handed out (allocate): no path reads one it was not handed, so unused ones take no memory."""
+    """Per-sequence recurrent state slots for the GDN layers, growing on demand up to `max_slots`. A slot is zeroed
+    when handed out (allocate), the lowest free one first: no path reads one it was not handed, so unused ones take
+    no memory, and the resident ones are the most ever live at once (a warm-up's and a request's share one)."""
 
     def __init__(self, cfg: ModelConfig, n_slots: int, dtype: torch.dtype, device: torch.device | str,
                  layer_devices: dict[int, torch.device] | None = None, max_slots: int | None = None):
@@ -134,7 +135,7 @@ class RecurrentPool:
         if not self.free:
             raise MemraError(f"no free recurrent-state slot: {self.n_slots} sequences hold them all (the memory "
                              "budget's limit); free finished sequences or raise the KV budget")
-        slot = self.free.pop(0)
+        slot = self.free.pop(self.free.index(min(self.free)))  # the lowest (the class docstring says why)
         self.zero(slot)
         return slot
 
@@ -381,8 +382,7 @@ def kv_pool(cfg: ModelConfig, n_blocks: int, dtype: torch.dtype, device: torch.d
     own = tuple(i for i in cfg.attention_layers if cfg.attn_of(i).kv_from is None)
     layers = own + tuple(cfg.n_layers + j for j in range(cfg.n_mtp))
     shapes = {i: (cfg.attn_of(i).n_kv_heads, cfg.attn_of(i).head_dim) for i in own}
-    pool = KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks,
-                  shapes)
+    pool = KvPool(layers, n_blocks, cfg.attn.n_kv_heads, cfg.attn.head_dim, dtype, device, layer_devices, max_blocks, shapes)
     windows = [cfg.window(i) for i in layers]
     if layers and None not in windows:  # every layer slides (no global layer, no MTP block)
         pool.window = max(windows)

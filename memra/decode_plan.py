@@ -33,7 +33,7 @@ from memra.runner.bodies import decode_stacked
 
 BUCKET = 64
 CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
-CPU_CHECK_ROWS = 8  # verify_plan's sequences for the stacked plan on CPU
+CPU_CHECK_ROWS = 4  # verify_plan's sequences for the stacked plan on CPU (why 4: verify_plan)
 
 
 def cpu_rows_invariant(model) -> bool:
@@ -157,8 +157,10 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
 
     rng = random.Random(seed)
     vocab = model.cfg.vocab_size
-    # on CPU (cpu_rows_invariant: every kernel computes a row from that row alone) 8 rows show the same;
-    # 64 there cost a 300M model 11 s of its load
+    # On CPU (cpu_rows_invariant: every kernel computes a row from that row alone) a few rows show the same:
+    # 4 still change each row's batch (4, 2, 1), place and neighbours. 64 cost a 300M model 11 s of its load,
+    # and each row holds a KV block for the check (1.5 MiB on the GGUF bench's 300M Qwen3): at 8 rows the
+    # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries)
     n = BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(n)]
     tokens = [rng.randrange(vocab) for _ in range(n)]

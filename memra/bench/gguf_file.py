@@ -2,7 +2,8 @@
 
 Each engine runs in a process of its own (`python -m memra.bench.gguf_file ENGINE FILE ...`, which
 prints one JSON line), so the memory it reports is its own:
-- `rss`: resident memory after load minus resident memory before it (the interpreter and imports);
+- `rss`: resident memory after load minus resident memory before it (the interpreter and imports: memra's
+  engine modules are imported first, as llama.cpp's run imports llama_cpp first);
 - `peak`: the process's high-water mark (VmHWM), imports included; `peak - base`: that mark less the
   resident memory before load (what loading and decoding the model took at their worst).
 Decode is one sequence (B=1; `--batch B` adds B rows at once: memra.bench.gguf_batched), greedy, `tokens` new tokens after the same 16-token prompt of ids
@@ -75,8 +76,12 @@ def _memra(path: str, tokens: int, threads: int, batch: int = 1) -> dict:
         from memra.bench.gguf_batched import memra_batch
 
         return memra_batch(path, tokens, batch)
+    # memra's package imports its modules on first use (PEP 562): resolve memra.LLM now, so that the baseline
+    # holds the engine's imports (10 MiB: gguf and tokenizers among them) as llama.cpp's holds `import llama_cpp`
+    # (27 MiB); the modules memra.LLM imports when it loads (the loaders, the model's) are still counted
+    LLM = memra.LLM
     before, t0 = _status_bytes("VmRSS"), time.perf_counter()
-    llm = memra.LLM(path, device="cpu", max_batch=1, max_ctx=len(PROMPT) + tokens + 1)
+    llm = LLM(path, device="cpu", max_batch=1, max_ctx=len(PROMPT) + tokens + 1)
     load_s, after = time.perf_counter() - t0, _status_bytes("VmRSS")
     times: list[float] = []  # when each token reached its reader; no end token, as llama.cpp's generate
     row0: list[int] = []

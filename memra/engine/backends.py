@@ -56,7 +56,9 @@ class InProcess:
                              "--kv-fraction or lower --max-ctx")
         if model.device.type == "cuda":
             self.pools.reserve_all()
-        reserve_scratch(model, self.kv, self.rec)
+            # only a captured graph's inert rows use the scratch (memra.graphs.graphable: CUDA only); on a CPU,
+            # taking it would zero (make resident) a recurrent slot nothing reads: 18 MiB on Qwen3.5-0.8B
+            reserve_scratch(model, self.kv, self.rec)
         self.slots = cfg.max_batch if self.rec is not None else None
         self.mixes_graphed = captures_mixed(model)  # a step that starts requests replays a graph (memra.mixed_graphs)
         self.mixed_tokens = model.settings.mixed_tokens if self.mixes_graphed else 0  # its largest prompt bucket

@@ -12,17 +12,16 @@ import operator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-import jinja2
 from tokenizers import Tokenizer as Backend
 
 from memra.errors import TokenizerError
-from memra.tokenizer.chat_template import _clean_messages, _compile_template
 from memra.tokenizer.gguf_vocab import parts_from_gguf
 from memra.tokenizer.hf_files import _hf_parts
 from memra.tokenizer.pieces import TokenizerParts
 
 if TYPE_CHECKING:
     import gguf
+    import jinja2
 
 
 class Tokenizer:
@@ -158,6 +157,12 @@ class Tokenizer:
     # --- chat templates ---------------------------------------------------------------------------
 
     def _template(self) -> jinja2.Template:
+        # jinja2 and the template helpers are imported here, on the first chat prompt, not with the tokenizer:
+        # loading a model renders no template, and the import held ~2 MiB of a small CPU model's peak RSS
+        import jinja2
+
+        from memra.tokenizer.chat_template import _compile_template
+
         origin = self._parts.template_origin
         if self.chat_template is None:
             raise TokenizerError(
@@ -182,6 +187,10 @@ class Tokenizer:
         kwargs: passed to the template as variables (tools=[...], enable_thinking=False, ...).
         Encode the result with `encode(text, add_special=False)`: the template writes bos itself when needed.
         """
+        import jinja2
+
+        from memra.tokenizer.chat_template import _clean_messages
+
         template = self._template()
         context = {
             **self._parts.special_strings,
