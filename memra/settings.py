@@ -84,7 +84,7 @@ class Settings:
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
-    batched_logprobs: bool = False  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
+    batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -117,7 +117,7 @@ class Settings:
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
-            batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", False),
+            batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -205,9 +205,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "
      "warm-up, the same bits (every kernel is batch-invariant); 512 until a GPU run shows a larger one faster"),
-    ("MEMRA_BATCHED_LOGPROBS", "0", "1 = on CUDA, the sampler takes the logprobs of every row that asks for them in "
-     "one log-softmax over those rows, a gather and a count (memra.engine.sampler.logprob_numbers), not some seven "
-     "launches a row; the same bits (CUDA's softmax reduces each row alone); off until a GPU run shows it faster"),
+    ("MEMRA_BATCHED_LOGPROBS", "1", "on CUDA, the sampler takes the logprobs of every row that asks for them in one "
+     "log-softmax over those rows, a gather and a count (memra.engine.sampler.logprob_numbers; a vocabulary that is "
+     "not a multiple of 4 keeps the rows apart), not some seven launches a row: the same bits (CUDA's softmax "
+     "reduces each row alone); 0 = row by row"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

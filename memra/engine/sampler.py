@@ -161,9 +161,12 @@ def logprob_numbers(logits: torch.Tensor, tokens: torch.Tensor, asked: list[tupl
     the top n ids and logprobs. Each row's log-softmax is over that row alone, as offline and as scoring
     computes it. batched (MEMRA_BATCHED_LOGPROBS, CUDA): one log-softmax over every asking row [k, V] and one
     gather and count for all, a handful of launches instead of some seven a row; CUDA's softmax reduces each
-    row in a block of its own, so a row's values are its one-row values (tests/test_cuda_exact.py holds them
-    equal). Not on a CPU: there torch splits a lone row's reduction across threads."""
-    if not batched:
+    row in a block of its own, so a row's values are its one-row values (tests/test_logprob_numbers.py holds
+    them equal). Not on a CPU, where torch splits a lone row's reduction across threads; nor for a vocabulary
+    that is not a multiple of 4: CUDA's softmax reads a row in 16-byte vectors from the row's own alignment,
+    and such rows, gathered into [k, V], lie at other alignments than in the logits (on an H100, V = 50,257
+    gave other bits)."""
+    if not batched or logits.shape[-1] % 4:
         pieces = []
         for i, n in asked:
             logp = torch.log_softmax(logits[i].float(), dim=-1)
