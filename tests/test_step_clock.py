@@ -135,6 +135,7 @@ def test_the_mixed_graph_warm_up_is_bounded_by_blocks_written_not_by_whole_conte
     assert graph_rows(backend(24_000), 768, 2048) == 767  # and the prefilling prompt, one of max_batch
     assert graph_rows(backend(24_000, slots=300), 768, 2048) == 299  # one slot is the prefilling prompt's
     assert graph_rows(backend(100), 768, 2048) == 100 - (512 + 512) // 16 - 2
+    assert graph_rows(backend(200), 768, 4096, largest=2048) == 200 - (512 + 2048) // 16 - 2  # MEMRA_MIXED_TOKENS
     assert graph_rows(backend(10), 64, 2048) == 0
     # a short context: its prompts are at most cache_ctx - 1 tokens and no row passes a split (the demo's
     # 4-row engine at 75 tokens had 20 blocks, warmed no mixed step, and captured two mid-run on an H100)

@@ -61,7 +61,8 @@ def warm_up(model, backend, max_batch: int, cache_ctx: int, token_budget: int, p
                 _prime(model, backend, prompts, cache_ctx, decode=False)
     backend.warm_graphs(max_batch, cache_ctx)
     if captures_mixed(model):
-        _mixed_graphs(model, backend, graph_rows(backend, max_batch, cache_ctx), cache_ctx, token_budget, prefill_budget)
+        rows = graph_rows(backend, max_batch, cache_ctx, model.settings.mixed_tokens)
+        _mixed_graphs(model, backend, rows, cache_ctx, token_budget, prefill_budget)
 
 
 def warm_engine(engine) -> None:
@@ -92,7 +93,7 @@ def _room(backend, cache_ctx: int) -> int:
     return backend.blocks * BLOCK_SIZE // cache_ctx
 
 
-def graph_rows(backend, max_batch: int, cache_ctx: int) -> int:
+def graph_rows(backend, max_batch: int, cache_ctx: int, largest: int = max(token_buckets())) -> int:
     """Decoding rows the mixed-graph warm-up can run: each holds one block, beside one row primed past an
     attention split (where cache_ctx reaches past one) and one prompt of the largest token bucket a sequence
     of cache_ctx holds (and the prompt is one of max_batch). Not sequences of cache_ctx each (_room): that
@@ -101,7 +102,7 @@ def graph_rows(backend, max_batch: int, cache_ctx: int) -> int:
     512-row mixed steps were captured mid-run, on the first step that met each (on an H200, 385 contexts: the
     512-row ones). And not a 512-token prompt where cache_ctx is shorter: a small pool (the demo's 20 blocks at
     75 tokens) then warmed no mixed step at all, and the first steps captured theirs mid-run."""
-    prompt = min(backend.mixed_tokens or max(token_buckets()), cache_ctx - 1)
+    prompt = min(largest, cache_ctx - 1)  # the largest token bucket's (Settings.mixed_tokens)
     split = ATTN_SPLIT if long_tables(cache_ctx) else 0
     spare = backend.blocks - (split + prompt) // BLOCK_SIZE - 2
     return max(0, min(max_batch - 1, (backend.slots or max_batch) - 1, spare))
