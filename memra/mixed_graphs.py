@@ -36,8 +36,9 @@ Where it applies (graphed_mixed returns None elsewhere, and the engine makes the
 graphs on (MEMRA_CUDA_GRAPHS) running the invariant kernels; every cache in the same two pools, with
 room for a scratch; fewer than PIECES pieces (a 1-token piece is one like any other: every prompt token
 attends through the prefill kernel); at most the largest token bucket's prompt tokens (512, or
-MEMRA_MIXED_TOKENS's 1024 or 2048), within the step's table
-width (memra.graphs.step_blocks). Longer waves are prefill-bound, where the launches' host time hides behind the kernels anyway.
+MEMRA_MIXED_TOKENS's 1024 or 2048). The pieces read a table of the step's width (memra.graphs.step_blocks),
+or wider where the padding piece reaches past it. Longer waves are prefill-bound, where the launches' host
+time hides behind the kernels anyway.
 """
 
 from __future__ import annotations

@@ -62,10 +62,11 @@ class EngineConfig:
         """The scheduler's prompt tokens a step apart from its decode rows (None: shared); mixed_tokens: the
         largest prompt bucket a captured mixed step takes (Settings.mixed_tokens), 0 where none is captured.
         Default: for a wide batch (max_batch >= WIDE_BATCH) whose mixed steps are captured graphs, that
-        bucket (512 unless MEMRA_MIXED_TOKENS raises it), so that a step with many decode rows still prefills and stays one replayed forward; on
-        an H100, 8.4-8.9k output tok/s against 7.7k shared at max_batch 768 (Llama-3-8B shape), 5.66k against
-        5.38k at 256 (Qwen3.5-9B; docs/PERFORMANCE.md). Elsewhere shared: an eager step has no bucket to fit,
-        and a narrow batch leaves the shared budget room for prompts (not measured faster split)."""
+        bucket (512 unless MEMRA_MIXED_TOKENS raises it), so that a step with many decode rows still prefills
+        and stays one replayed forward; on an H100, 8.4-8.9k output tok/s against 7.7k shared at max_batch 768
+        (Llama-3-8B shape), 5.66k against 5.38k at 256 (Qwen3.5-9B; docs/PERFORMANCE.md). Elsewhere shared: an
+        eager step has no bucket to fit, and a narrow batch leaves the shared budget room for prompts (not
+        measured faster split)."""
         if self.prefill_budget is None:
             return mixed_tokens if mixed_tokens and self.max_batch >= WIDE_BATCH else None
         return self.prefill_budget or None
