@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import memra
-from cuda_marks import cuda_only
+from cuda_marks import DEVICES, cuda_only
 from memra.engine.sampler import logprob_numbers
+from memra.engine.scoring import row_score
 
 
 def _case(rows: int, vocab: int, asked: list[tuple[int, int]], device: str = "cpu"):
@@ -44,6 +45,19 @@ def test_batched_numbers_keep_the_layout_and_the_values(rows, asked):
     assert abs(float(one[0]) - float(want)) == 0  # row by row: torch's one-row log-softmax, bit for bit
     odd, tokens, asked = _case(rows, 1001, asked)  # not a multiple of 4: kept row by row (the docstring says why)
     assert torch.equal(logprob_numbers(odd, tokens, asked, True), logprob_numbers(odd, tokens, asked, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [50257, 1001])
+def test_a_rows_logprob_does_not_depend_on_its_place(device, vocab):
+    """One row of logits at each of rows 0..3 of a [4, V] batch (V not a multiple of 4: four alignments) gives
+    the same numbers in the sampler and in scoring (memra.engine.sampler.lone_row)."""
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits = row.repeat(4, 1).to(device)
+    tokens = torch.full((4,), 17, dtype=torch.long, device=device)
+    numbers = logprob_numbers(logits, tokens, [(i, 2) for i in range(4)], True).view(4, -1)
+    assert all(torch.equal(numbers[0], numbers[i]) for i in range(1, 4))
+    assert len({row_score(logits[i], 17, 2) for i in range(4)}) == 1 and row_score(logits[0], 17, 2).logprob == float(numbers[0, 0])
 
 
 @cuda_only

@@ -154,6 +154,15 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
     return PendingPick(tokens, asked, start_download(payload if payload is not None else tokens))
 
 
+def lone_row(row: torch.Tensor) -> torch.Tensor:
+    """A logits row [V] as fp32 in a tensor of its own, which every logprob's log-softmax runs over (the
+    sampler's, scoring's): CUDA's softmax reads a row in 16-byte vectors from the row's own alignment, and
+    where V is not a multiple of 4 the rows of a [B, V] tensor lie at different alignments, so a row's
+    values would depend on its place in the batch (or its position in a scored text). A fresh tensor starts
+    aligned wherever the row came from."""
+    return row.to(torch.float32, copy=True)
+
+
 def logprob_numbers(logits: torch.Tensor, tokens: torch.Tensor, asked: list[tuple[int, int]],
                     batched: bool) -> torch.Tensor:
     """The asking rows' numbers as PendingPick lays them out (float64): per (row, n) of `asked`, its chosen
@@ -163,13 +172,12 @@ def logprob_numbers(logits: torch.Tensor, tokens: torch.Tensor, asked: list[tupl
     gather and count for all, a handful of launches instead of some seven a row; CUDA's softmax reduces each
     row in a block of its own, so a row's values are its one-row values (tests/test_logprob_numbers.py holds
     them equal). Not on a CPU, where torch splits a lone row's reduction across threads; nor for a vocabulary
-    that is not a multiple of 4: CUDA's softmax reads a row in 16-byte vectors from the row's own alignment,
-    and such rows, gathered into [k, V], lie at other alignments than in the logits (on an H100, V = 50,257
-    gave other bits)."""
+    that is not a multiple of 4, whose rows in [k, V] lie at other alignments than a lone row's (lone_row; on
+    an H100, V = 50,257 gave other bits batched)."""
     if not batched or logits.shape[-1] % 4:
         pieces = []
         for i, n in asked:
-            logp = torch.log_softmax(logits[i].float(), dim=-1)
+            logp = torch.log_softmax(lone_row(logits[i]), dim=-1)
             chosen = logp.index_select(0, tokens[i : i + 1])  # [1]; not logp[tokens[i]]: .item()
             pieces += [chosen.double(), (logp > chosen).sum().double().unsqueeze(0) + 1]
             if n:

@@ -36,6 +36,7 @@ import torch
 from memra import counters
 from memra.cache import BLOCK_SIZE
 from memra.errors import MemraError
+from memra.engine.sampler import lone_row
 from memra.engine.scheduler import QueueFull
 from memra.kernels.cuts import TILE
 from memra.sampling import MAX_LOGPROBS
@@ -78,8 +79,8 @@ class ScoreJob:
 
 
 def row_score(logits: torch.Tensor, token: int, top: int) -> TokenScore:
-    """The sampler's numbers for one row [V]: log_softmax over the fp32 row, the token's value."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """The sampler's numbers for one row [V]: log_softmax over the fp32 row (lone_row), the token's value."""
+    logp = torch.log_softmax(lone_row(logits), dim=-1)
     lp = logp[token]
     rank = int((logp > lp).sum()) + 1
     tops = ()
@@ -94,7 +95,7 @@ def row_values(logits: torch.Tensor, tokens: list[int]) -> list[float]:
     one copy to the host for the block rather than two a row (the trainer's values: memra.train.exact). Row by
     row, as the sampler's log_softmax runs over one row [V] (on a CPU torch splits a lone row's reduction)."""
     at = torch.tensor(tokens, dtype=torch.long).to(logits.device)  # [T]
-    picked = [torch.log_softmax(logits[j].float(), dim=-1).index_select(0, at[j : j + 1]) for j in range(len(tokens))]
+    picked = [torch.log_softmax(lone_row(logits[j]), dim=-1).index_select(0, at[j : j + 1]) for j in range(len(tokens))]
     return torch.cat(picked).double().tolist() if picked else []
 
 

@@ -26,6 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from memra import counters
+from memra.engine.sampler import lone_row
 from memra.kernels.cuts import TILE, aligned_cuts
 from memra.model.block import Block
 from memra.model.context import Segments, StepContext, joined
@@ -158,8 +159,8 @@ class Walk:
             if used <= a:
                 continue
             logits = self._logits(h[a:b])
-            # row by row: the sampler's log_softmax runs over one row [V]
-            logp = torch.stack([torch.log_softmax(r, dim=-1) for r in logits[: used - a]])
+            # row by row: the sampler's log_softmax runs over one row [V] of its own (lone_row)
+            logp = torch.stack([torch.log_softmax(lone_row(r), dim=-1) for r in logits[: used - a]])
             picked = logp.gather(1, seq.ids[a + 1 : used + 1, None])[:, 0]
             out = out.index_put((torch.arange(a, used, device=h.device),), picked)
         return out
