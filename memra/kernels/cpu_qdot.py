@@ -38,7 +38,7 @@ import torch
 from memra.kernels import split
 
 # the library's sources: the linears here, decode attention (memra.kernels.cpu_decode) beside them
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "decode.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "qdot_vnni.cpp", "decode.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no FMA: the twin has none
 COMPILERS = ("g++", "c++", "clang++")
 KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
@@ -46,6 +46,7 @@ KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "memra_qdot_has_avx2": ([], _int),
+    "memra_qdot_outputs": ([_int], _i64),
     "memra_quantize_rows": ([_p, _i64, _i64, _i64, _p, _p, _p], None),
     "memra_qdot_q8_0": ([_p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_qdot_qk": ([_int, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int], None),
