@@ -28,8 +28,8 @@ void q4k_order(const int8_t* x, int64_t n, int8_t* out);
 void qk_rows(int bits, int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
              const uint8_t* mn, int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y);
 void q6k_offsets(const int8_t* x, int64_t n, int32_t* out);
-void q6k_row(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K, const int8_t* x,
-             const float* xd, const int32_t* x4, float* y);
+void q6k_rows(int64_t rows, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K,
+              const int8_t* x, const float* xd, const int32_t* x4, float* y);
 }  // namespace memra_vnni
 
 namespace {
@@ -378,18 +378,18 @@ void memra_qdot_q6k(const uint8_t* ql, const uint8_t* qh, const float* d, const 
   count(avx2 < 2 ? avx2 : 2, N * M);
   std::vector<int32_t> x4(vnni ? M * K / 4 : 0);  // the VNNI rows' -32 * (sum of each 4 activations)
   if (vnni) memra_vnni::q6k_offsets(x, M * K, x4.data());
-  auto row = [&](int64_t n, int64_t m, float* out) {
-    memra_vnni::q6k_row(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
-                        xd + m * nsb, x4.data() + m * (K / 4), out);
+  auto rows = [&](int64_t n, int64_t count, int64_t m, float* out) {  // weight rows n.. one after another
+    memra_vnni::q6k_rows(count, ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
+                         xd + m * nsb, x4.data() + m * (K / 4), out);
   };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
-        if (vnni) for (int64_t r = 0; r < G; r++) row(n0 + r, m, out + r);
+        if (vnni) rows(n0, G, m, out);
         else q6k_avx2<G>(ql + n0 * (K / 2), qh + n0 * (K / 4), d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K,
                          xd + m * nsb, out);
       },
       [&](int64_t n, int64_t m, float* out) {
-        if (vnni) row(n, m, out);
+        if (vnni) rows(n, 1, m, out);
         else if (avx2) q6k_avx2<1>(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
                                    xd + m * nsb, out);
         else *out = q6k_scalar(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), x + m * K,

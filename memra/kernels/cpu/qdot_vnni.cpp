@@ -39,23 +39,29 @@ VNNI inline __m128i sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+VNNI inline __m128i zero128() { return _mm_setzero_si128(); }
+
 // Lanes [a x8 | b x8]: the sub-blocks' scale indices of a dot vector over two 32-value runs.
 VNNI inline __m512i pair_index(int a, int b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
 }
 
-// The running sum over a chunk of up to four 256-blocks (nb of them): acc = acc + (d * xd) * isum, then
-// (with mins) acc = acc - (dmin * xd) * msum, block by block.
-VNNI inline float steps(float acc, int nb, __m128i isum, const float* d, const float* xd, const __m128i* msum,
-                        const float* dmin) {
-  const __mmask8 m = (__mmask8)((1 << nb) - 1);
-  const __m128 xd4 = _mm_maskz_loadu_ps(m, xd);
+// The running sum over a chunk of NB (1..4) 256-blocks: acc = acc + (d * xd) * isum, then (MINS) acc = acc -
+// (dmin * xd) * msum, block by block.
+template <int NB>
+VNNI inline __m128 load4(const float* p) {  // p[0..NB), zeros after
+  return NB == 4 ? _mm_loadu_ps(p) : _mm_maskz_loadu_ps((__mmask8)((1 << NB) - 1), p);
+}
+
+template <int NB, bool MINS>
+VNNI inline float steps(float acc, __m128i isum, const float* d, const float* xd, __m128i msum, const float* dmin) {
+  const __m128 xd4 = load4<NB>(xd);
   alignas(16) float p[4], q[4];
-  _mm_store_ps(p, _mm_mul_ps(_mm_mul_ps(_mm_maskz_loadu_ps(m, d), xd4), _mm_cvtepi32_ps(isum)));
-  if (msum) _mm_store_ps(q, _mm_mul_ps(_mm_mul_ps(_mm_maskz_loadu_ps(m, dmin), xd4), _mm_cvtepi32_ps(*msum)));
-  for (int b = 0; b < nb; b++) {
+  _mm_store_ps(p, _mm_mul_ps(_mm_mul_ps(load4<NB>(d), xd4), _mm_cvtepi32_ps(isum)));
+  if (MINS) _mm_store_ps(q, _mm_mul_ps(_mm_mul_ps(load4<NB>(dmin), xd4), _mm_cvtepi32_ps(msum)));
+  for (int b = 0; b < NB; b++) {
     acc = acc + p[b];
-    if (msum) acc = acc - q[b];
+    if (MINS) acc = acc - q[b];
   }
   return acc;
 }
@@ -85,7 +91,7 @@ VNNI void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t*
   *y = tree8(acc);
 }
 
-// Q4_K's activations for qk_row: per 256-block the eight 32-value runs in the order 0 2 1 3 4 6 5 7, the
+// Q4_K's activations for qk_rows: per 256-block the eight 32-value runs in the order 0 2 1 3 4 6 5 7, the
 // order of a 64-byte load's nibbles (low: runs 0 and 2, high: 1 and 3; split.Q4KSplit). x [n], n % 256 == 0.
 void q4k_order(const int8_t* x, int64_t n, int8_t* out) {
   static const int run[8] = {0, 2, 1, 3, 4, 6, 5, 7};
@@ -95,48 +101,58 @@ void q4k_order(const int8_t* x, int64_t n, int8_t* out) {
 
 // Q4_K (bits 4, x in q4k_order) and Q5_K (bits 5, x as is): each 64 values a vpdpbusd (lane = four products,
 // |sum| <= 4 * 31 * 127: an int16) then a vpdpwssd by the lane's 32-run scale (as int16 pairs (scale, 0));
-// msum from the mins and xs32 (the activations' sums per 32, int16), four blocks a time.
-template <int BITS>
-VNNI void qk_rows_(int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
-                   int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
-  const int64_t nsb = K / 256, qrow = BITS == 4 ? K / 2 : K;
+// msum from the mins and xs32 (the activations' sums per 32, int16). A chunk of NB 256-blocks (1..4) of a row,
+// the pointers at its first block -> acc after its steps.
+template <int BITS, int NB>
+VNNI inline float qk_chunk(float acc, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
+                           const uint8_t* mn, const int8_t* x, const float* xd, const int16_t* xs32) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   const __m512i idx[4] = {BITS == 4 ? pair_index(0, 2) : pair_index(0, 1), BITS == 4 ? pair_index(1, 3) : pair_index(2, 3),
                           BITS == 4 ? pair_index(4, 6) : pair_index(4, 5), BITS == 4 ? pair_index(5, 7) : pair_index(6, 7)};
-  for (int64_t r = 0; r < rows; r++, q += qrow, d += nsb, dmin += nsb, sc += K / 32, mn += K / 32) {
-  float acc = 0;
-  for (int64_t s0 = 0; s0 < nsb; s0 += 4) {
-    const int nb = nsb - s0 < 4 ? (int)(nsb - s0) : 4;
-    __m512i isum[4];
-    for (int b = 0; b < 4; b++) {
-      isum[b] = zero;
-      if (b >= nb) continue;
-      const int64_t s = s0 + b;
-      const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * s)));  // lanes 0..7
-      for (int t = 0; t < 4; t++) {
-        __m512i qv;
-        if (BITS == 4) {
-          if (t % 2 == 0) _mm_prefetch((const char*)(q + 128 * s + 64 * (t / 2) + AHEAD), _MM_HINT_T0);
-          const __m512i wv = _mm512_loadu_si512((const void*)(q + 128 * s + 64 * (t / 2)));
-          qv = t % 2 == 0 ? _mm512_and_si512(wv, m4) : _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
-        } else {
-          _mm_prefetch((const char*)(q + 256 * s + 64 * t + AHEAD), _MM_HINT_T0);
-          qv = _mm512_loadu_si512((const void*)(q + 256 * s + 64 * t));
-        }
-        const __m512i dot = _mm512_dpbusd_epi32(zero, qv, _mm512_loadu_si512((const void*)(x + 256 * s + 64 * t)));
-        isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
+  __m512i isum[4] = {zero, zero, zero, zero};
+  for (int b = 0; b < NB; b++) {
+    const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * b)));  // lanes 0..7
+    for (int t = 0; t < 4; t++) {
+      __m512i qv;
+      if (BITS == 4) {
+        if (t % 2 == 0) _mm_prefetch((const char*)(q + 128 * b + 64 * (t / 2) + AHEAD), _MM_HINT_T0);
+        const __m512i wv = _mm512_loadu_si512((const void*)(q + 128 * b + 64 * (t / 2)));
+        qv = t % 2 == 0 ? _mm512_and_si512(wv, m4) : _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+      } else {
+        _mm_prefetch((const char*)(q + 256 * b + 64 * t + AHEAD), _MM_HINT_T0);
+        qv = _mm512_loadu_si512((const void*)(q + 256 * b + 64 * t));
       }
+      const __m512i dot = _mm512_dpbusd_epi32(zero, qv, _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
+      isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
     }
-    // msum: 128-bit lane b of the mins-by-sums products holds block s0 + b's four pair sums
-    const __mmask32 m32 = (__mmask32)((1ull << (8 * nb)) - 1);
-    __m512i ms = _mm512_madd_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m32, mn + 8 * s0)),
-                                   _mm512_maskz_loadu_epi16(m32, xs32 + 8 * s0));
-    ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_BADC));
-    ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_CDAB));
-    const __m128i msum = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), ms));
-    acc = steps(acc, nb, sums4(isum[0], isum[1], isum[2], isum[3]), d + s0, xd + s0, &msum, dmin + s0);
   }
-  y[r] = acc;
+  // msum: 128-bit lane b of the mins-by-sums products holds block b's four pair sums
+  const __mmask32 m32 = (__mmask32)((1ull << (8 * NB)) - 1);
+  const __m256i mins = NB == 4 ? _mm256_loadu_si256((const __m256i*)mn) : _mm256_maskz_loadu_epi8(m32, mn);
+  const __m512i xs = NB == 4 ? _mm512_loadu_si512((const void*)xs32) : _mm512_maskz_loadu_epi16(m32, xs32);
+  __m512i ms = _mm512_madd_epi16(_mm512_cvtepu8_epi16(mins), xs);
+  ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_BADC));
+  ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_CDAB));
+  const __m128i msum = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), ms));
+  return steps<NB, true>(acc, sums4(isum[0], isum[1], isum[2], isum[3]), d, xd, msum, dmin);
+}
+
+template <int BITS>
+VNNI void qk_rows_(int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
+                   int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
+  const int64_t nsb = K / 256, qrow = BITS == 4 ? K / 2 : K, qb = BITS == 4 ? 128 : 256;
+  for (int64_t r = 0; r < rows; r++, q += qrow, d += nsb, dmin += nsb, sc += K / 32, mn += K / 32) {
+    float acc = 0;
+    int64_t s = 0;
+#define CHUNK(NB) qk_chunk<BITS, NB>(acc, q + qb * s, d + s, dmin + s, sc + 8 * s, mn + 8 * s, x + 256 * s, xd + s, xs32 + 8 * s)
+    for (; s + 4 <= nsb; s += 4) acc = CHUNK(4);
+    switch (nsb - s) {
+      case 3: acc = CHUNK(3); break;
+      case 2: acc = CHUNK(2); break;
+      case 1: acc = CHUNK(1); break;
+    }
+#undef CHUNK
+    y[r] = acc;
   }
 }
 
@@ -146,7 +162,7 @@ void qk_rows(int bits, int64_t rows, const uint8_t* q, const float* d, const flo
   else qk_rows_<4>(rows, q, d, dmin, sc, mn, K, x, xd, xs32, y);
 }
 
-// Q6_K's activation term for q6k_row: per 4 values, -32 times their sum (int32 [n / 4]), where vpdpbusd
+// Q6_K's activation term for q6k_rows: per 4 values, -32 times their sum (int32 [n / 4]), where vpdpbusd
 // starts, so that it sums (q - 32) * x with q unsigned (0..63; |sum| <= 4 * 32 * 127: an int16).
 void q6k_offsets(const int8_t* x, int64_t n, int32_t* out) {
   for (int64_t i = 0; i < n / 4; i++) out[i] = -32 * ((int32_t)x[4 * i] + x[4 * i + 1] + x[4 * i + 2] + x[4 * i + 3]);
@@ -155,10 +171,10 @@ void q6k_offsets(const int8_t* x, int64_t n, int32_t* out) {
 // Q6_K (split.Q6KSplit's planes, a block's at ql + 128 s, qh + 64 s): per half h of a block, its 64 ql bytes'
 // low nibbles are values 0..63 of the half and the high ones 64..127; qh's 32 bytes (in both 256-bit halves)
 // give bits 4-5 of run c (of 32 values) at bits 2c, 2c+1. Each 64 values: vpdpbusd from x4 (q6k_offsets),
-// then vpdpwssd by the lane's 16-run scale as int16 pairs (scale, 0).
-VNNI void q6k_row(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K, const int8_t* x,
-                  const float* xd, const int32_t* x4, float* y) {
-  const int64_t nsb = K / 256;
+// then vpdpwssd by the lane's 16-run scale as int16 pairs (scale, 0). A chunk of NB 256-blocks, as qk_chunk.
+template <int NB>
+VNNI inline float q6k_chunk(float acc, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc,
+                            const int8_t* x, const float* xd, const int32_t* x4) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), lo16 = _mm512_set1_epi32(0xFFFF);
   // runs (0, 1) to bits 4-5: left by 4 and 2; runs (2, 3): right by 0 and 2 (16-bit lanes, then masked)
   const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -167,34 +183,45 @@ VNNI void q6k_row(const uint8_t* ql, const uint8_t* qh, const float* d, const in
   for (int t = 0; t < 4; t++)
     idx[t] = _mm512_setr_epi32(4 * t, 4 * t, 4 * t, 4 * t, 4 * t + 1, 4 * t + 1, 4 * t + 1, 4 * t + 1, 4 * t + 2,
                                4 * t + 2, 4 * t + 2, 4 * t + 2, 4 * t + 3, 4 * t + 3, 4 * t + 3, 4 * t + 3);
-  float acc = 0;
-  for (int64_t s0 = 0; s0 < nsb; s0 += 4) {
-    const int nb = nsb - s0 < 4 ? (int)(nsb - s0) : 4;
-    __m512i isum[4];
-    for (int b = 0; b < 4; b++) {
-      isum[b] = _mm512_setzero_si512();
-      if (b >= nb) continue;
-      const int64_t s = s0 + b;
-      const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16 * s))), lo16);
-      for (int h = 0; h < 2; h++) {
-        _mm_prefetch((const char*)(ql + 128 * s + 64 * h + AHEAD), _MM_HINT_T0);
-        if (h == 0) _mm_prefetch((const char*)(qh + 64 * s + AHEAD / 2), _MM_HINT_T0);
-        const __m512i l = _mm512_loadu_si512((const void*)(ql + 128 * s + 64 * h));
-        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + 64 * s + 32 * h)));
-        for (int u = 0; u < 2; u++) {  // values 64u..64u+63 of the half
-          const int t = 2 * h + u;
-          const __m512i lo = u == 0 ? _mm512_and_si512(l, m4) : _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
-          const __m512i hi = u == 0 ? _mm512_sllv_epi16(hb, up) : _mm512_srlv_epi16(hb, down);
-          const __m512i qv = _mm512_ternarylogic_epi32(lo, hi, m30, 0xF8);  // lo | (hi & 0x30)
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(x4 + 64 * s + 16 * t)), qv,
-                                                  _mm512_loadu_si512((const void*)(x + 256 * s + 64 * t)));
-          isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
-        }
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i isum[4] = {zero, zero, zero, zero};
+  for (int b = 0; b < NB; b++) {
+    const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16 * b))), lo16);
+    for (int h = 0; h < 2; h++) {
+      _mm_prefetch((const char*)(ql + 128 * b + 64 * h + AHEAD), _MM_HINT_T0);
+      if (h == 0) _mm_prefetch((const char*)(qh + 64 * b + AHEAD / 2), _MM_HINT_T0);
+      const __m512i l = _mm512_loadu_si512((const void*)(ql + 128 * b + 64 * h));
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + 64 * b + 32 * h)));
+      for (int u = 0; u < 2; u++) {  // values 64u..64u+63 of the half
+        const int t = 2 * h + u;
+        const __m512i lo = u == 0 ? _mm512_and_si512(l, m4) : _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
+        const __m512i hi = u == 0 ? _mm512_sllv_epi16(hb, up) : _mm512_srlv_epi16(hb, down);
+        const __m512i qv = _mm512_ternarylogic_epi32(lo, hi, m30, 0xF8);  // lo | (hi & 0x30)
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(x4 + 64 * b + 16 * t)), qv,
+                                                _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
+        isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
       }
     }
-    acc = steps(acc, nb, sums4(isum[0], isum[1], isum[2], isum[3]), d + s0, xd + s0, nullptr, nullptr);
   }
-  *y = acc;
+  return steps<NB, false>(acc, sums4(isum[0], isum[1], isum[2], isum[3]), d, xd, zero128(), nullptr);
+}
+
+VNNI void q6k_rows(int64_t rows, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K,
+                   const int8_t* x, const float* xd, const int32_t* x4, float* y) {
+  const int64_t nsb = K / 256;
+  for (int64_t r = 0; r < rows; r++, ql += K / 2, qh += K / 4, d += nsb, sc += K / 16) {
+    float acc = 0;
+    int64_t s = 0;
+#define CHUNK(NB) q6k_chunk<NB>(acc, ql + 128 * s, qh + 64 * s, d + s, sc + 16 * s, x + 256 * s, xd + s, x4 + 64 * s)
+    for (; s + 4 <= nsb; s += 4) acc = CHUNK(4);
+    switch (nsb - s) {
+      case 3: acc = CHUNK(3); break;
+      case 2: acc = CHUNK(2); break;
+      case 1: acc = CHUNK(1); break;
+    }
+#undef CHUNK
+    y[r] = acc;
+  }
 }
 
 }  // namespace memra_vnni
