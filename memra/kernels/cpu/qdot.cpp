@@ -327,7 +327,9 @@ void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, 
   const int64_t nb = K / 32;
   const bool vnni = avx2 >= 2 && nb % 8 == 0;
   count(vnni ? 2 : avx2 ? 1 : 0, N * M);
-  auto row = [&](int64_t n, int64_t m, float* out) { memra_vnni::q8_0_row(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out); };
+  auto row = [&](int64_t n, int64_t m, float* out) {
+    memra_vnni::q8_0_row(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
+  };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
         if (vnni) for (int64_t r = 0; r < G; r++) row(n0 + r, m, out + r);
@@ -355,7 +357,8 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
   auto args = [&](int64_t n) { return std::make_tuple(q + n * qrow, d + n * nsb, dmin + n * nsb, sc + n * (K / 32), mn + n * (K / 32)); };
   auto rows = [&](int64_t n, int64_t count, int64_t m, float* out) {  // weight rows n.. one after another
     auto [qn, dn, dminn, scn, mnn] = args(n);
-    memra_vnni::qk_rows(bits, count, qn, dn, dminn, scn, mnn, K, xv + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
+    memra_vnni::qk_rows(bits, count, qn, dn, dminn, scn, mnn, K, xv + m * K, xd + m * nsb, xs32.data() + m * (K / 32),
+                        out);
   };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {

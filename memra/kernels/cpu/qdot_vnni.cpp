@@ -39,6 +39,37 @@ VNNI inline __m128i sums4(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+// vpshufb controls that copy int16 scales into the layout of vpackssdw(dot vector, dot vector): in 128-bit
+// lanes 0-1 scale a four times then b four times, in lanes 2-3 c then d (Q4_K / Q5_K); Q6_K's: in lane l,
+// scale l then 4 + l.
+struct Spread {
+  alignas(64) uint8_t b[64];
+};
+constexpr Spread spread(int a, int b, int c, int d) {
+  Spread out{};
+  const int pick[4][2] = {{a, b}, {a, b}, {c, d}, {c, d}};
+  for (int l = 0; l < 4; l++)
+    for (int i = 0; i < 8; i++) {
+      const int j = pick[l][i / 4];
+      out.b[16 * l + 2 * i] = (uint8_t)(2 * j), out.b[16 * l + 2 * i + 1] = (uint8_t)(2 * j + 1);
+    }
+  return out;
+}
+constexpr Spread kQ4[2] = {spread(0, 1, 2, 3), spread(4, 5, 6, 7)};  // runs 0|2 with 1|3, 4|6 with 5|7
+constexpr Spread kQ5[2] = {spread(0, 2, 1, 3), spread(4, 6, 5, 7)};  // runs 0|1 with 2|3, 4|5 with 6|7
+constexpr Spread spread6() {
+  Spread out{};
+  for (int l = 0; l < 4; l++)
+    for (int i = 0; i < 8; i++) {
+      const int j = i < 4 ? l : 4 + l;
+      out.b[16 * l + 2 * i] = (uint8_t)(2 * j), out.b[16 * l + 2 * i + 1] = (uint8_t)(2 * j + 1);
+    }
+  return out;
+}
+constexpr Spread kQ6 = spread6();
+
+VNNI inline __m512i ctl(const Spread& s) { return _mm512_load_si512((const void*)s.b); }
+
 VNNI inline __m128i zero128() { return _mm_setzero_si128(); }
 
 // Lanes [a x8 | b x8]: the sub-blocks' scale indices of a dot vector over two 32-value runs.
@@ -46,13 +77,13 @@ VNNI inline __m512i pair_index(int a, int b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(a)), _mm256_set1_epi32(b), 1);
 }
 
-// The running sum over a chunk of NB (1..4) 256-blocks: acc = acc + (d * xd) * isum, then (MINS) acc = acc -
-// (dmin * xd) * msum, block by block.
 template <int NB>
 VNNI inline __m128 load4(const float* p) {  // p[0..NB), zeros after
   return NB == 4 ? _mm_loadu_ps(p) : _mm_maskz_loadu_ps((__mmask8)((1 << NB) - 1), p);
 }
 
+// The running sum over a chunk of NB (1..4) 256-blocks: acc = acc + (d * xd) * isum, then (MINS) acc = acc -
+// (dmin * xd) * msum, block by block.
 template <int NB, bool MINS>
 VNNI inline float steps(float acc, __m128i isum, const float* d, const float* xd, __m128i msum, const float* dmin) {
   const __m128 xd4 = load4<NB>(xd);
@@ -81,7 +112,8 @@ VNNI void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t*
       const int64_t b = b8 + j;
       const __m512i xv = _mm512_loadu_si512((const void*)(x + 32 * b));
       const __m512i wv = _mm512_loadu_si512((const void*)(w + 32 * b));
-      const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);  // x signed by w
+      // x signed by w
+      const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
       const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
       const __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(pair_index(j, j + 1), dd8), s);  // b: lanes 0..7, b+1: 8..15
       acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
@@ -100,18 +132,20 @@ void q4k_order(const int8_t* x, int64_t n, int8_t* out) {
 }
 
 // Q4_K (bits 4, x in q4k_order) and Q5_K (bits 5, x as is): each 64 values a vpdpbusd (lane = four products,
-// |sum| <= 4 * 31 * 127: an int16) then a vpdpwssd by the lane's 32-run scale (as int16 pairs (scale, 0));
-// msum from the mins and xs32 (the activations' sums per 32, int16). A chunk of NB 256-blocks (1..4) of a row,
-// the pointers at its first block -> acc after its steps.
+// |sum| <= 4 * 31 * 127: an int16); two such vectors packed to int16 (vpackssdw, exact), then a vpdpwssd by
+// their runs' scales; msum from the mins and xs32 (the activations' sums per 32, int16). A chunk of NB
+// 256-blocks (1..4) of a row, the pointers at its first block -> acc after its steps.
 template <int BITS, int NB>
 VNNI inline float qk_chunk(float acc, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
                            const uint8_t* mn, const int8_t* x, const float* xd, const int16_t* xs32) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  const __m512i idx[4] = {BITS == 4 ? pair_index(0, 2) : pair_index(0, 1), BITS == 4 ? pair_index(1, 3) : pair_index(2, 3),
-                          BITS == 4 ? pair_index(4, 6) : pair_index(4, 5), BITS == 4 ? pair_index(5, 7) : pair_index(6, 7)};
+  // int16 scale vectors from the eight scales broadcast to every 128-bit lane: lanes 0-1 [s_a x4, s_b x4],
+  // lanes 2-3 [s_c x4, s_d x4], matching vpackssdw of two dot vectors
+  const __m512i ctl0 = ctl(BITS == 4 ? kQ4[0] : kQ5[0]), ctl1 = ctl(BITS == 4 ? kQ4[1] : kQ5[1]);
   __m512i isum[4] = {zero, zero, zero, zero};
   for (int b = 0; b < NB; b++) {
-    const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sc + 8 * b)));  // lanes 0..7
+    const __m512i s16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + 8 * b))));
+    __m512i dots[4];
     for (int t = 0; t < 4; t++) {
       __m512i qv;
       if (BITS == 4) {
@@ -122,9 +156,10 @@ VNNI inline float qk_chunk(float acc, const uint8_t* q, const float* d, const fl
         _mm_prefetch((const char*)(q + 256 * b + 64 * t + AHEAD), _MM_HINT_T0);
         qv = _mm512_loadu_si512((const void*)(q + 256 * b + 64 * t));
       }
-      const __m512i dot = _mm512_dpbusd_epi32(zero, qv, _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
-      isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
+      dots[t] = _mm512_dpbusd_epi32(zero, qv, _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
     }
+    isum[b] = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(dots[0], dots[1]), _mm512_shuffle_epi8(s16, ctl0));
+    isum[b] = _mm512_dpwssd_epi32(isum[b], _mm512_packs_epi32(dots[2], dots[3]), _mm512_shuffle_epi8(s16, ctl1));
   }
   // msum: 128-bit lane b of the mins-by-sums products holds block b's four pair sums
   const __mmask32 m32 = (__mmask32)((1ull << (8 * NB)) - 1);
@@ -133,18 +168,20 @@ VNNI inline float qk_chunk(float acc, const uint8_t* q, const float* d, const fl
   __m512i ms = _mm512_madd_epi16(_mm512_cvtepu8_epi16(mins), xs);
   ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_BADC));
   ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_PERM_CDAB));
-  const __m128i msum = _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), ms));
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128i msum = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, ms));
   return steps<NB, true>(acc, sums4(isum[0], isum[1], isum[2], isum[3]), d, xd, msum, dmin);
 }
 
 template <int BITS>
-VNNI void qk_rows_(int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc, const uint8_t* mn,
-                   int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
+VNNI void qk_rows_(int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
+                   const uint8_t* mn, int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
   const int64_t nsb = K / 256, qrow = BITS == 4 ? K / 2 : K, qb = BITS == 4 ? 128 : 256;
   for (int64_t r = 0; r < rows; r++, q += qrow, d += nsb, dmin += nsb, sc += K / 32, mn += K / 32) {
     float acc = 0;
     int64_t s = 0;
-#define CHUNK(NB) qk_chunk<BITS, NB>(acc, q + qb * s, d + s, dmin + s, sc + 8 * s, mn + 8 * s, x + 256 * s, xd + s, xs32 + 8 * s)
+#define CHUNK(NB) \
+  qk_chunk<BITS, NB>(acc, q + qb * s, d + s, dmin + s, sc + 8 * s, mn + 8 * s, x + 256 * s, xd + s, xs32 + 8 * s)
     for (; s + 4 <= nsb; s += 4) acc = CHUNK(4);
     switch (nsb - s) {
       case 3: acc = CHUNK(3); break;
@@ -170,23 +207,25 @@ void q6k_offsets(const int8_t* x, int64_t n, int32_t* out) {
 
 // Q6_K (split.Q6KSplit's planes, a block's at ql + 128 s, qh + 64 s): per half h of a block, its 64 ql bytes'
 // low nibbles are values 0..63 of the half and the high ones 64..127; qh's 32 bytes (in both 256-bit halves)
-// give bits 4-5 of run c (of 32 values) at bits 2c, 2c+1. Each 64 values: vpdpbusd from x4 (q6k_offsets),
-// then vpdpwssd by the lane's 16-run scale as int16 pairs (scale, 0). A chunk of NB 256-blocks, as qk_chunk.
+// give bits 4-5 of run c (of 32 values) at bits 2c, 2c+1. Each 64 values: vpdpbusd from x4 (q6k_offsets);
+// two such vectors packed to int16, then vpdpwssd by their 16-runs' scales. A chunk of NB 256-blocks, as qk_chunk.
 template <int NB>
 VNNI inline float q6k_chunk(float acc, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc,
                             const int8_t* x, const float* xd, const int32_t* x4) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), lo16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   // runs (0, 1) to bits 4-5: left by 4 and 2; runs (2, 3): right by 0 and 2 (16-bit lanes, then masked)
   const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  __m512i idx[4];  // dot vector t (values 64t..64t+63): lanes 4i..4i+3 take scale 4t + i
-  for (int t = 0; t < 4; t++)
-    idx[t] = _mm512_setr_epi32(4 * t, 4 * t, 4 * t, 4 * t, 4 * t + 1, 4 * t + 1, 4 * t + 1, 4 * t + 1, 4 * t + 2,
-                               4 * t + 2, 4 * t + 2, 4 * t + 2, 4 * t + 3, 4 * t + 3, 4 * t + 3, 4 * t + 3);
+  // dot vector t (values 64t..64t+63): 128-bit lane i holds sub-block 4t + i; packed in pairs (t = 0, 1 and
+  // 2, 3), lane i is [sub-block i x4, 4 + i x4] (and 8 + i, 12 + i): the scales' int16 vectors to match
+  const __m512i ctl6 = ctl(kQ6);
   const __m512i zero = _mm512_setzero_si512();
   __m512i isum[4] = {zero, zero, zero, zero};
   for (int b = 0; b < NB; b++) {
-    const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sc + 16 * b))), lo16);
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sc + 16 * b)));
+    const __m512i s_lo = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(s16)), ctl6);
+    const __m512i s_hi = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_extracti128_si256(s16, 1)), ctl6);
+    __m512i dots[4];
     for (int h = 0; h < 2; h++) {
       _mm_prefetch((const char*)(ql + 128 * b + 64 * h + AHEAD), _MM_HINT_T0);
       if (h == 0) _mm_prefetch((const char*)(qh + 64 * b + AHEAD / 2), _MM_HINT_T0);
@@ -197,11 +236,12 @@ VNNI inline float q6k_chunk(float acc, const uint8_t* ql, const uint8_t* qh, con
         const __m512i lo = u == 0 ? _mm512_and_si512(l, m4) : _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
         const __m512i hi = u == 0 ? _mm512_sllv_epi16(hb, up) : _mm512_srlv_epi16(hb, down);
         const __m512i qv = _mm512_ternarylogic_epi32(lo, hi, m30, 0xF8);  // lo | (hi & 0x30)
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(x4 + 64 * b + 16 * t)), qv,
-                                                _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
-        isum[b] = _mm512_dpwssd_epi32(isum[b], dot, _mm512_permutexvar_epi32(idx[t], sc32));
+        dots[t] = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(x4 + 64 * b + 16 * t)), qv,
+                                      _mm512_loadu_si512((const void*)(x + 256 * b + 64 * t)));
       }
     }
+    isum[b] = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(dots[0], dots[1]), s_lo);
+    isum[b] = _mm512_dpwssd_epi32(isum[b], _mm512_packs_epi32(dots[2], dots[3]), s_hi);
   }
   return steps<NB, false>(acc, sums4(isum[0], isum[1], isum[2], isum[3]), d, xd, zero128(), nullptr);
 }
