@@ -4,11 +4,15 @@ these skip and tests/test_cpu_qdot.py covers the other levels).
 
 - every format, K of 1 to 6 256-blocks (a chunk of four and a ragged one), N not a multiple of the 4-row
   groups, M = 1 and 3, random bytes and the extreme quants that bound the int16 lanes vpdpwssd reads;
+- the library builds and finds VNNI where /proc/cpuinfo lists it (so the skips cannot hide a failed build);
 - liveness: the library's per-level output counters (memra_qdot_outputs) show the level-2 call ran the VNNI
   rows and the level-1 call did not; a canary: one flipped quant changes the VNNI output.
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,20 @@ from memra.kernels import cpu_qdot, qdot_reference, quant, split
 from memra.kernels.quant import QType, QuantWeight
 
 LIB = cpu_qdot.library()
-pytestmark = pytest.mark.skipif(LIB is None or LIB.avx2 < 2, reason="no AVX-512 VNNI on this CPU (or no compiler)")
+needs_vnni = pytest.mark.skipif(LIB is None or LIB.avx2 < 2, reason="no AVX-512 VNNI on this CPU (or no compiler)")
+FLAGS = ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # as memra_qdot_has_avx2
+
+
+def test_the_library_takes_the_vnni_rows_where_the_cpu_has_them():
+    """The skips below cannot hide a failed build or a missed CPU check: on a Linux CPU whose flags list VNNI,
+    with a compiler on PATH, the library builds and reports level 2."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if not all(f in flags for f in FLAGS) or not any(shutil.which(c) for c in cpu_qdot.COMPILERS):
+        pytest.skip("no AVX-512 VNNI on this CPU, or no compiler")
+    assert LIB is not None and LIB.avx2 == 2
 
 TYPES = {"q8_0": QType.Q8_0, "q4_k": QType.Q4_K, "q5_k": QType.Q5_K, "q6_k": QType.Q6_K}
 SCALE_AT = {QType.Q8_0: (0,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}
@@ -45,6 +62,7 @@ def levels(x, w):
     return out, [LIB.memra_qdot_outputs(lv) - b for lv, b in enumerate(before)]
 
 
+@needs_vnni
 @pytest.mark.parametrize("fmt", list(TYPES))
 @pytest.mark.parametrize("k", [224, 256, 1024, 1280, 1536])
 def test_vnni_rows_are_the_avx2_and_scalar_loops_and_the_twin(fmt, k):
@@ -61,6 +79,7 @@ def test_vnni_rows_are_the_avx2_and_scalar_loops_and_the_twin(fmt, k):
         assert torch.equal(out, qdot_reference.linear(x, w))
 
 
+@needs_vnni
 @pytest.mark.parametrize("fmt", list(TYPES))
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x80])
 def test_vnni_rows_at_the_extreme_quants(fmt, fill):
@@ -77,6 +96,7 @@ def test_vnni_rows_at_the_extreme_quants(fmt, fill):
     assert torch.equal(out, qdot_reference.linear(x, w))
 
 
+@needs_vnni
 @pytest.mark.parametrize("fmt", list(TYPES))
 def test_the_avx2_level_runs_no_vnni_rows_and_a_flipped_quant_shows(fmt):
     w, x = packed(TYPES[fmt], 9, 512, 5), torch.randn(2, 512, generator=torch.Generator().manual_seed(6))
