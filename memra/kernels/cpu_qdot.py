@@ -16,7 +16,8 @@ the shape. This C file compiles in seconds, needs no torch headers, and its redu
 
 The build: the system C++ compiler (g++, c++ or clang++ on PATH) writes a shared library under
 ~/.cache/memra/ once per source, compiler and flags; a process loads it with ctypes. AVX2 and F16C are
-checked at run time (a scalar loop of the same arithmetic otherwise). With no compiler, or a build
+checked at run time (a scalar loop of the same arithmetic otherwise), and AVX-512 VNNI (cpu/qdot_vnni.cpp:
+rows one after another, one stream from memory; the same bits). With no compiler, or a build
 that fails, `library()` says so in one line and the table keeps the tiled twin.
 """
 

@@ -4,8 +4,9 @@
 //
 // Why the bits cannot depend on the batch: every output y[m, n] is computed by one thread from row m's
 // quantized activations and weight row n alone, in one fixed order; threads split the output rows n only.
-// Integer sums are exact, so the AVX2 and the scalar code may add them in any order; the float steps are
-// written out one by one (no FMA: built with -ffp-contract=off) in the same order in both.
+// Integer sums are exact, so the AVX2, the AVX-512 VNNI (qdot_vnni.cpp; the level: memra_qdot_has_avx2 there)
+// and the scalar code may add them in any order; the float steps are written out one by one (no FMA: built
+// with -ffp-contract=off) in the same order in all.
 //
 // Activations: per block of 32 (Q8_0) or 256 (K-quants) values, d = max|x| / 127, q = round-half-even(x / d)
 // computed as x * (1 / d); the K-quants also take int32 sums of q per 16 values.
@@ -290,15 +291,6 @@ void each_output(int64_t N, int64_t M, float* y, int64_t ldy, int nthreads, bool
 }  // namespace
 
 extern "C" {
-
-// 0: scalar only, 1: AVX2 and F16C, 2: AVX-512 VNNI too (the `avx2` argument below takes a level <= this)
-int memra_qdot_has_avx2() {
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) return 0;
-  bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-              __builtin_cpu_supports("avx512vnni");
-  return vnni ? 2 : 1;
-}
 
 // x fp32 [M, K] -> q int8 [M, K], d fp32 [M, K / blk], and (xs != null) int32 sums of q per 16 [M, K / 16].
 void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8_t* q, float* d, int32_t* xs) {

@@ -97,6 +97,20 @@ VNNI inline float steps(float acc, __m128i isum, const float* d, const float* xd
   return acc;
 }
 
+// A row's fp32 running sum over its nsb 256-blocks: row.run<NB>(acc, s) for chunks of four, then the rest.
+template <class Row>
+VNNI inline float over_chunks(int64_t nsb, const Row& row) {
+  float acc = 0;
+  int64_t s = 0;
+  for (; s + 4 <= nsb; s += 4) acc = row.template run<4>(acc, s);
+  switch (nsb - s) {
+    case 3: return row.template run<3>(acc, s);
+    case 2: return row.template run<2>(acc, s);
+    case 1: return row.template run<1>(acc, s);
+  }
+  return acc;
+}
+
 }  // namespace
 
 // Q8_0, row w [K] (K / 32 a multiple of 8): two 32-blocks a step, the blocks' scales eight at a time; each
@@ -174,22 +188,25 @@ VNNI inline float qk_chunk(float acc, const uint8_t* q, const float* d, const fl
 }
 
 template <int BITS>
+struct QkRow {  // a row's pointers at its first block, for over_chunks
+  const uint8_t *q, *sc, *mn;
+  const float *d, *dmin, *xd;
+  const int8_t* x;
+  const int16_t* xs32;
+  template <int NB>
+  VNNI float run(float acc, int64_t s) const {  // blocks s..s+NB
+    return qk_chunk<BITS, NB>(acc, q + (BITS == 4 ? 128 : 256) * s, d + s, dmin + s, sc + 8 * s, mn + 8 * s,
+                              x + 256 * s, xd + s, xs32 + 8 * s);
+  }
+};
+
+template <int BITS>
 VNNI void qk_rows_(int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
                    const uint8_t* mn, int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y) {
-  const int64_t nsb = K / 256, qrow = BITS == 4 ? K / 2 : K, qb = BITS == 4 ? 128 : 256;
+  const int64_t nsb = K / 256, qrow = BITS == 4 ? K / 2 : K;
   for (int64_t r = 0; r < rows; r++, q += qrow, d += nsb, dmin += nsb, sc += K / 32, mn += K / 32) {
-    float acc = 0;
-    int64_t s = 0;
-#define CHUNK(NB) \
-  qk_chunk<BITS, NB>(acc, q + qb * s, d + s, dmin + s, sc + 8 * s, mn + 8 * s, x + 256 * s, xd + s, xs32 + 8 * s)
-    for (; s + 4 <= nsb; s += 4) acc = CHUNK(4);
-    switch (nsb - s) {
-      case 3: acc = CHUNK(3); break;
-      case 2: acc = CHUNK(2); break;
-      case 1: acc = CHUNK(1); break;
-    }
-#undef CHUNK
-    y[r] = acc;
+    const QkRow<BITS> row{q, sc, mn, d, dmin, xd, x, xs32};
+    y[r] = over_chunks(nsb, row);
   }
 }
 
@@ -246,22 +263,33 @@ VNNI inline float q6k_chunk(float acc, const uint8_t* ql, const uint8_t* qh, con
   return steps<NB, false>(acc, sums4(isum[0], isum[1], isum[2], isum[3]), d, xd, zero128(), nullptr);
 }
 
+struct Q6kRow {  // as QkRow
+  const uint8_t *ql, *qh;
+  const float *d, *xd;
+  const int8_t *sc, *x;
+  const int32_t* x4;
+  template <int NB>
+  VNNI float run(float acc, int64_t s) const {
+    return q6k_chunk<NB>(acc, ql + 128 * s, qh + 64 * s, d + s, sc + 16 * s, x + 256 * s, xd + s, x4 + 64 * s);
+  }
+};
+
 VNNI void q6k_rows(int64_t rows, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K,
                    const int8_t* x, const float* xd, const int32_t* x4, float* y) {
   const int64_t nsb = K / 256;
   for (int64_t r = 0; r < rows; r++, ql += K / 2, qh += K / 4, d += nsb, sc += K / 16) {
-    float acc = 0;
-    int64_t s = 0;
-#define CHUNK(NB) q6k_chunk<NB>(acc, ql + 128 * s, qh + 64 * s, d + s, sc + 16 * s, x + 256 * s, xd + s, x4 + 64 * s)
-    for (; s + 4 <= nsb; s += 4) acc = CHUNK(4);
-    switch (nsb - s) {
-      case 3: acc = CHUNK(3); break;
-      case 2: acc = CHUNK(2); break;
-      case 1: acc = CHUNK(1); break;
-    }
-#undef CHUNK
-    y[r] = acc;
+    const Q6kRow row{ql, qh, d, xd, sc, x, x4};
+    y[r] = over_chunks(nsb, row);
   }
 }
 
 }  // namespace memra_vnni
+
+// 0: scalar only, 1: AVX2 and F16C, 2: AVX-512 VNNI too (qdot.cpp's `avx2` arguments take a level <= this)
+extern "C" int memra_qdot_has_avx2() {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) return 0;
+  bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+              __builtin_cpu_supports("avx512vnni");
+  return vnni ? 2 : 1;
+}
