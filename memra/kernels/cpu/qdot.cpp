@@ -25,6 +25,7 @@
 
 namespace memra_vnni {  // qdot_vnni.cpp: the AVX-512 VNNI kernels, one weight row a call
 void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
+void q8_0_group4(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
 void q4k_order(const int8_t* x, int64_t n, int8_t* out);
 void qk_rows(int bits, int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
              const uint8_t* mn, int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y);
@@ -324,7 +325,8 @@ void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, 
   };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
-        if (vnni) for (int64_t r = 0; r < G; r++) row(n0 + r, m, out + r);
+        if (vnni && M == 1) for (int64_t r = 0; r < G; r++) row(n0 + r, m, out + r);
+        else if (vnni) memra_vnni::q8_0_group4(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
         else q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
       },
       [&](int64_t n, int64_t m, float* out) {

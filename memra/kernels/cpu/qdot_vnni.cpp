@@ -113,28 +113,46 @@ VNNI inline float over_chunks(int64_t nsb, const Row& row) {
 
 }  // namespace
 
-// Q8_0, row w [K] (K / 32 a multiple of 8): two 32-blocks a step, the blocks' scales eight at a time; each
-// lane's fp32 steps block by block, as q8_0_avx2's.
-VNNI void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
+// Q8_0, R rows of w [R, K] (K / 32 a multiple of 8) side by side, sharing each activation load: two 32-blocks
+// a step, the blocks' scales eight at a time; each lane's fp32 steps block by block, as q8_0_avx2's. R = 1
+// for B = 1 (one stream from memory); R = 4 where several activation rows re-read a group from cache.
+template <int R>
+VNNI void q8_0_vnni(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
   const int64_t nb = K / 32;
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t b8 = 0; b8 < nb; b8 += 8) {
-    // lanes 0..7: wd_b * xd_b of blocks b8..b8+7
-    const __m512 dd8 = _mm512_castps256_ps512(
-        _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + b8))), _mm256_loadu_ps(xd + b8)));
+    const __m256 xd8 = _mm256_loadu_ps(xd + b8);
+    __m512 dd8[R];  // lanes 0..7: wd_b * xd_b of blocks b8..b8+7
+    for (int r = 0; r < R; r++) {
+      const __m256 wd8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + r * nb + b8)));
+      dd8[r] = _mm512_castps256_ps512(_mm256_mul_ps(wd8, xd8));
+    }
     for (int j = 0; j < 8; j += 2) {
       const int64_t b = b8 + j;
       const __m512i xv = _mm512_loadu_si512((const void*)(x + 32 * b));
-      const __m512i wv = _mm512_loadu_si512((const void*)(w + 32 * b));
-      // x signed by w
-      const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
-      const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
-      const __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(pair_index(j, j + 1), dd8), s);  // b: lanes 0..7, b+1: 8..15
-      acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
-      acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(p, 1));
+      for (int r = 0; r < R; r++) {
+        // R > 1: the next group's row r, a line a step (its short side-by-side rows get no hardware prefetch)
+        if (R > 1) _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);
+        const __m512i wv = _mm512_loadu_si512((const void*)(w + r * K + 32 * b));
+        // x signed by w
+        const __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
+        const __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(pair_index(j, j + 1), dd8[r]), s);  // b: 0..7, b+1: 8..15
+        acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(p));
+        acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(p, 1));
+      }
     }
   }
-  *y = tree8(acc);
+  for (int r = 0; r < R; r++) y[r] = tree8(acc[r]);
+}
+
+void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
+  q8_0_vnni<1>(w, wd, K, x, xd, y);
+}
+
+void q8_0_group4(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
+  q8_0_vnni<4>(w, wd, K, x, xd, y);
 }
 
 // Q4_K's activations for qk_rows: per 256-block the eight 32-value runs in the order 0 2 1 3 4 6 5 7, the
