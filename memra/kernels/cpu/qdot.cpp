@@ -23,7 +23,7 @@
 #include <tuple>
 #include <vector>
 
-namespace memra_vnni {  // qdot_vnni.cpp: the AVX-512 VNNI kernels, one weight row a call
+namespace memra_vnni {  // qdot_vnni.cpp: the AVX-512 VNNI kernels
 void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
 void q8_0_group4(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
 void q4k_order(const int8_t* x, int64_t n, int8_t* out);
