@@ -16,7 +16,8 @@ the shape. This C file compiles in seconds, needs no torch headers, and its redu
 
 The build: the system C++ compiler (g++, c++ or clang++ on PATH) writes a shared library under
 ~/.cache/memra/ once per source, compiler and flags; a process loads it with ctypes. AVX2 and F16C are
-checked at run time (a scalar loop of the same arithmetic otherwise). With no compiler, or a build
+checked at run time (a scalar loop of the same arithmetic otherwise), and AVX-512 VNNI (cpu/qdot_vnni.cpp:
+rows one after another, one stream from memory; the same bits). With no compiler, or a build
 that fails, `library()` says so in one line and the table keeps the tiled twin.
 """
 
@@ -38,7 +39,7 @@ import torch
 from memra.kernels import split
 
 # the library's sources: the linears here, decode attention (memra.kernels.cpu_decode) beside them
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "decode.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "qdot_vnni.cpp", "decode.cpp", "layer.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no FMA: the twin has none
 COMPILERS = ("g++", "c++", "clang++")
 KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
@@ -46,6 +47,7 @@ KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "memra_qdot_has_avx2": ([], _int),
+    "memra_qdot_outputs": ([_int], _i64),
     "memra_quantize_rows": ([_p, _i64, _i64, _i64, _p, _p, _p], None),
     "memra_qdot_q8_0": ([_p, _p, _i64, _i64, _p, _p, _i64, _p, _i64, _int, _int], None),
     "memra_qdot_qk": ([_int, _p, _p, _p, _p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64, _int, _int], None),

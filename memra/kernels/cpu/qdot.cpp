@@ -4,8 +4,9 @@
 //
 // Why the bits cannot depend on the batch: every output y[m, n] is computed by one thread from row m's
 // quantized activations and weight row n alone, in one fixed order; threads split the output rows n only.
-// Integer sums are exact, so the AVX2 and the scalar code may add them in any order; the float steps are
-// written out one by one (no FMA: built with -ffp-contract=off) in the same order in both.
+// Integer sums are exact, so the AVX2, the AVX-512 VNNI (qdot_vnni.cpp; the level: memra_qdot_has_avx2 there)
+// and the scalar code may add them in any order; the float steps are written out one by one (no FMA: built
+// with -ffp-contract=off) in the same order in all.
 //
 // Activations: per block of 32 (Q8_0) or 256 (K-quants) values, d = max|x| / 127, q = round-half-even(x / d)
 // computed as x * (1 / d); the K-quants also take int32 sums of q per 16 values.
@@ -21,6 +22,17 @@
 
 #include <tuple>
 #include <vector>
+
+namespace memra_vnni {  // qdot_vnni.cpp: the AVX-512 VNNI kernels
+void q8_0_row(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
+void q8_0_group4(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y);
+void q4k_order(const int8_t* x, int64_t n, int8_t* out);
+void qk_rows(int bits, int64_t rows, const uint8_t* q, const float* d, const float* dmin, const uint8_t* sc,
+             const uint8_t* mn, int64_t K, const int8_t* x, const float* xd, const int16_t* xs32, float* y);
+void q6k_offsets(const int8_t* x, int64_t n, int32_t* out);
+void q6k_rows(int64_t rows, const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t K,
+              const int8_t* x, const float* xd, const int32_t* x4, float* y);
+}  // namespace memra_vnni
 
 namespace {
 
@@ -133,48 +145,15 @@ AVX2 void q8_0_avx2(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t
   for (int64_t b = 0; b < nb; b++) {
     __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * b));
     for (int r = 0; r < R; r++) {
-      if (b % 2 == 0) _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);  // as q8_0_vnni
+      // the next group's row r, a cache line a step: a group's rows are short streams (K bytes each, side by
+      // side), too short for the hardware prefetcher to ramp up on
+      if (b % 2 == 0) _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);
       __m256i wv = _mm256_loadu_si256((const __m256i*)(w + r * K + 32 * b));
       // |w| * (x signed by w): maddubs wants one unsigned operand; |w| <= 128 and |x| <= 127 fit its int16 pairs
       __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
       __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));  // lane l: values 4l..4l+3
       __m256 dd = _mm256_set1_ps(_cvtsh_ss(wd[r * nb + b]) * xd[b]);
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dd, s));
-    }
-  }
-  for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
-}
-
-// AVX-512 VNNI (where the CPU has it): two 32-blocks a step, the int sums of four products per lane in one
-// instruction (vpdpbusd), the blocks' scales eight at a time; each lane's fp32 steps as above, block by block.
-#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-
-template <int R>
-VNNI void q8_0_vnni(const int8_t* w, const uint16_t* wd, int64_t K, const int8_t* x, const float* xd, float* y) {
-  const int64_t nb = K / 32;  // a multiple of 8 (the caller's check)
-  __m256 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t b8 = 0; b8 < nb; b8 += 8) {
-    const __m256 xd8 = _mm256_loadu_ps(xd + b8);
-    __m512 dd8[R];  // lanes 0..7: wd_b * xd_b of blocks b8..b8+7
-    for (int r = 0; r < R; r++)
-      dd8[r] = _mm512_castps256_ps512(
-          _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(wd + r * nb + b8))), xd8));
-    for (int j = 0; j < 8; j += 2) {
-      const int64_t b = b8 + j;
-      const __m512i xv = _mm512_loadu_si512((const void*)(x + 32 * b));
-      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(j)), _mm256_set1_epi32(j + 1), 1);
-      for (int r = 0; r < R; r++) {
-        // the next group's row r, a cache line a step: a group's rows are short streams (K bytes each, side
-        // by side), too short for the hardware prefetcher to ramp up on
-        _mm_prefetch((const char*)(w + (r + R) * K + 32 * b), _MM_HINT_T0);
-        __m512i wv = _mm512_loadu_si512((const void*)(w + r * K + 32 * b));
-        __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);  // x signed by w
-        __m512 s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), xs));
-        __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(idx, dd8[r]), s);  // block b in lanes 0..7, b+1 in 8..15
-        acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(p));
-        acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(p, 1));
-      }
     }
   }
   for (int r = 0; r < R; r++) y[r] = tree8_avx(acc[r]);
@@ -215,7 +194,7 @@ AVX2 void qk_avx2(int bits, const uint8_t* q, const float* d, const float* dmin,
           q0 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j));
           q1 = _mm256_loadu_si256((const __m256i*)(qr + 256 * s + 32 * j + 32));
         } else {
-          if (j % 4 == 0) _mm_prefetch((const char*)(qr + R * qrow + 128 * s + 16 * j), _MM_HINT_T0);  // as q8_0_vnni
+          if (j % 4 == 0) _mm_prefetch((const char*)(qr + R * qrow + 128 * s + 16 * j), _MM_HINT_T0);  // as q8_0_avx2
           __m256i b = _mm256_loadu_si256((const __m256i*)(qr + 128 * s + 16 * j));
           q0 = _mm256_and_si256(b, m4);
           q1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
@@ -270,7 +249,7 @@ AVX2 void q6k_avx2(const uint8_t* ql, const uint8_t* qh, const float* d, const i
       __m256i idx = _mm256_set_m128i(_mm_load_si128((const __m128i*)kSpread[(j + 1) % 8]),
                                      _mm_load_si128((const __m128i*)kSpread[j % 8]));
       for (int r = 0; r < R; r++) {
-        if (j % 8 == 0) {  // the next group's planes, as q8_0_vnni prefetches its rows
+        if (j % 8 == 0) {  // the next group's planes, as q8_0_avx2 prefetches its rows
           _mm_prefetch((const char*)(ql + (r + R) * (K / 2) + 128 * s + 8 * j), _MM_HINT_T0);
           _mm_prefetch((const char*)(qh + (r + R) * (K / 4) + 64 * s + 4 * j), _MM_HINT_T0);
         }
@@ -285,6 +264,9 @@ AVX2 void q6k_avx2(const uint8_t* ql, const uint8_t* qh, const float* d, const i
 }
 
 constexpr int64_t G = 4;  // weight rows per task
+
+int64_t outputs_at[3];  // memra_qdot_outputs
+void count(int level, int64_t n) { __atomic_fetch_add(&outputs_at[level], n, __ATOMIC_RELAXED); }
 
 int threads_for(int64_t groups, int nthreads) { return groups < nthreads ? (int)(groups > 0 ? groups : 1) : nthreads; }
 
@@ -310,15 +292,6 @@ void each_output(int64_t N, int64_t M, float* y, int64_t ldy, int nthreads, bool
 }  // namespace
 
 extern "C" {
-
-// 0: scalar only, 1: AVX2 and F16C, 2: AVX-512 VNNI too (the `avx2` argument below takes a level <= this)
-int memra_qdot_has_avx2() {
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))) return 0;
-  bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-              __builtin_cpu_supports("avx512vnni");
-  return vnni ? 2 : 1;
-}
 
 // x fp32 [M, K] -> q int8 [M, K], d fp32 [M, K / blk], and (xs != null) int32 sums of q per 16 [M, K / 16].
 void memra_quantize_rows(const float* x, int64_t M, int64_t K, int64_t blk, int8_t* q, float* d, int32_t* xs) {
@@ -346,13 +319,19 @@ void memra_qdot_q8_0(const int8_t* w, const uint16_t* wd, int64_t N, int64_t K, 
                      int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t nb = K / 32;
   const bool vnni = avx2 >= 2 && nb % 8 == 0;
+  count(vnni ? 2 : avx2 ? 1 : 0, N * M);
+  auto row = [&](int64_t n, int64_t m, float* out) {
+    memra_vnni::q8_0_row(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
+  };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
-        if (vnni) q8_0_vnni<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
+        if (vnni && M == 1) for (int64_t r = 0; r < G; r++) row(n0 + r, m, out + r);
+        else if (vnni) memra_vnni::q8_0_group4(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
         else q8_0_avx2<G>(w + n0 * K, wd + n0 * nb, K, x + m * K, xd + m * nb, out);
       },
       [&](int64_t n, int64_t m, float* out) {
-        if (avx2) q8_0_avx2<1>(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
+        if (vnni) row(n, m, out);
+        else if (avx2) q8_0_avx2<1>(w + n * K, wd + n * nb, K, x + m * K, xd + m * nb, out);
         else *out = q8_0_scalar(w + n * K, wd + n * nb, x + m * K, xd + m * nb, nb);
       });
 }
@@ -362,15 +341,27 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
                    const uint8_t* mn, int64_t N, int64_t K, const int8_t* x, const float* xd, const int32_t* xs,
                    int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t nsb = K / 256, qrow = bits == 5 ? K : K / 2;
+  const bool vnni = avx2 >= 2;
+  count(avx2 < 2 ? avx2 : 2, N * M);
   std::vector<int16_t> xs32(M * (K / 32));  // the activations' sums per 32 values (|sum| <= 4064: int16)
   for (int64_t t = 0; t < M * (K / 32); t++) xs32[t] = (int16_t)(xs[2 * t] + xs[2 * t + 1]);
+  std::vector<int8_t> xo(vnni && bits == 4 ? M * K : 0);  // Q4_K's VNNI rows read x in nibble order
+  if (!xo.empty()) memra_vnni::q4k_order(x, M * K, xo.data());
+  const int8_t* xv = xo.empty() ? x : xo.data();
   auto args = [&](int64_t n) { return std::make_tuple(q + n * qrow, d + n * nsb, dmin + n * nsb, sc + n * (K / 32), mn + n * (K / 32)); };
+  auto rows = [&](int64_t n, int64_t count, int64_t m, float* out) {  // weight rows n.. one after another
+    auto [qn, dn, dminn, scn, mnn] = args(n);
+    memra_vnni::qk_rows(bits, count, qn, dn, dminn, scn, mnn, K, xv + m * K, xd + m * nsb, xs32.data() + m * (K / 32),
+                        out);
+  };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
+        if (vnni) return rows(n0, G, m, out);
         auto [qn, dn, dminn, scn, mnn] = args(n0);
         qk_avx2<G>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
       },
       [&](int64_t n, int64_t m, float* out) {
+        if (vnni) return rows(n, 1, m, out);
         auto [qn, dn, dminn, scn, mnn] = args(n);
         if (avx2) qk_avx2<1>(bits, qn, dn, dminn, scn, mnn, K, x + m * K, xd + m * nsb, xs32.data() + m * (K / 32), out);
         else *out = qk_scalar(bits, qn, dn, dminn, scn, mnn, x + m * K, xd + m * nsb, xs + m * (K / 16), nsb);
@@ -380,17 +371,30 @@ void memra_qdot_qk(int bits, const uint8_t* q, const float* d, const float* dmin
 void memra_qdot_q6k(const uint8_t* ql, const uint8_t* qh, const float* d, const int8_t* sc, int64_t N, int64_t K,
                     const int8_t* x, const float* xd, int64_t M, float* y, int64_t ldy, int nthreads, int avx2) {
   const int64_t nsb = K / 256;
+  const bool vnni = avx2 >= 2;
+  count(avx2 < 2 ? avx2 : 2, N * M);
+  std::vector<int32_t> x4(vnni ? M * K / 4 : 0);  // the VNNI rows' -32 * (sum of each 4 activations)
+  if (vnni) memra_vnni::q6k_offsets(x, M * K, x4.data());
+  auto rows = [&](int64_t n, int64_t count, int64_t m, float* out) {  // weight rows n.. one after another
+    memra_vnni::q6k_rows(count, ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
+                         xd + m * nsb, x4.data() + m * (K / 4), out);
+  };
   each_output(N, M, y, ldy, nthreads, avx2,
       [&](int64_t n0, int64_t m, float* out) {
-        q6k_avx2<G>(ql + n0 * (K / 2), qh + n0 * (K / 4), d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K,
-                    xd + m * nsb, out);
+        if (vnni) rows(n0, G, m, out);
+        else q6k_avx2<G>(ql + n0 * (K / 2), qh + n0 * (K / 4), d + n0 * nsb, sc + n0 * (K / 16), K, x + m * K,
+                         xd + m * nsb, out);
       },
       [&](int64_t n, int64_t m, float* out) {
-        if (avx2) q6k_avx2<1>(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
-                              xd + m * nsb, out);
+        if (vnni) rows(n, 1, m, out);
+        else if (avx2) q6k_avx2<1>(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), K, x + m * K,
+                                   xd + m * nsb, out);
         else *out = q6k_scalar(ql + n * (K / 2), qh + n * (K / 4), d + n * nsb, sc + n * (K / 16), x + m * K,
                                xd + m * nsb, nsb);
       });
 }
+
+// Outputs computed at each level since load (0 scalar, 1 AVX2, 2 AVX-512 VNNI): the tests' proof of the path.
+int64_t memra_qdot_outputs(int level) { return __atomic_load_n(&outputs_at[level], __ATOMIC_RELAXED); }
 
 }  // extern "C"
