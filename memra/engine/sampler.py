@@ -176,7 +176,7 @@ def logprob_numbers(logits: torch.Tensor, tokens: torch.Tensor, asked: list[tupl
     an H100, V = 50,257 gave other bits batched)."""
     if not batched or logits.shape[-1] % 4:
         pieces = []
-        for i, n in asked:
+        for i, n in asked:  # one row's [V] log-softmax alive at a time (k of them would be k x V floats at once)
             logp = torch.log_softmax(lone_row(logits[i]), dim=-1)
             chosen = logp.index_select(0, tokens[i : i + 1])  # [1]; not logp[tokens[i]]: .item()
             pieces += [chosen.double(), (logp > chosen).sum().double().unsqueeze(0) + 1]
