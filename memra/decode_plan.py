@@ -161,7 +161,7 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
     # 4 still change each row's batch (4, 2, 1), place and neighbours. 64 cost a 300M model 11 s of its load,
     # and each row holds a KV block for the check (1.5 MiB on the GGUF bench's 300M Qwen3): at 8 rows the
     # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries)
-    n = BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS
+    n = _check_rows(model, BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(n)]
     tokens = [rng.randrange(vocab) for _ in range(n)]
     shuffled = list(range(n))
@@ -182,6 +182,17 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
         for c in caches:
             c.free()
     return True
+
+
+def _check_rows(model, want: int) -> int:
+    """How many sequences verify_plan holds at once: `want`, or fewer where a hybrid's recurrent pool cannot
+    hand out that many slots (a 35B MoE on an 80 GB card keeps 18-31 beside its weights), never fewer than
+    the three it decodes alone. Fewer rows still change each row's batch size, place and neighbours."""
+    rec = model.pools().rec if hasattr(model, "pools") else None
+    if rec is None:
+        return want
+    obtainable = rec.max_slots - (rec.n_slots - len(rec.free))
+    return max(3, min(want, obtainable))
 
 
 def verify_bucket(model, seed: int = 0) -> bool:

@@ -112,3 +112,28 @@ def test_the_cpu_plan_check_on_its_few_rows_fails_a_row_that_depends_on_the_othe
     assert widths[0] == dp.CPU_CHECK_ROWS  # the stacked forward ran, on the check's rows
     if canary is None:
         assert sorted(set(widths)) == [1, dp.CPU_CHECK_ROWS // 2, dp.CPU_CHECK_ROWS]  # every arrangement ran
+
+
+@pytest.mark.parametrize("slots", [3, 5])
+def test_the_plan_check_holds_no_more_sequences_than_the_recurrent_pool_can_hand_out(monkeypatch, slots):
+    """A hybrid whose memory budget leaves few recurrent slots (a 35B MoE on an 80 GB card: 18-31) must still
+    load: memra.decode_plan.verify_plan holds at most the slots its pool can hand out, not BUCKET sequences
+    (a CUDA load raised 'no free recurrent-state slot' from the check). Liveness: the stacked forward ran at
+    that width."""
+    import memra.decode_plan as dp
+
+    model = memra.load(hf_dir("qwen3_5"), device="cpu", dtype="float32", tokenizer=False)
+    rec = model.pools().rec
+    rec.max_slots = slots  # what a tight budget leaves
+    widths: list[int] = []
+    honest = dp.decode_stacked
+
+    def stacked(m, ids, caches):
+        widths.append(len(caches))
+        return honest(m, ids, caches)
+
+    monkeypatch.setattr(dp, "decode_stacked", stacked)
+    monkeypatch.setattr(dp, "CPU_CHECK_ROWS", dp.BUCKET)  # ask for as many rows as a GPU's check does
+    dp.verify_plan(model, "stacked")  # its verdict on CPU's torch ops is beside the point here
+    assert widths[0] == slots and max(widths) == slots
+    assert len(rec.free) == rec.n_slots  # every slot the check took came back
