@@ -23,10 +23,14 @@ from memra.sampling import SamplingParams
 def time_engine_decode(model, batch: int, steps: int, warmup: int, prompts: list[list[int]]):
     """Seconds per engine step while all `batch` rows decode (after `warmup` such steps). -> Timing."""
     prompt_tokens = len(prompts[0])
-    engine = Engine(model, EngineConfig(max_batch=batch, max_ctx=prompt_tokens + warmup + steps + 2,
+    # The scheduler may admit the prompts over several steps (at most max_pieces prefill chunks a step, where
+    # mixed steps are graphed), and the rows admitted first decode meanwhile: every row gets `batch` tokens of
+    # slack, so none reaches its end inside the timed steps.
+    new_tokens = warmup + steps + 1 + batch
+    engine = Engine(model, EngineConfig(max_batch=batch, max_ctx=prompt_tokens + new_tokens + 1,
                                         token_budget=max(2048, batch * prompt_tokens), max_waiting=batch))
     counts = [0] * batch
-    params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0)  # greedy; a random model has no end token
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)  # greedy; a random model has no end token
     for i, ids in enumerate(prompts):
         engine.submit(ids, params, lambda ev, i=i: counts.__setitem__(i, counts[i] + (ev.token_id is not None)))
     while min(counts) < 1 + warmup:  # every prefill done, then the warm-up decode steps
