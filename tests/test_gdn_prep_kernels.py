@@ -72,9 +72,13 @@ def conv_inputs(t, c=300, kc=4, dtype=torch.bfloat16, seed=10):
     return r(t, c), r(c, kc - 1), r(c, kc)
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_matches_the_twin(dtype):
-    u, state, w = conv_inputs(9, dtype=dtype)
+def test_conv_matches_the_twin(dtype, t):
+    """Prompts shorter than the window (the new state keeps some of the old one) and longer; u a column
+    slice of a wider projection, as the model's split of w_in gives it."""
+    u, state, w = conv_inputs(t, dtype=dtype)
+    u = torch.cat((u, torch.zeros_like(u)), dim=1)[:, : u.shape[1]]  # row stride 2C, as a split view's
     out, new = ck.causal_conv(u, state, w)
     want, want_new = reference.causal_conv(u, state, w)
     assert torch.equal(new, want_new)  # the window's last inputs: a copy

@@ -3,8 +3,8 @@
     python tools/gpu_profile_prefill.py [--model qwen3.5-35b-a3b] [--layers 8] [--tokens 4096]
 
 Builds a random-weight model of the shape with its first --layers layers (the layer mix of a hybrid repeats
-every four layers, so eight show it), primes one --tokens-token prompt three times (the first two compile
-and warm), then profiles a fourth prime: its wall time, the sum of its GPU kernels and the kernels that take
+every four layers, so eight show it), primes one --tokens-token prompt three times (two to compile and
+warm, the third timed), then profiles a fourth: its wall time, the sum of its GPU kernels and the kernels that take
 the most time.
 """
 
@@ -44,7 +44,9 @@ def main() -> None:
     print(f"{a.model}, {a.layers} layers: prime {a.tokens} tokens {(time.perf_counter() - t0) * 1e3:.1f} ms wall")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         prime(model, ids)
-    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))
+    # kernels only: a CPU op (aten::cat) also carries the device time of the kernel it launched
+    rows = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                  key=lambda e: -getattr(e, "self_device_time_total", 0))
     print(f"GPU kernels {sum(getattr(e, 'self_device_time_total', 0) for e in rows) / 1e3:.1f} ms")
     for e in rows[:18]:
         print(f"{getattr(e, 'self_device_time_total', 0) / 1e3:8.2f} ms  x{e.count:4d}  {e.key[:80]}")

@@ -147,8 +147,17 @@ def causal_conv(u: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> tuple[
     if t:
         _conv_kernel[(t, triton.cdiv(c, CONV_BLOCK))](u, state, w, out, c, u.stride(0), out.stride(0), KC=kc,
                                                       BLOCK=CONV_BLOCK, enable_fp_fusion=False)
-    window = torch.cat((state, u.t()), dim=1)  # [C, Kc-1+T]: the new state is its last Kc-1 inputs
-    return out, window[:, window.shape[1] - (kc - 1):]
+    return out, last_inputs(state, u, kc)
+
+
+def last_inputs(state: torch.Tensor, u: torch.Tensor, kc: int) -> torch.Tensor:
+    """The state after u: the last Kc-1 of the raw inputs (state's, then u's) -> [C, Kc-1] in u's dtype.
+    Only the inputs it keeps are copied: joining the whole window (a transposed [C, Kc-1+T] copy) cost a
+    35B-A3B GDN layer 0.3 ms of a 4096-token prefill on an H100."""
+    t = u.shape[0]
+    if t >= kc - 1:
+        return u[t - (kc - 1):].t().contiguous()
+    return torch.cat((state[:, t:], u.t()), dim=1)
 
 
 def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pieces) -> torch.Tensor:
