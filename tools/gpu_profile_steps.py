@@ -69,7 +69,8 @@ def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float
 
 
 def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak) -> list[str]:
-    cuda = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
+    # kernels and copies only: a CPU op (aten::copy_, aten::cat) also carries the device time it launched
+    cuda = [e for e in events if e.device_type.name == "CUDA" and getattr(e, "self_device_time_total", 0) > 0]
     total_us = max(sum(e.self_device_time_total for e in cuda) / steps, 1e-9)
     lines = [f"{kind} step: {rows:.0f} decode rows + {tokens:.0f} prompt tokens; wall {wall_s * 1e3:.2f} ms/step "
              f"(profiled), GPU kernels {total_us / 1e3:.2f} ms/step"]
