@@ -34,25 +34,65 @@ from memra.runner.bodies import decode_stacked
 BUCKET = 64
 CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
 CPU_CHECK_ROWS = 4  # verify_plan's sequences for the stacked plan on CPU (why 4: verify_plan)
+FLIN_CHECK_ROWS = 16  # ... for an fp32 model on the row-invariant linear (why 16: verify_plan)
 
 
 def cpu_rows_invariant(model) -> bool:
-    """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 dense model
-    whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed projections the integer-dot
-    kernel reads, C norms, SwiGLU and attention) and whose head is packed too: each of those kernels computes
-    a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py), and what is left is the embedding
-    lookup and residual adds. A GDN layer's torch gates and norms, or an fp32 linear (MKL picks its kernel
-    by M), are not held to that, so hybrids and unpacked models keep the row plan."""
-    from memra.kernels import cpu_layer, cpu_qdot, split
-
+    """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 model:
+    - a packed dense model whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed
+      projections the integer-dot kernel reads, C norms, SwiGLU and attention) and whose head is packed too;
+    - or, under MEMRA_CPU_FLIN too, a model whose every linear is the row-invariant fp32 kernel
+      (memra.kernels.cpu_flin) or the integer-dot one, its FFNs dense SwiGLU (C), its mixers attention (C norms
+      and decode attention) or GDN (C q / k norms, gates, delta-rule step; torch's conv step and gated norm).
+    Each of those kernels computes a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py,
+    test_cpu_flin.py), and what is left is the embedding lookup, residual adds and elementwise torch ops;
+    the on-model check (verify_plan) must still pass before the stacked plan is used. An MoE (its experts' row
+    counts), sandwich norms or per-layer inputs (torch's GeGLU), or an fp32 linear on MKL (which picks its
+    kernel by M) are not held to that, and keep the row plan."""
     ops = model.ops
-    if not (ops.cpu_ops and ops.qdot and model.device.type == "cpu" and model.dtype == torch.float32):
+    if not (ops.cpu_ops and model.device.type == "cpu" and model.dtype == torch.float32):
         return False
     head, blocks = getattr(model, "lm_head", None), getattr(model, "blocks", None)
     if head is None or blocks is None:  # a pipeline of stages (memra.pp): its layers live in other processes
         return False
-    return (isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
-            and all(cpu_layer.plan_for(b) is not None for b in blocks))
+    if _packed_layers(model):
+        return True
+    return ops.flin and _linear_invariant(ops, head) and all(_flin_block(ops, b) for b in blocks)
+
+
+def _packed_layers(model) -> bool:
+    """Is every layer (and the head) the packed one-call plan's? (cpu_rows_invariant's first kind)"""
+    from memra.kernels import cpu_layer, cpu_qdot, split
+
+    head = model.lm_head
+    return (model.ops.qdot and isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
+            and all(cpu_layer.plan_for(b) is not None for b in model.blocks))
+
+
+def _linear_invariant(ops, w) -> bool:
+    """Does ops.linear give each row of x @ w^T the same bits at any row count? (fp32 C kernel or integer dots)"""
+    from memra.kernels import cpu_qdot, split
+
+    if isinstance(w, split.SPLIT_TYPES):
+        return ops.qdot and cpu_qdot.supports(w)
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32
+
+
+def _flin_block(ops, block) -> bool:
+    from memra.model.attention import Attention
+    from memra.model.ffn import Mlp
+    from memra.model.gdn import GatedDeltaNet
+
+    mixer, ffn = block.mixer, block.ffn
+    if not (isinstance(ffn, Mlp) and ffn.act is None and not block.sandwich and block.ple is None
+            and block.scalar is None and _linear_invariant(ops, ffn.w_gate_up) and _linear_invariant(ops, ffn.w_down)):
+        return False
+    if isinstance(mixer, Attention):
+        return (mixer.head_dim % 8 == 0 and mixer.bqkv is None and not mixer.shared_kv
+                and all(_linear_invariant(ops, w) for w in (mixer.wqkv, mixer.wo)))
+    if isinstance(mixer, GatedDeltaNet):
+        return all(_linear_invariant(ops, w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
+    return False
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:
@@ -160,8 +200,14 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
     # On CPU (cpu_rows_invariant: every kernel computes a row from that row alone) a few rows show the same:
     # 4 still change each row's batch (4, 2, 1), place and neighbours. 64 cost a 300M model 11 s of its load,
     # and each row holds a KV block for the check (1.5 MiB on the GGUF bench's 300M Qwen3): at 8 rows the
-    # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries)
-    n = BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS
+    # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries).
+    # An fp32 model on the row-invariant linear (cpu_flin) holds 16: its torch elementwise ops run whole vectors
+    # and finish a call's last elements in scalar code, so a row's bits could change only once the batch's
+    # elements fill a vector loop (64 at AVX-512: 4 rows of a 4-head gate do not; cpu_gdn.gates_rows)
+    if model.device.type == "cuda" or plan == "bucket":
+        n = BUCKET
+    else:
+        n = CPU_CHECK_ROWS if _packed_layers(model) else FLIN_CHECK_ROWS
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(n)]
     tokens = [rng.randrange(vocab) for _ in range(n)]
     shuffled = list(range(n))

@@ -81,7 +81,10 @@ def test_a_hybrids_decode_runs_the_kernels_at_any_thread_count(quant):
     from memra import counters
     from memra.settings import Settings
 
+    from memra.decode_plan import decode_plan
+
     model = tiny_hybrid(Settings(cpu_decode=True), quant)
+    decode_plan(model)  # the plan's on-model check (its own steps) before the count
     before = counters.snapshot()["cpu_gdn_steps"]
     with threads(2):
         on = decode(model)
@@ -133,6 +136,7 @@ def test_a_qwen35_gguf_with_one_value_head_a_key_head_keeps_ssm_out_packed(tmp_p
     wos = [k for k in packed._weights if k.endswith("gdn.wo")]
     assert wos and all(isinstance(packed._weights[k], Q8Split) for k in wos)
     packed = packed.with_doors(MEMRA_CPU_QDOT="0")
+    plain = plain.with_doors(MEMRA_CPU_FLIN="0")  # the tiled twin's tiles run torch's linear: so does plain
     ids = list(range(10, 22))
     ca, cb = packed.new_cache(64), plain.new_cache(64)
     a, b = packed.prime(ids, ca), plain.prime(ids, cb)
@@ -147,12 +151,17 @@ def test_a_qwen35_gguf_with_one_value_head_a_key_head_keeps_ssm_out_packed(tmp_p
 
 @pytest.mark.parametrize("quant", [None, "q8_0"])
 def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
-    """Eight sequences decoded together (decode_step_batch) give each row the logits it gets decoded alone,
-    bit for bit, for three steps, on the C kernels."""
+    """Eight sequences decoded together (decode_step_batch, one stacked forward) give each row the logits it
+    gets decoded alone, bit for bit, for three steps, on the C kernels."""
     from memra import counters
     from memra.settings import Settings
 
+    from memra.decode_plan import decode_plan
+
     model = tiny_hybrid(Settings(cpu_decode=True), quant)
+    # the stacked plan (every linear row-invariant: cpu_flin, or cpu_qdot's integer dots) steps every row of a
+    # layer in one C call; the row plan one call a row
+    assert decode_plan(model) == "stacked"
     prompts = [[3 + i, 1, 4, 1 + i, 5, 9 - i] for i in range(8)]
     together, alone = [model.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
     toks = [int(model.prime(p, c).argmax()) for p, c in zip(prompts, together)]
@@ -163,9 +172,8 @@ def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
             c.reserve(1)
         before = counters.snapshot()["cpu_gdn_steps"]
         rows = model.decode_step_batch(toks, together)
-        # liveness: the C step ran for every row and GDN layer (on CPU the row plan runs a forward a row:
-        # memra.decode_plan; the stacked plan needs kernels held batch-invariant, which CPU does not claim yet)
-        assert counters.snapshot()["cpu_gdn_steps"] - before == 8 * 3
+        # liveness: the C step ran for every GDN layer, once for the eight rows
+        assert counters.snapshot()["cpu_gdn_steps"] - before == 3
         solo = torch.stack([model.decode_step(t, c) for t, c in zip(toks, alone)])
         assert torch.equal(rows, solo)
         toks = [int(r.argmax()) for r in rows]

@@ -12,6 +12,8 @@ count (tests/test_cpu_flin.py). It is not MKL's bits (another order); the two ag
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from memra.kernels import cpu_qdot
@@ -23,6 +25,7 @@ def supports(x: torch.Tensor, w) -> bool:
             and x.device.type == "cpu" and w.device.type == "cpu" and not w.requires_grad and not x.requires_grad)
 
 
+@functools.cache
 def level() -> int:
     """The best instruction level here: 0 scalar, 1 AVX2 + FMA, 2 AVX-512F (the same bits at every one)."""
     return int(cpu_qdot.library().memra_flin_level())
@@ -37,18 +40,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
            threads: int | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ w [N, K]^T (+ bias [N]) -> [..., N] fp32: flin_reference.linear's bits. `at` caps the
     instruction level (0 scalar, 1 AVX2, 2 AVX-512; None: the CPU's best), `threads` the threads (None:
-    torch's), for the tests between them."""
-    lib = cpu_qdot.library()
+    torch's), for the tests between them. Lean on purpose: a decode step makes a few such calls a layer on
+    small weights, where the Python around the C call is most of its cost."""
     n, k = w.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) < k:
         x2 = x2.contiguous()
-    w = w.contiguous()
-    b = None if bias is None else bias.float().contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n)
-    use = lib.memra_flin_level() if at is None else min(int(at), lib.memra_flin_level())
     if m and n:
-        lib.memra_flin(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), None if b is None else b.data_ptr(),
-                       m, n, k, out.data_ptr(), n, torch.get_num_threads() if threads is None else threads, use)
-    return out.reshape(*x.shape[:-1], n)
+        b = None if bias is None else bias.float().contiguous()
+        _call(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(), m, n, k, out.data_ptr(),
+              n, torch.get_num_threads() if threads is None else threads, level() if at is None else min(int(at), level()))
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _call(*args) -> None:
+    cpu_qdot.library().memra_flin(*args)

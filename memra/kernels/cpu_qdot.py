@@ -60,6 +60,7 @@ _SIGNATURES = {
     "memra_silu_mul_rows": ([_p, _i64, _i64, _p, _int], None),
     "memra_gdn_heads_rows": ([_p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, _p, _p, _int], None),
     "memra_delta_rows": ([_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _int], None),
+    "memra_delta_scan": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _int], None),
     "memra_flin_level": ([], _int),
     "memra_flin_outputs": ([_int], _i64),
     "memra_flin": ([_p, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _int, _int], None),
