@@ -57,7 +57,8 @@ def cpu_rows_invariant(model) -> bool:
         return False
     if _packed_layers(model):
         return True
-    return ops.flin and _linear_invariant(ops, head) and all(_flin_block(ops, b) for b in blocks)
+    return (ops.flin and model.cfg.hidden_size % 8 == 0  # C norms (cpu_decode.rows_ok) for every residual norm
+            and _linear_invariant(ops, head) and all(_flin_block(ops, b) for b in blocks))
 
 
 def _packed_layers(model) -> bool:

@@ -76,3 +76,16 @@ def test_gates_rows_bits_do_not_depend_on_the_batch():
         ref_one = reference.gdn_gates(b[i : i + 1], a[i : i + 1], a_neg, dt_bias)
         changed += not (torch.equal(ref_one[0][0], ref_beta[i]) and torch.equal(ref_one[1][0], ref_decay[i]))
     assert changed  # the canary: torch's gates over the same rows do change with the batch
+
+
+@pytest.mark.parametrize("half", [1, 3, 8, 12, 32])
+def test_rotary_tables_are_elementwise_in_the_position(half):
+    """A verify's columns (HybridModel.column_contexts) and a prefill wave take their rows of one table for
+    all positions; a decode step makes its own one-row table: torch's CPU cos / sin must give a position the
+    same bits either way (they run whole and partial vectors lane by lane)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(half).float() / half))
+    pos = torch.arange(0, 3000)
+    cos, sin = reference.rope_cos_sin(pos, inv_freq, torch.float32)
+    for i in range(0, 3000, 37):
+        c1, s1 = reference.rope_cos_sin(pos[i : i + 1], inv_freq, torch.float32)
+        assert torch.equal(c1[0], cos[i]) and torch.equal(s1[0], sin[i]), i

@@ -25,7 +25,7 @@ from torch import nn
 
 from memra import counters
 from memra.errors import MemraError
-from memra.train.exact import sampler_logprobs, walked_logprobs
+from memra.train.exact import sampler_logprobs, sampler_logprobs_batch, walked_logprobs
 from memra.train.ops import SamplerValues, TrainOps
 from memra.train.params import derive, read_checkpoint
 from memra.train.walk import Seq, Walk
@@ -113,6 +113,8 @@ class Trainer(nn.Module):
             return _flat(exact_walk.logprobs(seqs, "sampler", self.checkpointing))
         if self.values == "walk":
             exact = _flat(walked_logprobs(self.model, {k: t.detach() for k, t in w.items()}, seqs))
+        elif self.model.device.type == "cpu":  # the sequences' generated tokens in one batched verify a round
+            exact = _flat(sampler_logprobs_batch(self._view, seqs))
         else:
             exact = _flat([sampler_logprobs(self._view, s).to(self.model.device) for s in seqs])
         if not torch.is_grad_enabled():
