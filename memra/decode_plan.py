@@ -55,6 +55,13 @@ def cpu_rows_invariant(model) -> bool:
     head, blocks = getattr(model, "lm_head", None), getattr(model, "blocks", None)
     if head is None or blocks is None:  # a pipeline of stages (memra.pp): its layers live in other processes
         return False
+    known = model.plan_verified.get(("rows_invariant",))  # decided once per model (view): a step asks each time
+    if known is None:
+        known = model.plan_verified[("rows_invariant",)] = _rows_invariant(model, ops, head, blocks)
+    return known
+
+
+def _rows_invariant(model, ops, head, blocks) -> bool:
     if _packed_layers(model):
         return True
     return (ops.flin and model.cfg.hidden_size % 8 == 0  # C norms (cpu_decode.rows_ok) for every residual norm

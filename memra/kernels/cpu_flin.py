@@ -21,8 +21,8 @@ from memra.kernels import cpu_qdot
 
 def supports(x: torch.Tensor, w) -> bool:
     """Can the kernel take x @ w^T? fp32 activations and a plain fp32 weight [N, K] on CPU."""
-    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and x.dtype == torch.float32
-            and x.device.type == "cpu" and w.device.type == "cpu" and not w.requires_grad and not x.requires_grad)
+    return (x.dtype == torch.float32 and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2
+            and not x.is_cuda and not w.is_cuda and x.device.type == "cpu" and not (w.requires_grad or x.requires_grad))
 
 
 @functools.cache
@@ -42,6 +42,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
     instruction level (0 scalar, 1 AVX2, 2 AVX-512; None: the CPU's best), `threads` the threads (None:
     torch's), for the tests between them. Lean on purpose: a decode step makes a few such calls a layer on
     small weights, where the Python around the C call is most of its cost."""
+    fn, best = _bound or _bind()
     n, k = w.shape
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) < k:
@@ -52,10 +53,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, a
     out = torch.empty(m, n)
     if m and n:
         b = None if bias is None else bias.float().contiguous()
-        _call(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(), m, n, k, out.data_ptr(),
-              n, torch.get_num_threads() if threads is None else threads, level() if at is None else min(int(at), level()))
+        fn(x2.data_ptr(), x2.stride(0), w.data_ptr(), None if b is None else b.data_ptr(), m, n, k, out.data_ptr(), n,
+           torch.get_num_threads() if threads is None else threads, best if at is None else min(int(at), best))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def _call(*args) -> None:
-    cpu_qdot.library().memra_flin(*args)
+_bound: tuple | None = None  # (the C function, the CPU's level), bound at the first call
+
+
+def _bind() -> tuple:
+    global _bound
+    _bound = (cpu_qdot.library().memra_flin, level())
+    return _bound
