@@ -177,3 +177,21 @@ def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
         solo = torch.stack([model.decode_step(t, c) for t, c in zip(toks, alone)])
         assert torch.equal(rows, solo)
         toks = [int(r.argmax()) for r in rows]
+
+
+def test_a_verifys_scan_is_decodes_steps_bit_for_bit():
+    """cpu_gdn.scan_rows (a sequence's T tokens in one C call: the verify's delta rule) gives every token the
+    output and state of step_rows one token at a time (decode), and leaves the caller's state alone."""
+    hk, hv, dk, dv, t = 2, 4, 16, 8, 6
+    mixed, beta, g, s = inputs(t, hk, hv, dk, dv, seed=7)
+    q, k = cpu_gdn.heads_rows(mixed, hk, hv, dk)
+    v = mixed[:, 2 * hk * dk :].reshape(t, hv, dv).contiguous()
+    start = s[0].clone()
+    o, states = cpu_gdn.scan_rows(q, k, v, beta, g, start)
+    assert torch.equal(start, s[0])
+    state = s[0].clone()[None]
+    for j in range(t):
+        oj = cpu_gdn.step_rows(q[j : j + 1], k[j : j + 1], v[j : j + 1], beta[j : j + 1], g[j : j + 1], state)
+        assert torch.equal(oj[0], o[j]) and torch.equal(state[0], states[j]), j
+    o2, states2 = cpu_gdn.scan(q[None], k[None], v[None], beta[None], g[None], s[:1])
+    assert torch.equal(o2[0], o) and torch.equal(states2[0], states)

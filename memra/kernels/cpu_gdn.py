@@ -84,3 +84,13 @@ def scan_rows(q, k, v, beta, g, state: torch.Tensor) -> tuple[torch.Tensor, torc
                          dk, dv, o.data_ptr(), states.data_ptr(), torch.get_num_threads())
     counters.bump("cpu_gdn_steps", t)
     return o, states
+
+
+def scan(q, k, v, beta, g, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.delta_rule_scan's shapes (n sequences x T tokens: q, k [n, T, H, Dk], ...; s [n, H, Dk, Dv]),
+    each sequence in one scan_rows call (a verify's tokens: decode's bits) -> (o [n, T, H, Dv], the states
+    [n, T, H, Dk, Dv])."""
+    outs = [scan_rows(q[i], k[i], v[i], beta[i], g[i], s[i]) for i in range(q.shape[0])]
+    if len(outs) == 1:  # a verify's one sequence: no copy of its states
+        return outs[0][0][None], outs[0][1][None]
+    return torch.stack([o for o, _ in outs]), torch.stack([st for _, st in outs])

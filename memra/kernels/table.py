@@ -204,15 +204,11 @@ class KernelTable:
                     return cpu_qdot.linear(x, w, b)
                 return quant.tiled_linear(x, w, b, self.scratch)
             return _quant_triton().linear(x, w, b)
-        if self._flin(x, w):  # CPU fp32: a row's bits whatever the row count (cpu_flin)
+        if self.flin and not self._gpu(x) and cpu_flin.supports(x, w):  # CPU fp32: a row's bits at any row count
             return cpu_flin.linear(x, w, b)
         if self._impl(x) is reference:
             return reference.linear(x, w, b)
         return self._dense().linear(x, w, b)
-
-    def _flin(self, x, w) -> bool:
-        """Does x @ w^T run on the row-invariant C linear? (CPU, fp32, a plain weight, MEMRA_CPU_FLIN)"""
-        return self.flin and not self._gpu(x) and cpu_flin.supports(x, w)
 
     def _dense(self):
         """The invariant dense linears' family: triton.linear, or with MEMRA_LINEAR_PERSISTENT
@@ -310,12 +306,8 @@ class KernelTable:
         return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
     def delta_rule_scan(self, q, k, v, beta, g, s):
-        if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:
-            # decode's own step, token after token in one C call per sequence (a verify's tokens share its bits)
-            outs = [cpu_gdn.scan_rows(q[i], k[i], v[i], beta[i], g[i], s[i]) for i in range(q.shape[0])]
-            if len(outs) == 1:  # a verify's one sequence: no copy of its states
-                return outs[0][0][None], outs[0][1][None]
-            return torch.stack([o for o, _ in outs]), torch.stack([st for _, st in outs])
+        if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # decode's own step, token after token
+            return cpu_gdn.scan(q, k, v, beta, g, s)
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
     def _chunked_gdn(self, q):
