@@ -83,6 +83,9 @@ def main() -> None:
     if model.device.type == "cpu" and cpu_qdot.library() is not None and not model.settings.cpu_decode:
         c_model = model.with_doors(MEMRA_CPU_DECODE="1")  # the sampler's norms, SwiGLU, decode attention in C
         rows.append(("  the same on a sampler with MEMRA_CPU_DECODE=1 (its C kernels)", trained(Trainer(c_model))))
+    if model.device.type == "cpu" and cpu_qdot.library() is not None and model.settings.cpu_flin:
+        mkl_model = model.with_doors(MEMRA_CPU_FLIN="0")  # MKL's linears: the row plan, the walk's values
+        rows.append(("  the same on a sampler with MEMRA_CPU_FLIN=0 (MKL's linears)", trained(Trainer(mkl_model))))
     default = trainer.values
     rows += [(f"  of which the sampler's values (walk, no grad{': the default' if default == 'walk' else ''})",
               walk_values),

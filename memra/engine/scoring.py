@@ -43,6 +43,7 @@ from memra.sampling import MAX_LOGPROBS
 from memra.step import decode_step_t, prime
 
 SCORE_CHUNK = 4 * TILE  # tokens per prime / verify call: bounds the [T, V] logits held at once (64-aligned: E5)
+BATCH_LOGITS = 1 << 25  # score_values_batch: the most logits (128 MiB of fp32) one batched verify holds
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,10 @@ def score_values_batch(model, jobs: list[ScoreJob], caches) -> list[list[float |
         outs.append(_score_prompt(model, ids, s, cache, _rows_fn(job, True)))
         if s < n - 1:
             todo.append((k, s, n - 1))
-    while todo:  # a round: each continuation's next SCORE_CHUNK columns, in groups of at most SCORE_CHUNK rows
-        group, rows_left, rest = [], SCORE_CHUNK, []
+    # a round's rows: SCORE_CHUNK, or more where the vocabulary is small (at most BATCH_LOGITS fp32 logits held)
+    budget = max(SCORE_CHUNK, BATCH_LOGITS // model.cfg.vocab_size)
+    while todo:  # a round: each continuation's next columns, at most `budget` rows in all
+        group, rows_left, rest = [], budget, []
         for k, a, end in todo:
             take = min(end - a, rows_left)
             if take <= 0:
