@@ -195,3 +195,5 @@ def test_a_verifys_scan_is_decodes_steps_bit_for_bit():
         assert torch.equal(oj[0], o[j]) and torch.equal(state[0], states[j]), j
     o2, states2 = cpu_gdn.scan(q[None], k[None], v[None], beta[None], g[None], s[:1])
     assert torch.equal(o2[0], o) and torch.equal(states2[0], states)
+    o3, last = cpu_gdn.scan_rows(q, k, v, beta, g, start, every=False)  # the last state alone: the same bits
+    assert torch.equal(o3, o) and torch.equal(last[0], states[-1]) and torch.equal(start, s[0])

@@ -70,27 +70,27 @@ def step_rows(q, k, v, beta, g, states: torch.Tensor, slots: torch.Tensor | None
     return o
 
 
-def scan_rows(q, k, v, beta, g, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_rows(q, k, v, beta, g, state: torch.Tensor, every: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's T tokens of the delta rule in one call, each token step_rows' arithmetic (so its bits):
     q, k [T, H, Dk], v [T, H, Dv], beta, g [T, H]; state [H, Dk, Dv] fp32 (not changed) -> (o [T, H, Dv],
-    the state after each token [T, H, Dk, Dv])."""
+    the state after each token [T, H, Dk, Dv]; every=False: after the last only, [1, H, Dk, Dv])."""
     lib = cpu_qdot.library()
     t, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, beta, g = (x.float().contiguous() for x in (q, k, v, beta, g))
     s = state.float().contiguous().clone()
-    o, states = torch.empty(t, h, dv), torch.empty(t, h, dk, dv)
+    o, states = torch.empty(t, h, dv), (torch.empty(t, h, dk, dv) if every else None)
     lib.memra_delta_scan(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), g.data_ptr(), s.data_ptr(), t, h,
-                         dk, dv, o.data_ptr(), states.data_ptr(), torch.get_num_threads())
+                         dk, dv, o.data_ptr(), None if states is None else states.data_ptr(), torch.get_num_threads())
     counters.bump("cpu_gdn_steps", t)
-    return o, states
+    return o, (states if every else s[None])
 
 
-def scan(q, k, v, beta, g, s) -> tuple[torch.Tensor, torch.Tensor]:
+def scan(q, k, v, beta, g, s, every: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.delta_rule_scan's shapes (n sequences x T tokens: q, k [n, T, H, Dk], ...; s [n, H, Dk, Dv]),
     each sequence in one scan_rows call (a verify's tokens: decode's bits) -> (o [n, T, H, Dv], the states
-    [n, T, H, Dk, Dv])."""
-    outs = [scan_rows(q[i], k[i], v[i], beta[i], g[i], s[i]) for i in range(q.shape[0])]
+    [n, T, H, Dk, Dv]; every=False: [n, 1, H, Dk, Dv], the last)."""
+    outs = [scan_rows(q[i], k[i], v[i], beta[i], g[i], s[i], every) for i in range(q.shape[0])]
     if len(outs) == 1:  # a verify's one sequence: no copy of its states
         return outs[0][0][None], outs[0][1][None]
     return torch.stack([o for o, _ in outs]), torch.stack([st for _, st in outs])

@@ -305,9 +305,9 @@ class KernelTable:
             return cpu_gdn.step_rows(q, k, v, beta, g, pool, slots)
         return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
-    def delta_rule_scan(self, q, k, v, beta, g, s):
+    def delta_rule_scan(self, q, k, v, beta, g, s, every: bool = True):  # every=False: the C scan keeps the last
         if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # decode's own step, token after token
-            return cpu_gdn.scan(q, k, v, beta, g, s)
+            return cpu_gdn.scan(q, k, v, beta, g, s, every)
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
     def _chunked_gdn(self, q):
