@@ -49,10 +49,10 @@ AVX512 inline float hsum512(__m512 a) {  // tree16's pairs: (l, l+8), (l, l+4), 
   return _mm_cvtss_f32(s1);
 }
 
-// tree16 of 16 accumulators at once (out[a]: accumulator a's sum), each level adding the same pairs as tree16
-// for every accumulator: (l, l+8) between 256-bit halves, (l, l+4) between 128-bit chunks, then (l, l+2) and
-// (0, 1) within chunks. Lane 4c + j of the last vector holds accumulator 4j + c.
-AVX512 inline void reduce16(const __m512* a, float* out) {
+// tree16 of 16 accumulators at once, each level adding the same pairs as tree16 for every accumulator: (l, l+8)
+// between 256-bit halves, (l, l+4) between 128-bit chunks, then (l, l+2) and (0, 1) within chunks. Lane 4c + j
+// of the result holds a[4j + c]'s sum.
+AVX512 inline __m512 reduce16(const __m512* a) {
   __m512 c[8], e[4], g[2];
   for (int i = 0; i < 8; i++)  // c[i]: s8 of a[2i] (lanes 0..7), of a[2i+1] (8..15)
     c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -63,11 +63,7 @@ AVX512 inline void reduce16(const __m512* a, float* out) {
   for (int k = 0; k < 2; k++)  // g[k]: chunk c holds s2 of a[8k + c], then of a[8k + 4 + c]
     g[k] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0x44),
                          _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], 0xEE));
-  __m512 h = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
-  float t[16];
-  _mm512_storeu_ps(t, h);
-  for (int cc = 0; cc < 4; cc++)
-    for (int j = 0; j < 4; j++) out[4 * j + cc] = t[4 * cc + j];
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
 }
 
 template <int MR, int NR>
@@ -98,12 +94,28 @@ AVX512 void block512(const float* x, int64_t ldx, const float* w, int64_t K, flo
       for (int c = 0; c < NR; c++) y[r * ldy + c] = hsum512(acc[r][c]);
     return;
   }
+  // output L = r * NR + c goes in as accumulator 4 (L % 4) + L / 4, so that it comes out in lane L: row r's
+  // outputs are lanes r * NR.. in order, stored whole where the block is 4 x 4 or 2 x 8
   __m512 all[16];
-  float out[16];
-  for (int i = 0; i < 16; i++) all[i] = i < MR * NR ? acc[i / NR][i % NR] : _mm512_setzero_ps();
-  reduce16(all, out);
-  for (int r = 0; r < MR; r++)
-    for (int c = 0; c < NR; c++) y[r * ldy + c] = out[r * NR + c];
+  for (int i = 0; i < 16; i++) {
+    const int L = 4 * (i % 4) + i / 4;
+    all[i] = L < MR * NR ? acc[L / NR][L % NR] : _mm512_setzero_ps();
+  }
+  const __m512 h = reduce16(all);
+  if (MR == 4 && NR == 4) {
+    _mm_storeu_ps(y, _mm512_extractf32x4_ps(h, 0));
+    _mm_storeu_ps(y + ldy, _mm512_extractf32x4_ps(h, 1));
+    _mm_storeu_ps(y + 2 * ldy, _mm512_extractf32x4_ps(h, 2));
+    _mm_storeu_ps(y + 3 * ldy, _mm512_extractf32x4_ps(h, 3));
+  } else if (MR == 2 && NR == 8) {
+    _mm256_storeu_ps(y, _mm512_castps512_ps256(h));
+    _mm256_storeu_ps(y + ldy, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)));
+  } else {
+    float t[16];
+    _mm512_storeu_ps(t, h);
+    for (int r = 0; r < MR; r++)
+      for (int c = 0; c < NR; c++) y[r * ldy + c] = t[r * NR + c];
+  }
 }
 
 // ---- AVX2: lanes 0..7 and 8..15 in two registers; the tail lane by lane in scalar fmaf ----
