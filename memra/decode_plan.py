@@ -41,9 +41,9 @@ def cpu_rows_invariant(model) -> bool:
     """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 model:
     - a packed dense model whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed
       projections the integer-dot kernel reads, C norms, SwiGLU and attention) and whose head is packed too;
-    - or, under MEMRA_CPU_FLIN too, a model whose every linear is the row-invariant fp32 kernel
-      (memra.kernels.cpu_flin) or the integer-dot one, its FFNs dense SwiGLU (C), its mixers attention (C norms
-      and decode attention) or GDN (C q / k norms, gates, delta-rule step; torch's conv step and gated norm).
+    - or, under MEMRA_CPU_FLIN too, a model whose every linear is an fp32 weight on the row-invariant kernel
+      (memra.kernels.cpu_flin), its FFNs dense SwiGLU (C), its mixers attention (C norms and decode attention)
+      or GDN (C q / k norms and delta-rule step, gates in whole vectors; torch's conv step and gated norm).
     Each of those kernels computes a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py,
     test_cpu_flin.py), and what is left is the embedding lookup, residual adds and elementwise torch ops;
     the on-model check (verify_plan) must still pass before the stacked plan is used. An MoE (its experts' row
@@ -65,7 +65,7 @@ def _rows_invariant(model, ops, head, blocks) -> bool:
     if _packed_layers(model):
         return True
     return (ops.flin and model.cfg.hidden_size % 8 == 0  # C norms (cpu_decode.rows_ok) for every residual norm
-            and _linear_invariant(ops, head) and all(_flin_block(ops, b) for b in blocks))
+            and _fp32_weight(head) and all(_flin_block(b) for b in blocks))
 
 
 def _packed_layers(model) -> bool:
@@ -77,29 +77,27 @@ def _packed_layers(model) -> bool:
             and all(cpu_layer.plan_for(b) is not None for b in model.blocks))
 
 
-def _linear_invariant(ops, w) -> bool:
-    """Does ops.linear give each row of x @ w^T the same bits at any row count? (fp32 C kernel or integer dots)"""
-    from memra.kernels import cpu_qdot, split
-
-    if isinstance(w, split.SPLIT_TYPES):
-        return ops.qdot and cpu_qdot.supports(w)
+def _fp32_weight(w) -> bool:
+    """Is w a plain fp32 weight, whose ops.linear (cpu_flin) gives a row the same bits at any row count? A packed
+    model's layers keep the first kind's test: its check runs 4 rows (a larger check's pool was a GGUF model's
+    peak resident memory), and a packed hybrid stacked has not been measured against llama.cpp yet."""
     return isinstance(w, torch.Tensor) and w.dtype == torch.float32
 
 
-def _flin_block(ops, block) -> bool:
+def _flin_block(block) -> bool:
     from memra.model.attention import Attention
     from memra.model.ffn import Mlp
     from memra.model.gdn import GatedDeltaNet
 
     mixer, ffn = block.mixer, block.ffn
     if not (isinstance(ffn, Mlp) and ffn.act is None and not block.sandwich and block.ple is None
-            and block.scalar is None and _linear_invariant(ops, ffn.w_gate_up) and _linear_invariant(ops, ffn.w_down)):
+            and block.scalar is None and _fp32_weight(ffn.w_gate_up) and _fp32_weight(ffn.w_down)):
         return False
     if isinstance(mixer, Attention):
         return (mixer.head_dim % 8 == 0 and mixer.bqkv is None and not mixer.shared_kv
-                and all(_linear_invariant(ops, w) for w in (mixer.wqkv, mixer.wo)))
+                and all(_fp32_weight(w) for w in (mixer.wqkv, mixer.wo)))
     if isinstance(mixer, GatedDeltaNet):
-        return all(_linear_invariant(ops, w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
+        return all(_fp32_weight(w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
     return False
 
 
