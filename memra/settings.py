@@ -196,7 +196,7 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant); memra.train's walk "
      "mirrors them (E11 holds either way). 0 = torch's ops for those steps (slower, other bits; each row then runs "
      "alone). Without a C++ compiler the torch ops run, with a one-line notice"),
-    ("MEMRA_CPU_FLIN", "1", "fp32 on CPU: the dense linears (projections, FFN, head) on a C kernel whose every output "
+    ("MEMRA_CPU_FLIN", "1", "fp32 on CPU, exact path: the dense linears (projections, FFN, head) on a C kernel whose every output "
      "is 16 fma lanes over K and one fixed tree (memra.kernels.cpu_flin, twin flin_reference), so a row's bits do "
      "not depend on how many rows share the call (MKL picks its kernel by the row count); with MEMRA_CPU_DECODE an "
      "fp32 model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant) and memra.train "

@@ -154,7 +154,7 @@ class KernelTable:
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
-                   flin=(torch.device(device).type == "cpu" and settings.cpu_flin
+                   flin=(torch.device(device).type == "cpu" and settings.cpu_flin and settings.exact
                          and cpu_qdot.library() is not None))
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
@@ -202,7 +202,7 @@ class KernelTable:
             if self._impl(x) is reference:
                 if self.qdot and x.device.type == "cpu" and cpu_qdot.supports(w) and cpu_qdot.library() is not None:
                     return cpu_qdot.linear(x, w, b)
-                return quant.tiled_linear(x, w, b, self.scratch)
+                return quant.tiled_linear(x, w, b, self.scratch, self.linear)  # tiles: the plain weight's linear
             return _quant_triton().linear(x, w, b)
         if self.flin and not self._gpu(x) and cpu_flin.supports(x, w):  # CPU fp32: a row's bits at any row count
             return cpu_flin.linear(x, w, b)
