@@ -34,7 +34,7 @@ from memra.runner.bodies import decode_stacked
 BUCKET = 64
 CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
 CPU_CHECK_ROWS = 4  # verify_plan's sequences for the stacked plan on CPU (why 4: verify_plan)
-FLIN_CHECK_ROWS = 16  # ... for an fp32 model on the row-invariant linear (why 16: verify_plan)
+FLIN_CHECK_ROWS = 8  # ... for an fp32 model on the row-invariant linear (why 8: verify_plan)
 
 
 def cpu_rows_invariant(model) -> bool:
@@ -207,9 +207,9 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
     # 4 still change each row's batch (4, 2, 1), place and neighbours. 64 cost a 300M model 11 s of its load,
     # and each row holds a KV block for the check (1.5 MiB on the GGUF bench's 300M Qwen3): at 8 rows the
     # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries).
-    # An fp32 model on the row-invariant linear (cpu_flin) holds 16: its torch elementwise ops run whole vectors
-    # and finish a call's last elements in scalar code, so a row's bits could change only once the batch's
-    # elements fill a vector loop (64 at AVX-512: 4 rows of a 4-head gate do not; cpu_gdn.gates_rows)
+    # An fp32 model on the row-invariant linear (cpu_flin) holds 8: its torch elementwise ops run whole vectors
+    # of 2 x 16 and finish a call's last elements in scalar code, so a row's bits could change only once the
+    # batch's elements fill one (4 rows of a 4-head gate do not, 8 do: cpu_gdn.gates_rows' canary)
     if model.device.type == "cuda" or plan == "bucket":
         n = BUCKET
     else:

@@ -55,7 +55,7 @@ def test_a_hybrids_rows_decode_stacked_with_their_bits_alone():
 
 def test_the_plans_check_fails_on_gates_with_a_scalar_tail(monkeypatch):
     """The canary: torch's own gates (reference.gdn_gates: a lone row's four gates in scalar code, a batch's in
-    Sleef vectors) change a row's bits with the batch, and verify_plan's 16 rows see it."""
+    Sleef vectors) change a row's bits with the batch, and verify_plan's 8 rows see it."""
     monkeypatch.setattr(cpu_gdn, "gates_rows", reference.gdn_gates)
     assert not verify_plan(hybrid(Settings()), "stacked")
     monkeypatch.undo()
