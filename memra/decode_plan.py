@@ -34,25 +34,71 @@ from memra.runner.bodies import decode_stacked
 BUCKET = 64
 CHECK_SEQUENCES = 2 * BUCKET  # what verify_plan holds at once: an arrangement's caches and a bucket's pad rows
 CPU_CHECK_ROWS = 4  # verify_plan's sequences for the stacked plan on CPU (why 4: verify_plan)
+FLIN_CHECK_ROWS = 8  # ... for an fp32 model on the row-invariant linear (why 8: verify_plan)
 
 
 def cpu_rows_invariant(model) -> bool:
-    """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 dense model
-    whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed projections the integer-dot
-    kernel reads, C norms, SwiGLU and attention) and whose head is packed too: each of those kernels computes
-    a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py), and what is left is the embedding
-    lookup and residual adds. A GDN layer's torch gates and norms, or an fp32 linear (MKL picks its kernel
-    by M), are not held to that, so hybrids and unpacked models keep the row plan."""
-    from memra.kernels import cpu_layer, cpu_qdot, split
-
+    """Are a step's rows independent of each other on CPU? Under MEMRA_CPU_DECODE, for an fp32 model:
+    - a packed dense model whose every layer the one-call plan covers (memra.kernels.cpu_layer: packed
+      projections the integer-dot kernel reads, C norms, SwiGLU and attention) and whose head is packed too;
+    - or, under MEMRA_CPU_FLIN too, a model whose every linear is an fp32 weight on the row-invariant kernel
+      (memra.kernels.cpu_flin), its FFNs dense SwiGLU (C), its mixers attention (C norms and decode attention)
+      or GDN (C q / k norms and delta-rule step, gates in whole vectors; torch's conv step and gated norm).
+    Each of those kernels computes a row from that row alone (tests/test_cpu_decode.py, test_cpu_qdot.py,
+    test_cpu_flin.py), and what is left is the embedding lookup, residual adds and elementwise torch ops;
+    the on-model check (verify_plan) must still pass before the stacked plan is used. An MoE (its experts' row
+    counts), sandwich norms or per-layer inputs (torch's GeGLU), or an fp32 linear on MKL (which picks its
+    kernel by M) are not held to that, and keep the row plan."""
     ops = model.ops
-    if not (ops.cpu_ops and ops.qdot and model.device.type == "cpu" and model.dtype == torch.float32):
+    if not (ops.cpu_ops and model.device.type == "cpu" and model.dtype == torch.float32):
         return False
     head, blocks = getattr(model, "lm_head", None), getattr(model, "blocks", None)
     if head is None or blocks is None:  # a pipeline of stages (memra.pp): its layers live in other processes
         return False
-    return (isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
-            and all(cpu_layer.plan_for(b) is not None for b in blocks))
+    known = model.plan_verified.get(("rows_invariant",))  # decided once per model (view): a step asks each time
+    if known is None:
+        known = model.plan_verified[("rows_invariant",)] = _rows_invariant(model, ops, head, blocks)
+    return known
+
+
+def _rows_invariant(model, ops, head, blocks) -> bool:
+    if _packed_layers(model):
+        return True
+    return (ops.flin and model.cfg.hidden_size % 8 == 0  # C norms (cpu_decode.rows_ok) for every residual norm
+            and _fp32_weight(head) and all(_flin_block(b) for b in blocks))
+
+
+def _packed_layers(model) -> bool:
+    """Is every layer (and the head) the packed one-call plan's? (cpu_rows_invariant's first kind)"""
+    from memra.kernels import cpu_layer, cpu_qdot, split
+
+    head = model.lm_head
+    return (model.ops.qdot and isinstance(head, split.SPLIT_TYPES) and cpu_qdot.supports(head)
+            and all(cpu_layer.plan_for(b) is not None for b in model.blocks))
+
+
+def _fp32_weight(w) -> bool:
+    """Is w a plain fp32 weight, whose ops.linear (cpu_flin) gives a row the same bits at any row count? A packed
+    model's layers keep the first kind's test: its check runs 4 rows (a larger check's pool was a GGUF model's
+    peak resident memory), and a packed hybrid stacked has not been measured against llama.cpp yet."""
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32
+
+
+def _flin_block(block) -> bool:
+    from memra.model.attention import Attention
+    from memra.model.ffn import Mlp
+    from memra.model.gdn import GatedDeltaNet
+
+    mixer, ffn = block.mixer, block.ffn
+    if not (isinstance(ffn, Mlp) and ffn.act is None and not block.sandwich and block.ple is None
+            and block.scalar is None and _fp32_weight(ffn.w_gate_up) and _fp32_weight(ffn.w_down)):
+        return False
+    if isinstance(mixer, Attention):
+        return (mixer.head_dim % 8 == 0 and mixer.bqkv is None and not mixer.shared_kv
+                and all(_fp32_weight(w) for w in (mixer.wqkv, mixer.wo)))
+    if isinstance(mixer, GatedDeltaNet):
+        return all(_fp32_weight(w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
+    return False
 
 
 def _plan_ok(model, plan: str) -> tuple[bool, str]:
@@ -160,8 +206,15 @@ def verify_plan(model, plan: str, seed: int = 0) -> bool:
     # On CPU (cpu_rows_invariant: every kernel computes a row from that row alone) a few rows show the same:
     # 4 still change each row's batch (4, 2, 1), place and neighbours. 64 cost a 300M model 11 s of its load,
     # and each row holds a KV block for the check (1.5 MiB on the GGUF bench's 300M Qwen3): at 8 rows the
-    # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries)
-    n = _check_rows(model, BUCKET if model.device.type == "cuda" or plan == "bucket" else CPU_CHECK_ROWS)
+    # check's pool was that model's peak resident memory (issue 48; tests/test_host_memory.py: the canaries).
+    # An fp32 model on the row-invariant linear (cpu_flin) holds 8: its torch elementwise ops run whole vectors
+    # of 2 x 16 and finish a call's last elements in scalar code, so a row's bits could change only once the
+    # batch's elements fill one (4 rows of a 4-head gate do not, 8 do: cpu_gdn.gates_rows' canary)
+    if model.device.type == "cuda" or plan == "bucket":
+        want = BUCKET
+    else:
+        want = CPU_CHECK_ROWS if _packed_layers(model) else FLIN_CHECK_ROWS
+    n = _check_rows(model, want)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 15))] for _ in range(n)]
     tokens = [rng.randrange(vocab) for _ in range(n)]
     shuffled = list(range(n))

@@ -80,6 +80,7 @@ class Settings:
     gate_seed: int = 0
     gate_canary: bool = False
     cpu_qdot: bool = True  # packed GGUF linears on CPU as integer block dot products (memra.kernels.cpu_qdot)
+    cpu_flin: bool = True  # CPU fp32 dense linears on the row-invariant C kernel (memra.kernels.cpu_flin)
     cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
@@ -114,6 +115,7 @@ class Settings:
             gate_canary=flag(e, "MEMRA_GATE_CANARY", False),
             cpu_qdot=flag(e, "MEMRA_CPU_QDOT", True),
             cpu_decode=flag(e, "MEMRA_CPU_DECODE", True),
+            cpu_flin=flag(e, "MEMRA_CPU_FLIN", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
@@ -156,7 +158,7 @@ class Settings:
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
-                "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
+                "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
                 "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs),
                 **self.pp_env}
@@ -194,6 +196,11 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant); memra.train's walk "
      "mirrors them (E11 holds either way). 0 = torch's ops for those steps (slower, other bits; each row then runs "
      "alone). Without a C++ compiler the torch ops run, with a one-line notice"),
+    ("MEMRA_CPU_FLIN", "1", "fp32 on CPU, exact path: the dense linears (projections, FFN, head) on a C kernel whose every output "
+     "is 16 fma lanes over K and one fixed tree (memra.kernels.cpu_flin, twin flin_reference), so a row's bits do "
+     "not depend on how many rows share the call (MKL picks its kernel by the row count); with MEMRA_CPU_DECODE an "
+     "fp32 model's rows then decode as one stacked forward (memra.decode_plan.cpu_rows_invariant) and memra.train "
+     "takes a sequence's generated tokens a layer at a time. 0 = torch's (MKL's) linears, each row decoded alone"),
     ("MEMRA_LINEAR_PERSISTENT", "1", "on CUDA in exact mode, the dense linears of more than 256 rows as one persistent "
      "Triton kernel (tensor descriptors, one large tile, tiles walked in grouped order by one program per SM), with "
      "the bucket kernel's bits (memra.kernels.triton.linear_persistent); 0 = the bucket kernel at every M"),

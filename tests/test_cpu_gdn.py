@@ -81,7 +81,10 @@ def test_a_hybrids_decode_runs_the_kernels_at_any_thread_count(quant):
     from memra import counters
     from memra.settings import Settings
 
+    from memra.decode_plan import decode_plan
+
     model = tiny_hybrid(Settings(cpu_decode=True), quant)
+    decode_plan(model)  # the plan's on-model check (its own steps) before the count
     before = counters.snapshot()["cpu_gdn_steps"]
     with threads(2):
         on = decode(model)
@@ -147,12 +150,18 @@ def test_a_qwen35_gguf_with_one_value_head_a_key_head_keeps_ssm_out_packed(tmp_p
 
 @pytest.mark.parametrize("quant", [None, "q8_0"])
 def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
-    """Eight sequences decoded together (decode_step_batch) give each row the logits it gets decoded alone,
-    bit for bit, for three steps, on the C kernels."""
+    """Eight sequences decoded together (decode_step_batch: one stacked forward in fp32) give each row the
+    logits it gets decoded alone, bit for bit, for three steps, on the C kernels."""
     from memra import counters
     from memra.settings import Settings
 
+    from memra.decode_plan import decode_plan
+
     model = tiny_hybrid(Settings(cpu_decode=True), quant)
+    # fp32 (every linear on cpu_flin) stacks the rows: one C call a GDN layer for all of them; the packed hybrid
+    # keeps the row plan (cpu_rows_invariant), one call a row
+    stacked = decode_plan(model) == "stacked"
+    assert stacked == (quant is None)
     prompts = [[3 + i, 1, 4, 1 + i, 5, 9 - i] for i in range(8)]
     together, alone = [model.new_cache(32) for _ in prompts], [model.new_cache(32) for _ in prompts]
     toks = [int(model.prime(p, c).argmax()) for p, c in zip(prompts, together)]
@@ -163,9 +172,28 @@ def test_b8_decode_rows_are_their_b1_rows_with_the_door_open(quant):
             c.reserve(1)
         before = counters.snapshot()["cpu_gdn_steps"]
         rows = model.decode_step_batch(toks, together)
-        # liveness: the C step ran for every row and GDN layer (on CPU the row plan runs a forward a row:
-        # memra.decode_plan; the stacked plan needs kernels held batch-invariant, which CPU does not claim yet)
-        assert counters.snapshot()["cpu_gdn_steps"] - before == 8 * 3
+        # liveness: the C step ran for every GDN layer, once for the eight rows or once a row
+        assert counters.snapshot()["cpu_gdn_steps"] - before == (3 if stacked else 8 * 3)
         solo = torch.stack([model.decode_step(t, c) for t, c in zip(toks, alone)])
         assert torch.equal(rows, solo)
         toks = [int(r.argmax()) for r in rows]
+
+
+def test_a_verifys_scan_is_decodes_steps_bit_for_bit():
+    """cpu_gdn.scan_rows (a sequence's T tokens in one C call: the verify's delta rule) gives every token the
+    output and state of step_rows one token at a time (decode), and leaves the caller's state alone."""
+    hk, hv, dk, dv, t = 2, 4, 16, 8, 6
+    mixed, beta, g, s = inputs(t, hk, hv, dk, dv, seed=7)
+    q, k = cpu_gdn.heads_rows(mixed, hk, hv, dk)
+    v = mixed[:, 2 * hk * dk :].reshape(t, hv, dv).contiguous()
+    start = s[0].clone()
+    o, states = cpu_gdn.scan_rows(q, k, v, beta, g, start)
+    assert torch.equal(start, s[0])
+    state = s[0].clone()[None]
+    for j in range(t):
+        oj = cpu_gdn.step_rows(q[j : j + 1], k[j : j + 1], v[j : j + 1], beta[j : j + 1], g[j : j + 1], state)
+        assert torch.equal(oj[0], o[j]) and torch.equal(state[0], states[j]), j
+    o2, states2 = cpu_gdn.scan(q[None], k[None], v[None], beta[None], g[None], s[:1])
+    assert torch.equal(o2[0], o) and torch.equal(states2[0], states)
+    o3, last = cpu_gdn.scan_rows(q, k, v, beta, g, start, every=False)  # the last state alone: the same bits
+    assert torch.equal(o3, o) and torch.equal(last[0], states[-1]) and torch.equal(start, s[0])

@@ -17,7 +17,7 @@ import torch
 from conftest import gguf_file
 
 from memra.gate import run_battery
-from memra.kernels import cpu_qdot, qdot_reference, quant, split
+from memra.kernels import cpu_flin, cpu_qdot, qdot_reference, quant, split
 from memra.kernels.quant import MixedRows, QType, QuantWeight
 from memra.kernels.table import KernelTable
 from memra.settings import Settings
@@ -132,15 +132,20 @@ def test_the_table_runs_the_kernel_on_cpu_and_the_tiled_twin_behind_its_door(mon
     w, x, b = split.split_layout(qw), activations(3), rnd(qw.shape[0], seed=6)
     kernel = KernelTable.build("cpu", Settings())
     assert torch.equal(kernel.linear(x, w, b), qdot_reference.linear(x, w, b))
+    # the tiled twin: its tiles on the table's fp32 linear (the row-invariant one: the weight decoded whole's
+    # bits), or on torch's with MEMRA_CPU_FLIN=0 (quant.reference_linear's)
     tiled = KernelTable.build("cpu", Settings().with_doors(MEMRA_CPU_QDOT="0"))
-    assert torch.equal(tiled.linear(x, w, b), quant.reference_linear(x, qw, b))
+    assert torch.equal(tiled.linear(x, w, b), cpu_flin.linear(x, qw.dequantize(torch.float32), b))
+    mkl = KernelTable.build("cpu", Settings().with_doors(MEMRA_CPU_QDOT="0", MEMRA_CPU_FLIN="0"))
+    assert torch.equal(mkl.linear(x, w, b), quant.reference_linear(x, qw, b))
     fp8 = split.Fp8BlockSplit(rnd(8, 64).to(torch.float8_e4m3fn), torch.ones(8, 1), 128, torch.float32)
-    assert torch.equal(kernel.linear(rnd(2, 64), fp8), quant.tiled_linear(rnd(2, 64), fp8))  # not the kernel's
+    assert torch.equal(mkl.linear(rnd(2, 64), fp8), quant.tiled_linear(rnd(2, 64), fp8))  # not the kernel's
 
     monkeypatch.setattr(cpu_qdot, "COMPILERS", ("no-such-compiler",))
     cpu_qdot.library.cache_clear()
     try:
-        assert torch.equal(kernel.linear(x, w, b), quant.reference_linear(x, qw, b))
+        nolib = KernelTable.build("cpu", Settings())  # no compiler: neither C linear
+        assert torch.equal(nolib.linear(x, w, b), quant.reference_linear(x, qw, b))
         assert capsys.readouterr().err.count("\n") == 1  # one line saying why
     finally:
         monkeypatch.undo()

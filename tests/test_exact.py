@@ -255,8 +255,12 @@ def test_decode_plan_door(load_model):
 
     model = load_model(hf_dir("llama"))
     live = model.ops.invariant  # CUDA + Triton: the batch-invariant kernels run
-    assert decode_plan(model) == ("stacked" if live else "row")
-    if not live:  # an explicit stacked plan where its kernels do not run: refused before the cache moves
+    # on CPU an fp32 model stacks its rows on the row-invariant linear (MEMRA_CPU_FLIN); MKL's keeps the row plan
+    assert decode_plan(model) == ("stacked" if live or model.ops.flin else "row")
+    if not live:
+        model = model.with_doors(MEMRA_CPU_FLIN="0")
+        assert decode_plan(model) == "row"
+        # an explicit stacked plan where its kernels do not run: refused before the cache moves
         stacked = model.with_doors(MEMRA_DECODE_PLAN="stacked")
         c = stacked.new_cache(8)
         stacked.prime([1, 2], c)

@@ -133,7 +133,8 @@ def test_the_plan_check_holds_no_more_sequences_than_the_recurrent_pool_can_hand
         return honest(m, ids, caches)
 
     monkeypatch.setattr(dp, "decode_stacked", stacked)
-    monkeypatch.setattr(dp, "CPU_CHECK_ROWS", dp.BUCKET)  # ask for as many rows as a GPU's check does
+    for rows in ("CPU_CHECK_ROWS", "FLIN_CHECK_ROWS"):  # ask for as many rows as a GPU's check does
+        monkeypatch.setattr(dp, rows, dp.BUCKET)
     dp.verify_plan(model, "stacked")  # its verdict on CPU's torch ops is beside the point here
     assert widths[0] == slots and max(widths) == slots
     assert len(rec.free) == rec.n_slots  # every slot the check took came back

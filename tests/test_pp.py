@@ -13,6 +13,7 @@ import torch
 
 from conftest import HF_ARCHS, hf_dir
 from memra import counters
+from memra.decode_plan import decode_plan
 from memra.gate.pp_battery import run_pp_battery
 from memra.pp import fence as pf
 from memra.pp import probe, probe_policy
@@ -103,8 +104,9 @@ def test_prime_pipeline_matches_serial_and_unsplit(load_model):
     results = {}
     for name, doors in {"unsplit": dict(MEMRA_PP_STAGES=None), "serial": dict(MEMRA_PP_STAGES="2", MEMRA_PRIME_PIPE="0"),
                         "pipe": dict(MEMRA_PP_STAGES="2")}.items():
-        before = counters.snapshot()
         model = base.with_doors(**doors)
+        decode_plan(model)  # its on-model check (an fp32 model's rows stack on CPU) primes sequences of its own
+        before = counters.snapshot()
         c = active_runtime(model).new_cache(256) if doors["MEMRA_PP_STAGES"] else model.new_cache(256)
         logits = model.prime(prompt, c, all_logits=True)
         nxt = model.decode_step(3, c)

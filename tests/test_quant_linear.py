@@ -332,8 +332,9 @@ def test_fused_linear_takes_leading_dims_and_refuses_unsplit_bytes():
 
 
 def test_ops_linear_runs_the_twin_on_cpu():
-    """With MEMRA_CPU_QDOT=0 (by default: the integer-dot kernel, tests/test_cpu_qdot.py)."""
-    ops = KernelTable.build("cpu", Settings().with_doors(MEMRA_CPU_QDOT="0"))
+    """With MEMRA_CPU_QDOT=0 (by default: the integer-dot kernel, tests/test_cpu_qdot.py), and torch's fp32
+    linear (MEMRA_CPU_FLIN=0: the twin's tiles then run the table's row-invariant one, tests/test_cpu_qdot.py)."""
+    ops = KernelTable.build("cpu", Settings().with_doors(MEMRA_CPU_QDOT="0", MEMRA_CPU_FLIN="0"))
     qw = quant.quantize_q4_k(weight(24, 256))
     x, b = rnd(5, 256, seed=7), rnd(24, seed=8)
     same_bits(ops.linear(x, split_layout(qw), b), quant.reference_linear(x, qw, b))

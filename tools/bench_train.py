@@ -21,7 +21,7 @@ import torch
 import memra
 from memra.bench.timing import sync
 from memra.train import Trainer
-from memra.train.exact import sampler_logprobs, walked_logprobs
+from memra.train.exact import sampler_logprobs, sampler_logprobs_batch, walked_logprobs
 from memra.train.params import derive
 from memra.train.walk import Walk
 
@@ -53,6 +53,9 @@ def main() -> None:
         (coef * trainer(ids, lens, starts)).sum().backward()
 
     def scorer_values():
+        if model.device.type == "cpu":  # the trainer's CPU form: the generated tokens verified together
+            sampler_logprobs_batch(trainer._view, seqs)
+            return
         for s in seqs:
             sampler_logprobs(trainer._view, s)
 
@@ -80,8 +83,14 @@ def main() -> None:
     if model.device.type == "cpu" and cpu_qdot.library() is not None and not model.settings.cpu_decode:
         c_model = model.with_doors(MEMRA_CPU_DECODE="1")  # the sampler's norms, SwiGLU, decode attention in C
         rows.append(("  the same on a sampler with MEMRA_CPU_DECODE=1 (its C kernels)", trained(Trainer(c_model))))
-    rows += [("  of which the sampler's values (walk, no grad: the CPU default)", walk_values),
-             ("the sampler's values from the scorer instead (no grad)", scorer_values),
+    if model.device.type == "cpu" and cpu_qdot.library() is not None and model.settings.cpu_flin:
+        mkl_model = model.with_doors(MEMRA_CPU_FLIN="0")  # MKL's linears: the row plan, the walk's values
+        rows.append(("  the same on a sampler with MEMRA_CPU_FLIN=0 (MKL's linears)", trained(Trainer(mkl_model))))
+    default = trainer.values
+    rows += [(f"  of which the sampler's values (walk, no grad{': the default' if default == 'walk' else ''})",
+              walk_values),
+             (f"  the sampler's values from the scorer (no grad{': the default' if default == 'scorer' else ''})",
+              scorer_values),
              ("memra's layers, prompt form, forward+backward (plain eager)", walk_fb)]
     try:
         import transformers

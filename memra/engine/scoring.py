@@ -43,6 +43,7 @@ from memra.sampling import MAX_LOGPROBS
 from memra.step import decode_step_t, prime
 
 SCORE_CHUNK = 4 * TILE  # tokens per prime / verify call: bounds the [T, V] logits held at once (64-aligned: E5)
+BATCH_LOGITS = 1 << 25  # score_values_batch: the most logits (128 MiB of fp32) one batched verify holds
 
 
 @dataclass(frozen=True)
@@ -104,24 +105,8 @@ def score(model, job: ScoreJob, cache, values_only: bool = False) -> list[TokenS
     each score is its logprob alone, a float (row_values)."""
     ids, n = list(job.ids), len(job.ids)
     s = n if job.start is None else job.start
-
-    def rows(logits, first: int, count: int) -> list:  # the scores of ids[first .. first+count-1] from logits[:count]
-        if values_only:
-            return row_values(logits, ids[first : first + count])
-        return [row_score(logits[j], ids[first + j], job.top) for j in range(count)]
-
-    out: list[TokenScore | None] = [None]
-    # rows 0..s-2: the prompt's prime with every position's logits (row i scores ids[i + 1]); where a
-    # continuation follows, row s-1 is the engine's own: the final piece (from the last 64-aligned cut)
-    # is primed once for its rows and once more, from a snapshot, for the head over its last position
-    cut = ((s - 1) // TILE) * TILE if s < n else s
-    for a in range(0, cut, SCORE_CHUNK):
-        out += _prime_rows(model, ids, a, min(a + SCORE_CHUNK, cut), cache, rows, s)
-    if cut < s:
-        snap = cache.snapshot()
-        out += _prime_rows(model, ids, cut, s, cache, rows, s)
-        cache.restore(snap)
-        out += rows(prime(model, ids[cut:s], cache)[None], s, 1)
+    rows = _rows_fn(job, values_only)
+    out = _score_prompt(model, ids, s, cache, rows)
     # rows s..n-2: the continuation's decode steps (verify columns), each scoring the next token
     for a in range(s, n - 1, SCORE_CHUNK):
         b = min(a + SCORE_CHUNK, n - 1)
@@ -134,6 +119,92 @@ def score(model, job: ScoreJob, cache, values_only: bool = False) -> list[TokenS
     counters.bump("scored_tokens", n - 1)
     assert len(out) == n
     return out
+
+
+def score_values_batch(model, jobs: list[ScoreJob], caches) -> list[list[float | None]]:
+    """score(values_only=True) of several texts (each job on its own empty cache), the continuations' decode
+    steps of all of them in one batched verify forward a round (memra.verify_batch: every column has the bits
+    of its own sequence's decode step, E4) rather than one forward a sequence: the same values, fewer
+    forwards (the trainer's values: memra.train.exact). The prompts are primed one by one, as score does."""
+    if any(job.prefill_continuation for job in jobs):
+        raise MemraError("score_values_batch scores continuations as decode steps (no prefill_continuation canary)")
+    from memra.verify_batch import decode_step_t_batch
+
+    outs, todo = [], []  # todo: (job index, first row a, end n - 1) of each continuation still to verify
+    for k, (job, cache) in enumerate(zip(jobs, caches)):
+        ids, n = list(job.ids), len(job.ids)
+        s = n if job.start is None else job.start
+        outs.append(_score_prompt(model, ids, s, cache, _rows_fn(job, True)))
+        if s < n - 1:
+            todo.append((k, s, n - 1))
+    # a round's rows: SCORE_CHUNK, or more where the vocabulary is small (at most BATCH_LOGITS fp32 logits held)
+    budget = max(SCORE_CHUNK, BATCH_LOGITS // model.cfg.vocab_size)
+    while todo:  # a round: each continuation's next columns, at most `budget` rows in all
+        group, rows_left, rest = [], budget, []
+        for k, a, end in todo:
+            take = min(end - a, rows_left)
+            if take <= 0:
+                rest.append((k, a, end))
+                continue
+            group.append((k, a, a + take))
+            rows_left -= take
+            if a + take < end:
+                rest.append((k, a + take, end))
+        chunks = [list(jobs[k].ids[a:b]) for k, a, b in group]
+        got = decode_step_t_batch(model, chunks, [caches[k] for k, _, _ in group], [None] * len(group))
+        for (k, a, b), (logits, _) in zip(group, got):
+            outs[k] += row_values(logits, list(jobs[k].ids[a + 1 : b + 1]))
+            counters.bump("scored_decode_tokens", b - a)
+        todo = rest
+    for job, out in zip(jobs, outs):
+        counters.bump("scored_tokens", len(job.ids) - 1)
+        assert len(out) == len(job.ids)
+    return outs
+
+
+def _rows_fn(job: ScoreJob, values_only: bool):
+    """rows(logits, first, count): the scores of ids[first .. first+count-1] from logits[:count]."""
+    ids = job.ids
+
+    def rows(logits, first: int, count: int) -> list:
+        if values_only:
+            return row_values(logits, list(ids[first : first + count]))
+        return [row_score(logits[j], ids[first + j], job.top) for j in range(count)]
+
+    return rows
+
+
+def _score_prompt(model, ids: list[int], s: int, cache, rows) -> list:
+    """[None] and the scores of rows 0..s-1 (row i scores ids[i + 1]; row s-1 only where a continuation
+    follows), the cache left at position s. Rows 0..s-2 are the prompt's prime with every position's logits;
+    where a continuation follows, row s-1 is the engine's own: the final piece (from the last 64-aligned cut)
+    is primed once for its rows and once more, from a snapshot, for the head over its last position (once in
+    all where the head's rows are alike at any row count: _head_rows_alike)."""
+    n = len(ids)
+    out: list = [None]
+    cut = ((s - 1) // TILE) * TILE if s < n else s
+    for a in range(0, cut, SCORE_CHUNK):
+        out += _prime_rows(model, ids, a, min(a + SCORE_CHUNK, cut), cache, rows, s)
+    if cut < s and _head_rows_alike(model):  # the one-row head's bits are the piece's last row's: one prime
+        logits = prime(model, ids[cut:s], cache, all_logits=True)
+        counters.bump("scored_prompt_tokens", s - cut)
+        out += rows(logits, cut + 1, s - 1 - cut) + rows(logits[-1:], s, 1)
+    elif cut < s:
+        snap = cache.snapshot()
+        out += _prime_rows(model, ids, cut, s, cache, rows, s)
+        cache.restore(snap)
+        out += rows(prime(model, ids[cut:s], cache)[None], s, 1)
+    return out
+
+
+def _head_rows_alike(model) -> bool:
+    """Does the head give a row the same bits over one row as over a piece's rows? On a CPU whose rows decode
+    stacked (memra.decode_plan.cpu_rows_invariant: C norms, row-invariant linears, verified on the model),
+    without a soft cap (torch's tanh over the logits)."""
+    from memra.decode_plan import decode_plan
+
+    return (model.device.type == "cpu" and model.cfg.final_softcap is None and getattr(model, "blocks", None) is not None
+            and model.settings.exact and decode_plan(model) == "stacked")
 
 
 def _prime_rows(model, ids, a: int, b: int, cache, rows, limit: int) -> list:

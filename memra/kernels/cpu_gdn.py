@@ -35,6 +35,23 @@ def heads_rows(mixed: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, eps
     return q, k
 
 
+FULL = 64  # elements of torch's widest unrolled vector loop on a CPU (2 x 16 fp32 lanes at AVX-512), twice over
+
+
+def gates_rows(b: torch.Tensor, a: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor):
+    """reference.gdn_gates (beta = sigmoid(b), decay = a_neg * softplus(a + dt_bias)) for b, a [N, Hv], with a
+    row's bits whatever N. torch's CPU sigmoid and softplus run whole vectors (Sleef) and finish a call's last
+    elements one by one in scalar code (another exp): at N = 1 a row of Hv = 4 gates is all tail, among many
+    rows it is vector code. Here the gates run as one flat call padded to a multiple of FULL elements, so every
+    gate is in a whole vector whatever N (tests/test_cpu_flin_plan.py: a row alone and among 40)."""
+    n, h = b.shape
+    pad = -(n * h) % FULL
+    flat = lambda t: torch.cat((t.reshape(-1), t.new_zeros(pad)))  # noqa: E731  [n*h + pad] contiguous fp32
+    beta = torch.sigmoid(flat(b.float()))[: n * h].view(n, h)
+    decay = a_neg * torch.nn.functional.softplus(flat(a.float() + dt_bias))[: n * h].view(n, h)
+    return beta, decay
+
+
 def step_rows(q, k, v, beta, g, states: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One token of the delta rule, the states stepped in place: q, k [R, H, Dk], v [R, H, Dv], beta, g
     [R, H] fp32; states [R, H, Dk, Dv] (slots None) or a pool [slots, H, Dk, Dv] read at slots [R] ->
@@ -51,3 +68,29 @@ def step_rows(q, k, v, beta, g, states: torch.Tensor, slots: torch.Tensor | None
                          torch.get_num_threads())
     counters.bump("cpu_gdn_steps")
     return o
+
+
+def scan_rows(q, k, v, beta, g, state: torch.Tensor, every: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's T tokens of the delta rule in one call, each token step_rows' arithmetic (so its bits):
+    q, k [T, H, Dk], v [T, H, Dv], beta, g [T, H]; state [H, Dk, Dv] fp32 (not changed) -> (o [T, H, Dv],
+    the state after each token [T, H, Dk, Dv]; every=False: after the last only, [1, H, Dk, Dv])."""
+    lib = cpu_qdot.library()
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, beta, g = (x.float().contiguous() for x in (q, k, v, beta, g))
+    s = state.float().contiguous().clone()
+    o, states = torch.empty(t, h, dv), (torch.empty(t, h, dk, dv) if every else None)
+    lib.memra_delta_scan(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), g.data_ptr(), s.data_ptr(), t, h,
+                         dk, dv, o.data_ptr(), None if states is None else states.data_ptr(), torch.get_num_threads())
+    counters.bump("cpu_gdn_steps", t)
+    return o, (states if every else s[None])
+
+
+def scan(q, k, v, beta, g, s, every: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.delta_rule_scan's shapes (n sequences x T tokens: q, k [n, T, H, Dk], ...; s [n, H, Dk, Dv]),
+    each sequence in one scan_rows call (a verify's tokens: decode's bits) -> (o [n, T, H, Dv], the states
+    [n, T, H, Dk, Dv]; every=False: [n, 1, H, Dk, Dv], the last)."""
+    outs = [scan_rows(q[i], k[i], v[i], beta[i], g[i], s[i], every) for i in range(q.shape[0])]
+    if len(outs) == 1:  # a verify's one sequence: no copy of its states
+        return outs[0][0][None], outs[0][1][None]
+    return torch.stack([o for o, _ in outs]), torch.stack([st for _, st in outs])

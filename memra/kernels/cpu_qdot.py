@@ -38,8 +38,10 @@ import torch
 
 from memra.kernels import split
 
-# the library's sources: the linears here, decode attention (memra.kernels.cpu_decode) beside them
-SOURCES = tuple(Path(__file__).parent / "cpu" / name for name in ("qdot.cpp", "qdot_vnni.cpp", "decode.cpp", "layer.cpp"))
+# the library's sources: the linears here, decode attention (memra.kernels.cpu_decode) and the row-invariant
+# fp32 linear (memra.kernels.cpu_flin) beside them
+SOURCES = tuple(Path(__file__).parent / "cpu" / name
+                for name in ("qdot.cpp", "qdot_vnni.cpp", "decode.cpp", "layer.cpp", "flin.cpp"))
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no FMA: the twin has none
 COMPILERS = ("g++", "c++", "clang++")
 KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
@@ -58,6 +60,10 @@ _SIGNATURES = {
     "memra_silu_mul_rows": ([_p, _i64, _i64, _p, _int], None),
     "memra_gdn_heads_rows": ([_p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_float, _p, _p, _int], None),
     "memra_delta_rows": ([_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _int], None),
+    "memra_delta_scan": ([_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, _int], None),
+    "memra_flin_level": ([], _int),
+    "memra_flin_outputs": ([_int], _i64),
+    "memra_flin": ([_p, _i64, _p, _p, _i64, _i64, _i64, _p, _i64, _int, _int], None),
     "memra_decode_layer": ([_p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _int, _int], None),
 }
 

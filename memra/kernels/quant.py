@@ -194,7 +194,7 @@ class Scratch:
 
 
 def tiled_linear(x: torch.Tensor, qw, bias: torch.Tensor | None = None,
-                 scratch: Scratch | None = None) -> torch.Tensor:
+                 scratch: Scratch | None = None, linear=reference.linear) -> torch.Tensor:
     """reference_linear with bounded memory: the weight is decoded a tile of output rows at a time (at
     most TILE_BYTES), each tile's outputs computed by reference.linear, so a packed model never holds
     more than one decoded tile beside its packed bytes (on CPU, RSS tracks the file's size). Its bits
@@ -202,7 +202,8 @@ def tiled_linear(x: torch.Tensor, qw, bias: torch.Tensor | None = None,
     (splits_keep_bits, probed once per device and dtype); elsewhere it decodes the whole weight.
     A weight repacked for the CPU (memra.kernels.split) is decoded into the scratch buffer even when it is
     one tile: a fresh multi-MB tensor per call is what made decode speed swing from 22 to 6 tok/s between
-    runs on a 2-core CPU."""
+    runs on a 2-core CPU. `linear`: the dense linear each tile runs (the table's: on a CPU's exact path the
+    row-invariant one, so a packed weight gives the bits of the same weight decoded at load)."""
     _check_linear(x, qw, bias)
     n, k = qw.shape
     rows = max(64, TILE_BYTES // (k * 4) // 64 * 64)
@@ -217,11 +218,11 @@ def tiled_linear(x: torch.Tensor, qw, bias: torch.Tensor | None = None,
         return dequant.dequantize(qw.data[a:b], qw.qtype, (b - a, k)).to(x.dtype)
 
     if rows >= n:
-        return reference.linear(x, decode(0, n), bias)
+        return linear(x, decode(0, n), bias)
     out = x.new_empty(*x.shape[:-1], n)
     for a in range(0, n, rows):
         b = min(a + rows, n)
-        out[..., a:b] = reference.linear(x, decode(a, b), None if bias is None else bias[a:b])
+        out[..., a:b] = linear(x, decode(a, b), None if bias is None else bias[a:b])
     return out
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memra.kernels import cpu_decode, cpu_gdn, cpu_qdot, quant, reference, split
+from memra.kernels import cpu_decode, cpu_flin, cpu_gdn, cpu_qdot, quant, reference, split
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
@@ -133,6 +133,7 @@ class KernelTable:
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
+    flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
     # dense linears of more than 256 rows as the persistent kernel (MEMRA_LINEAR_PERSISTENT; triton.linear_persistent)
     persistent_linear: bool = False
     batched_logprobs: bool = False  # the sampler's logprobs over every asking row at once (MEMRA_BATCHED_LOGPROBS)
@@ -152,7 +153,9 @@ class KernelTable:
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
-                            and cpu_qdot.library() is not None))
+                            and cpu_qdot.library() is not None),
+                   flin=(torch.device(device).type == "cpu" and settings.cpu_flin and settings.exact
+                         and cpu_qdot.library() is not None))
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
@@ -199,8 +202,10 @@ class KernelTable:
             if self._impl(x) is reference:
                 if self.qdot and x.device.type == "cpu" and cpu_qdot.supports(w) and cpu_qdot.library() is not None:
                     return cpu_qdot.linear(x, w, b)
-                return quant.tiled_linear(x, w, b, self.scratch)
+                return quant.tiled_linear(x, w, b, self.scratch, self.linear)  # tiles: the plain weight's linear
             return _quant_triton().linear(x, w, b)
+        if self.flin and not self._gpu(x) and cpu_flin.supports(x, w):  # CPU fp32: a row's bits at any row count
+            return cpu_flin.linear(x, w, b)
         if self._impl(x) is reference:
             return reference.linear(x, w, b)
         return self._dense().linear(x, w, b)
@@ -274,7 +279,7 @@ class KernelTable:
         if self._cpu_gdn(mixed, dk):  # q / k in C (cpu_gdn), v and the gates as the reference makes them
             q, k = cpu_gdn.heads_rows(mixed, n_k_heads, n_v_heads, dk)
             v = mixed[:, 2 * n_k_heads * dk:].reshape(mixed.shape[0], n_v_heads, dv).float()
-            return (q, k, v, *reference.gdn_gates(b, a, a_neg, dt_bias))
+            return (q, k, v, *cpu_gdn.gates_rows(b, a, a_neg, dt_bias))
         return reference.gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
 
     def _cpu_gdn(self, x, dk) -> bool:
@@ -300,9 +305,9 @@ class KernelTable:
             return cpu_gdn.step_rows(q, k, v, beta, g, pool, slots)
         return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
-    def delta_rule_scan(self, q, k, v, beta, g, s):
-        if self._cpu_gdn(q, q.shape[-1]):  # decode's own step, token after token (a verify's tokens share its bits)
-            return reference.delta_rule_scan(q, k, v, beta, g, s, step=self.delta_rule_step)
+    def delta_rule_scan(self, q, k, v, beta, g, s, every: bool = True):  # every=False: the C scan keeps the last
+        if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # decode's own step, token after token
+            return cpu_gdn.scan(q, k, v, beta, g, s, every)
         return self._impl(q).delta_rule_scan(q, k, v, beta, g, s)
 
     def _chunked_gdn(self, q):

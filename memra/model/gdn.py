@@ -150,7 +150,7 @@ class GatedDeltaNet:
             cache, trail = step.ctxs[lo].cache, step.ctxs[lo].trail
             state = cache.ssm_state(self.layer)
             o, states = self.ops.delta_rule_scan(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], beta[None, lo:hi],
-                                                 decay[None, lo:hi], state[None])
+                                                 decay[None, lo:hi], state[None], every=trail is not None)
             state.copy_(states[0, -1])
             if trail is not None:
                 trail.record_ssm_all(self.layer, states[0])

@@ -138,6 +138,20 @@ class HybridModel:
         return StepContext(cache=cache, pos0=pos0, n_tokens=n_tokens, cos=cos, sin=sin, recurrent=recurrent,
                            kv_write_rows=read_rows[pos0:], kv_read_rows=read_rows, trail=trail, column=column)
 
+    def column_contexts(self, cache: Cache, pos0: int, n: int, device: torch.device | None = None,
+                        trail: StateTrail | None = None) -> list[StepContext]:
+        """context(cache, pos0 + j, 1, recurrent=True, trail=trail, column=j) for each of a verify's n columns,
+        from one read-rows table (each column's prefix is a slice of it) and one rotary call for all of them
+        rather than ~10 small ops a column: the same values, as wave_contexts' (the tables are elementwise in
+        the position: tests/test_cpu_flin_plan.py holds a row's tables alone to the same row among 3000)."""
+        device = self.device if device is None else device
+        cos, sin = self.ops.rope_cos_sin(torch.arange(pos0, pos0 + n, device=device), self.inv_freq.to(device),
+                                         self.dtype)
+        read_rows = cache.read_rows(pos0 + n, device)
+        return [StepContext(cache=cache, pos0=pos0 + j, n_tokens=1, cos=cos[j : j + 1], sin=sin[j : j + 1],
+                            recurrent=True, kv_write_rows=read_rows[pos0 + j : pos0 + j + 1],
+                            kv_read_rows=read_rows[: pos0 + j + 1], trail=trail, column=j) for j in range(n)]
+
     def wave_contexts(self, caches, pos0s: list[int], sizes: list[int],
                       device: torch.device | None = None) -> list[StepContext]:
         """context(caches[i], pos0s[i], sizes[i], recurrent=False) for every piece of a prefill wave, from

@@ -77,8 +77,7 @@ def verify_layers(model, h: torch.Tensor, cache: Cache, pos0: int, plan: str, a:
     [a, b). Columns are decode steps — attention reads the KV prefix in position order, GDN takes the
     recurrent form one token at a time — so column j has the bits decode would give token j (E4). Every
     GDN layer records its state after each column into `trail` (for rollback)."""
-    ctxs = [model.context(cache, pos0 + j, 1, recurrent=True, device=device, trail=trail, column=j)
-            for j in range(h.shape[0])]
+    ctxs = model.column_contexts(cache, pos0, h.shape[0], device=device, trail=trail)
     if plan == "stacked":
         return model.forward_layers_stacked(h, ctxs, a, b, tokens=True)
     return torch.cat([model.forward_layers(h[j : j + 1], ctx, a, b) for j, ctx in enumerate(ctxs)])
@@ -90,8 +89,7 @@ def verify_rows_layers(model, h: torch.Tensor, caches, lens: list[int], plan: st
     `stacked` the row-wise ops run over all N rows at once (batch-invariant kernels: a row's bits are its
     own call's), attention row by row over each row's own prefix, GDN per sequence; under `row` every
     column runs alone. Each sequence's GDN layers record into trails[i]. -> [N, E]; positions not advanced."""
-    ctxs = [model.context(c, c.pos + j, 1, recurrent=True, trail=t, column=j)
-            for c, n, t in zip(caches, lens, trails) for j in range(n)]
+    ctxs = [ctx for c, n, t in zip(caches, lens, trails) for ctx in model.column_contexts(c, c.pos, n, trail=t)]
     if plan == "stacked":
         return model.forward_layers_stacked(h, ctxs, tokens=True)
     return torch.cat([model.forward_layers(h[i : i + 1], ctx) for i, ctx in enumerate(ctxs)])

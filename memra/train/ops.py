@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from memra.kernels import cpu_decode, cpu_gdn, reference
+from memra.kernels import cpu_decode, cpu_flin, cpu_gdn, reference
 from memra.kernels.cuts import window_start
 from memra.kernels.table import KernelTable
 
@@ -107,13 +107,22 @@ class TrainOps(KernelTable):
     the CPU's C kernels where `cpu_ops` (mirror)."""
 
     @classmethod
-    def make(cls, cpu_ops: bool = False) -> "TrainOps":
-        return cls(invariant=False, triton=False, exact=True, gdn_kernel=False, sample_kernel=False, cpu_ops=cpu_ops)
+    def make(cls, cpu_ops: bool = False, flin: bool = False) -> "TrainOps":
+        return cls(invariant=False, triton=False, exact=True, gdn_kernel=False, sample_kernel=False, cpu_ops=cpu_ops,
+                   flin=flin)
 
     @classmethod
     def mirror(cls, table: KernelTable) -> "TrainOps":
         """The walk's table for a model whose sampler runs `table`: its C kernels where it has them."""
-        return cls.make(cpu_ops=table.cpu_ops)
+        return cls.make(cpu_ops=table.cpu_ops, flin=table.flin)
+
+    def linear(self, x, w, b=None):
+        """The sampler's row-invariant fp32 linear where it runs one (cpu_flin), with torch's gradient."""
+        if self.flin and not self._gpu(x) and isinstance(w, torch.Tensor) and w.dtype == x.dtype == torch.float32:
+            if b is None:
+                return _c(lambda x, w: cpu_flin.linear(x.detach(), w.detach()), reference.linear, x, w)
+            return _c(lambda x, w, b: cpu_flin.linear(x.detach(), w.detach(), b.detach()), reference.linear, x, w, b)
+        return super().linear(x, w, b)
 
     def rms_norm(self, x, w, eps, zero_centered):
         if self._cpu_ops(x) and cpu_decode.rows_ok(x) and w.dtype == torch.float32:  # KernelTable.rms_norm's test
@@ -179,7 +188,7 @@ class TrainOps(KernelTable):
         q, k = _c(lambda m: cpu_gdn.heads_rows(m, n_k_heads, n_v_heads, dk),
                   lambda m: reference.gdn_heads(m, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)[:2], mixed)
         v = mixed[:, 2 * n_k_heads * dk:].reshape(mixed.shape[0], n_v_heads, dv).float()
-        return (q, k, v, *reference.gdn_gates(b, a, a_neg, dt_bias))
+        return (q, k, v, *cpu_gdn.gates_rows(b, a, a_neg, dt_bias))
 
     def delta_rule_step(self, q, k, v, beta, g, s):
         """A generated token's delta-rule step: the sampler's C step where it runs it (on a copy of the state;

@@ -25,7 +25,7 @@ from torch import nn
 
 from memra import counters
 from memra.errors import MemraError
-from memra.train.exact import sampler_logprobs, walked_logprobs
+from memra.train.exact import sampler_logprobs, sampler_logprobs_batch, walked_logprobs
 from memra.train.ops import SamplerValues, TrainOps
 from memra.train.params import derive, read_checkpoint
 from memra.train.walk import Seq, Walk
@@ -39,8 +39,8 @@ class Trainer(nn.Module):
     def __init__(self, llm_or_model, checkpointing: bool = False, grad_walk: str = "prompt", values: str = "auto",
                  canary: bool = False):
         """checkpointing: recompute each layer in the backward (activation checkpointing per layer).
-        values: where the sampler's logprobs come from (memra.train.exact): "walk" (auto on a CPU, where the
-        model's kernel table is the reference) or "scorer" (auto elsewhere: the model's own kernels).
+        values: where the sampler's logprobs come from (memra.train.exact): "walk" (auto on a CPU's row plan)
+        or "scorer" (auto elsewhere: the model's own kernels; on a CPU where its rows decode stacked).
         canary: the values from the prompt-form walk instead of the sampler's (a plain trainer's numbers:
         `memra gate --mode train` must FAIL on it)."""
         super().__init__()
@@ -62,7 +62,7 @@ class Trainer(nn.Module):
             raise MemraError(f"memra.train needs the model's weights as floats; {packed} is packed "
                              f"({type(model._weights[packed]).__name__}): load it with packed_weights=False")
         self.model, self.checkpointing, self.grad_walk, self.canary = model, checkpointing, grad_walk, canary
-        self.values = ("walk" if model.device.type == "cpu" else "scorer") if values == "auto" else values
+        self.values = _auto_values(model) if values == "auto" else values
         self._opened = open_source(model)
         tensors = read_checkpoint(model)
         self.names = list(tensors)
@@ -113,6 +113,8 @@ class Trainer(nn.Module):
             return _flat(exact_walk.logprobs(seqs, "sampler", self.checkpointing))
         if self.values == "walk":
             exact = _flat(walked_logprobs(self.model, {k: t.detach() for k, t in w.items()}, seqs))
+        elif self.model.device.type == "cpu":  # the sequences' generated tokens in one batched verify a round
+            exact = _flat(sampler_logprobs_batch(self._view, seqs))
         else:
             exact = _flat([sampler_logprobs(self._view, s).to(self.model.device) for s in seqs])
         if not torch.is_grad_enabled():
@@ -138,6 +140,18 @@ class Trainer(nn.Module):
             out.append(Seq(ids[at : at + n], s))
             at += n
         return out
+
+
+def _auto_values(model) -> str:
+    """Where the values come from by default: the scorer (one verify forward for a sequence's generated
+    tokens) wherever decode stacks its rows (a GPU's invariant kernels; a CPU's fp32 model under MEMRA_CPU_FLIN:
+    memra.decode_plan), else, on a CPU's row plan, the walk (the sampler's one-row steps, a layer's weights
+    kept in cache across a sequence's tokens)."""
+    if model.device.type != "cpu":
+        return "scorer"
+    from memra.decode_plan import decode_plan
+
+    return "scorer" if model.settings.exact and decode_plan(model) == "stacked" else "walk"
 
 
 def _flat(per_seq: list[torch.Tensor]) -> torch.Tensor:

@@ -313,4 +313,29 @@ void memra_delta_rows(const float* q, const float* k, const float* v, const floa
   }
 }
 
+// A sequence's T tokens of the delta rule in order (a verify's columns): q, k [T, H, Dk], v [T, H, Dv], beta, g
+// [T, H]; the state s [H, Dk, Dv] is read, and after token t it is states[t] ([T, H, Dk, Dv]; the last one is
+// also written back to s; states null: s is stepped in place, nothing else kept) -> o [T, H, Dv]. Each token is delta_head as memra_delta_rows runs it: the same bits.
+void memra_delta_scan(const float* q, const float* k, const float* v, const float* beta, const float* g, float* s,
+                      int64_t T, int64_t H, int64_t Dk, int64_t Dv, float* o, float* states, int nthreads) {
+  const int threads = H < nthreads ? (int)H : nthreads;
+  const int64_t size = Dk * Dv;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+  {
+    std::vector<float> m(Dv);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+      const float* prev = s + h * size;
+      for (int64_t t = 0; t < T; t++) {
+        const int64_t i = t * H + h;
+        float* S = states ? states + i * size : s + h * size;  // no states kept: s stepped in place
+        if (states) memcpy(S, prev, size * sizeof(float));
+        delta_head(S, q + i * Dk, k + i * Dk, v + i * Dv, beta[i], g[i], Dk, Dv, m.data(), o + i * Dv);
+        prev = S;
+      }
+      if (states && T > 0) memcpy(s + h * size, prev, size * sizeof(float));
+    }
+  }
+}
+
 }  // extern "C"
