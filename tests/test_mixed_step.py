@@ -56,7 +56,8 @@ def _compare(model, exact: bool) -> None:
     assert mixed_steps == (1 if step.mixes(model, exact, caches[:3], caches[3:]) else 0)
     assert [c.pos for c in caches] == [c.pos for c in want_caches] == [n + 2 for n in RUNNING] + NEW
     pairs = [(decoded, want_decoded), *zip(lasts, want_lasts)]
-    pairs += [p for c, w in zip(caches, want_caches) for p in zip(cache_bits(c), cache_bits(w))]
+    trunk = model.cfg.n_layers
+    pairs += [p for c, w in zip(caches, want_caches) for p in zip(cache_bits(c, trunk), cache_bits(w, trunk))]
     if exact:
         assert all(torch.equal(got, want) for got, want in pairs)
     else:
