@@ -42,7 +42,7 @@ from memra.kernels import split
 # fp32 linear (memra.kernels.cpu_flin) beside them
 SOURCES = tuple(Path(__file__).parent / "cpu" / name
                 for name in ("qdot.cpp", "qdot_vnni.cpp", "decode.cpp", "layer.cpp", "flin.cpp"))
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no FMA: the twin has none
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off")  # no implicit FMA (flin.cpp: explicit)
 COMPILERS = ("g++", "c++", "clang++")
 KINDS = (split.Q8Split, split.Q4KSplit, split.Q5KSplit, split.Q6KSplit)
 
