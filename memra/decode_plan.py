@@ -106,7 +106,7 @@ def _plan_ok(model, plan: str) -> tuple[bool, str]:
     if plan == "stacked":
         if not (model.ops.invariant or cpu_rows_invariant(model)):
             return False, "the batch-invariant kernels are not live here (they need CUDA, Triton and MEMRA_TRITON=1)"
-        broken = [f for f in platform_report(model.dtype, model.device, model.ops.persistent_linear) if f.startswith("triton")]
+        broken = [f for f in platform_report(model.dtype, model.device, model.ops.linear_family) if f.startswith("triton")]
         if broken:
             return False, f"the kernel self-test found rows that change with the batch: {', '.join(broken[:3])}"
     if plan == "bucket" and model.cfg.moe is not None and not model.ops.invariant:

@@ -228,7 +228,7 @@ def exact_piece(model) -> int:
     sits in the tensor, a softmax row — MoE routing — that changes with its neighbours), else EXACT_PIECE."""
     if not model.ops.invariant:
         return EXACT_PIECE
-    broken = [f for f in platform_report(model.dtype, model.device, model.ops.persistent_linear)
+    broken = [f for f in platform_report(model.dtype, model.device, model.ops.linear_family)
               if (f.startswith(("triton", "row softmax")) or " at offset " in f)
               and (model.ops.gdn_kernel or not f.startswith("triton gdn"))]  # a kernel this model does not run
     return EXACT_PIECE if broken else INVARIANT_PIECE

@@ -48,7 +48,7 @@ def test_self_test_triton_probes_pass(dtype):
 def test_self_test_holds_the_persistent_linear_to_the_buckets(dtype):
     """MEMRA_LINEAR_PERSISTENT's probes: the 300- and 600-row calls through the persistent kernel, their rows
     against every bucket's, SwiGLU and the residual epilogue too."""
-    failed = [f for f in self_test(dtype, "cuda", persistent_linear=True) if f.startswith("triton")]
+    failed = [f for f in self_test(dtype, "cuda", linear_family="persistent") if f.startswith("triton")]
     assert not failed, failed
 
 
@@ -64,8 +64,36 @@ def test_the_persistent_probes_fail_on_one_flipped_bit(monkeypatch):
         return y
 
     monkeypatch.setattr(linear_persistent, "persistent_linear", one_bit_off)
-    assert any(f.startswith("triton linear[") for f in self_test(torch.bfloat16, "cuda", persistent_linear=True))
+    assert any(f.startswith("triton linear[") for f in self_test(torch.bfloat16, "cuda", linear_family="persistent"))
     assert not [f for f in self_test(torch.bfloat16, "cuda") if f.startswith("triton linear")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_self_test_holds_the_shaped_tiles_to_the_buckets(dtype):
+    """MEMRA_LINEAR_SHAPED's probes: the [1024 x 4096] weight takes its other tiles (64x64 at 100 rows, the
+    persistent kernel's 128x128 at 300 and 600), their rows held to every bucket's."""
+    from memra.kernels.triton import linear_shaped
+
+    assert linear_shaped.bucket_tile(100, 1024, 4096, 132)[:2] == (64, 64)
+    assert linear_shaped.persistent_tile(600, 1024, 4096, 132)[:2] == (128, 128)
+    failed = [f for f in self_test(dtype, "cuda", linear_family="shaped") if f.startswith("triton")]
+    assert not failed, failed
+
+
+def test_the_shaped_probes_fail_on_one_flipped_bit(monkeypatch):
+    """Canary: a chosen tile one bit off in one value is caught by the shaped family's probes."""
+    from memra.kernels.triton import linear
+
+    real = linear.linear
+
+    def one_bit_off(*args, config=None, **kwargs):
+        y = real(*args, config=config, **kwargs)
+        if config is not None:
+            y.view(torch.int16).view(-1)[0] ^= 1
+        return y
+
+    monkeypatch.setattr(linear, "linear", one_bit_off)
+    assert any(f.startswith("triton linear[") for f in self_test(torch.bfloat16, "cuda", linear_family="shaped"))
 
 
 @pytest.mark.parametrize("mode", ["config", "strict"])

@@ -201,7 +201,7 @@ def test_exact_mode_fails_closed_on_a_nondeterministic_platform(load_model, monk
     from memra.kernels import exact
 
     model = load_model(hf_dir("qwen3"))
-    monkeypatch.setattr(exact, "_VERIFIED", {(model.device.type, str(model.dtype), False): ["linear[1x64] repeat"]})
+    monkeypatch.setattr(exact, "_VERIFIED", {(model.device.type, str(model.dtype), "bucket"): ["linear[1x64] repeat"]})
     c = model.new_cache(16)
     with pytest.raises(exact.ExactnessError, match="exact mode refused.*MEMRA_EXACT=0"):
         model.prime([1, 2, 3], c)
@@ -278,7 +278,7 @@ def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_mo
     import dataclasses
 
     base = load_model(hf_dir("qwen3_5"))
-    monkeypatch.setattr(step, "platform_report", lambda dtype, device, persistent_linear=False: [])
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device, linear_family="bucket": [])
     model = base.with_settings(base.settings)  # a view whose kernel table this test may swap
     model.ops = dataclasses.replace(base.ops, invariant=False)
     assert step.exact_piece(model) == step.EXACT_PIECE  # no invariant kernels (torch's ops)
@@ -288,12 +288,12 @@ def test_whole_chunk_prefill_only_where_nothing_can_see_the_forward_size(load_mo
                             (["triton prefill attention[300] queries 0:64 as a piece"], step.EXACT_PIECE),
                             (["softplus at offset 3"], step.EXACT_PIECE),
                             (["row softmax [64x256] row 5 vs alone"], step.EXACT_PIECE)):
-        monkeypatch.setattr(step, "platform_report", lambda dtype, device, persistent_linear=False, f=failures: f)
+        monkeypatch.setattr(step, "platform_report", lambda dtype, device, linear_family="bucket", f=failures: f)
         assert step.exact_piece(model) == piece, failures
     model.ops = dataclasses.replace(base.ops, invariant=True, gdn_kernel=False)  # a GDN probe it does not run
-    monkeypatch.setattr(step, "platform_report", lambda dtype, device, persistent_linear=False: ["triton gdn prefill[300] in 64-aligned pieces"])
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device, linear_family="bucket": ["triton gdn prefill[300] in 64-aligned pieces"])
     assert step.exact_piece(model) == step.INVARIANT_PIECE
-    monkeypatch.setattr(step, "platform_report", lambda dtype, device, persistent_linear=False: [])
+    monkeypatch.setattr(step, "platform_report", lambda dtype, device, linear_family="bucket": [])
     model.ops = dataclasses.replace(base.ops, invariant=True)
     assert step.forward_cuts(model, 5000, 100, exact=True) == [(0, 3996), (3996, 5000)]  # cut at 4096
     assert step.forward_cuts(model, 5000, 100, exact=False) == [(0, 5000)]

@@ -9,7 +9,8 @@ serves it (prefill waves of several prompts' pieces, stacked decode, mixed steps
 rows), the model API's solo prime and decode, random-weight models for the shapes the fixtures lack
 (a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan, an MoE
 FFN without its residual as Gemma's sandwich norms call it), the dense linears' epilogues and a model's
-waves again with MEMRA_LINEAR_PERSISTENT=1 (the persistent kernel's table), and
+waves again with MEMRA_LINEAR_PERSISTENT=1 (the persistent kernel's table), the shaped linear's table
+(MEMRA_LINEAR_SHAPED=1) on a weight it gives other tiles, and
 every packed layout in memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
 is answered twice: first recorded as a CUDA model's table would launch it -- each family's launcher
 computing tiles, buckets, splits and flags as on a GPU (`_interpreting()` answers False), each kernel
@@ -75,9 +76,11 @@ def _collect() -> list:
     launches = tl.Launches()
     table = tl.recording_table(launches)
     persistent = tl.recording_table(launches, persistent_linear=True)  # MEMRA_LINEAR_PERSISTENT=1's table
+    shaped = tl.recording_table(launches, shaped_linear=True)  # MEMRA_LINEAR_SHAPED=1's
     with pytest.MonkeyPatch.context() as mp, tl.self_test_passed():
         mp.setattr(KernelTable, "build", classmethod(
-            lambda cls, device, settings: persistent if settings.linear_persistent else table))
+            lambda cls, device, settings: shaped if settings.linear_shaped else
+            persistent if settings.linear_persistent else table))
         for dtype in sorted(set(_DTYPES.values()), key=str):
             for path in sorted((FIXTURES / "hf").iterdir()):
                 model = memra.load(path, device="cpu", dtype=dtype)
@@ -89,7 +92,7 @@ def _collect() -> list:
             tl.drive_solo(moe)
             tl.drive_ffn_alone(moe)
             tl.drive_packed(table, dtype)
-            for door in (table, persistent):
+            for door in (table, persistent, shaped):
                 tl.drive_dense(door, dtype)
             if dtype == torch.bfloat16:  # a model's wave past 256 rows through the door's table
                 tl.drive_api(long_llama.with_doors(MEMRA_LINEAR_PERSISTENT="1"), (3, 600))

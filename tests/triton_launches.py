@@ -173,10 +173,11 @@ for _name, _value in list(vars(KernelTable).items()):
         setattr(RecordingTable, _name, _answer_twice(_name))
 
 
-def recording_table(launches: Launches, persistent_linear: bool = False) -> RecordingTable:
-    """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1."""
+def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False) -> RecordingTable:
+    """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
+    MEMRA_LINEAR_SHAPED=1 too."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
-                           persistent_linear=persistent_linear)
+                           persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -200,7 +201,7 @@ def self_test_passed():
 
     saved = [(m, m.platform_report) for m in (memra.step, memra.decode_plan)]
     for m, _ in saved:
-        m.platform_report = lambda dtype, device, persistent_linear=False: []
+        m.platform_report = lambda dtype, device, linear_family="bucket": []
     try:
         yield
     finally:
@@ -318,7 +319,9 @@ def drive_packed(table, dtype) -> None:
 def drive_dense(table, dtype) -> None:
     """The table's dense linears as a model's projections call them, at a decode row and a prefill wave past
     the persistent kernel's threshold: plain, with a bias (Qwen2's qkv), with the residual (o / down), and the
-    gate|up projection with its activation."""
+    gate|up projection with its activation. Also a [256 x 1024] weight at 200 and 300 rows and a [6144 x 256]
+    one at 256, where MEMRA_LINEAR_SHAPED's table takes its other tiles (triton.linear_shaped's candidates:
+    64x64 and the persistent 128x128, then the bucket kernel's 128x128)."""
     e, f = 64, 96
     w, w_gate_up = torch.randn(e, e).to(dtype), torch.randn(2 * f, e).to(dtype)
     for m in (1, 300):
@@ -327,6 +330,14 @@ def drive_dense(table, dtype) -> None:
         table.linear(x, w, torch.zeros(e, dtype=dtype))
         table.linear_add(x, w, x)
         table.linear_silu_mul(x, w_gate_up)
+    wide, wide_gate_up = torch.randn(256, 1024).to(dtype), torch.randn(512, 1024).to(dtype)
+    for m in (200, 300):
+        x = torch.randn(m, 1024).to(dtype)
+        table.linear(x, wide)
+        table.linear(x, wide, torch.zeros(256, dtype=dtype))
+        table.linear_add(x, wide, torch.randn(m, 256).to(dtype))
+        table.linear_silu_mul(x, wide_gate_up)
+    table.linear_add(torch.randn(256, 256).to(dtype), torch.randn(6144, 256).to(dtype), torch.randn(256, 6144).to(dtype))
 
 
 def tiny_models(dtype) -> list:

@@ -124,7 +124,7 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
     from memra.decode_plan import decode_plan
 
     out(f"decode plan: {decode_plan(model)} (MEMRA_DECODE_PLAN=auto|row|stacked|bucket)")
-    broken = platform_report(model.dtype, model.device, model.ops.persistent_linear)
+    broken = platform_report(model.dtype, model.device, model.ops.linear_family)
     out("platform self-test: " + ("every probe is position-invariant" if not broken else
                                   f"probes that change bits with position (informational; plans are checked on the "
                                   f"model itself): {', '.join(broken)}"))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from memra.errors import MemraError
 from memra.kernels import quant, reference
 from memra.kernels.cuts import TILE
-from memra.kernels.table import triton_ops
+from memra.kernels.table import linear_module, triton_ops
 
 
 class ExactnessError(MemraError):
@@ -41,10 +41,11 @@ def _check(name: str, a: torch.Tensor, b: torch.Tensor, failures: list[str]) -> 
 
 @torch.inference_mode()
 def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tuple[int, int], ...] = ((256, 64), (640, 256)),
-              persistent_linear: bool = False) -> list[str]:
+              linear_family: str = "bucket") -> list[str]:
     """Check, on this device and dtype, every invariance the exact plans rely on. Returns failed checks.
-    persistent_linear: the dense linears as a model with MEMRA_LINEAR_PERSISTENT runs them (the persistent
-    kernel above 256 rows) are what the Triton probes hold to each other."""
+    linear_family (KernelTable.linear_family): the dense linears as the model runs them ('persistent': the
+    persistent kernel above 256 rows; 'shaped': with triton.linear_shaped's tiles) are what the Triton probes
+    hold to each other."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     failures: list[str] = []
@@ -80,23 +81,22 @@ def self_test(dtype: torch.dtype, device: torch.device | str, shapes: tuple[tupl
             padded = torch.cat((rnd(1, lead).float(), v), dim=1)
             _check(f"{name} at offset {lead}", fn(padded)[:, lead:], alone, failures)
     if torch.device(device).type == "cuda":
-        _triton_probes(rnd, failures, persistent_linear)
+        _triton_probes(rnd, failures, linear_family)
     return failures
 
 
-def _triton_probes(rnd, failures: list[str], persistent_linear: bool = False) -> None:
+def _triton_probes(rnd, failures: list[str], linear_family: str = "bucket") -> None:
     """The batch-invariant kernels' promise, probed at the model's kind of shapes: a row's bits in
     calls of 1..TILE rows, and a row alone vs inside a full tile. Named 'triton ...' so the decode
-    plan can refuse stacking on exactly these failures. With persistent_linear the 600-row calls (and
-    the 300-row ones) run the persistent kernel, so its rows are held to every bucket's."""
+    plan can refuse stacking on exactly these failures. With the persistent family the 600-row calls (and
+    the 300-row ones) run the persistent kernel, so its rows are held to every bucket's; with the shaped family
+    the [1024 x 4096] weight takes its other tiles (64x64 at 100 rows, 128x128 at 300 and 600)."""
     tk = triton_ops()
     if tk is None:
         return
-    from memra.kernels.triton import linear as linear_triton  # Triton is present
-
-    if persistent_linear:
-        from memra.kernels.triton import linear_persistent as linear_triton  # noqa: F811 -- routes as the table does
+    linear_triton = linear_module(linear_family)  # routes as the table does (Triton is present)
     tk = types.SimpleNamespace(**{**vars(tk), "linear": linear_triton.linear})
+    persistent_linear = linear_family != "bucket"
 
     wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):
@@ -178,17 +178,17 @@ def _moe_probes(rnd, tk, failures: list[str]) -> None:
                moe_triton.moe_experts(x[rows].clone(), weights[rows], ids[rows], w_gate_up, w_down), full[rows], failures)
 
 
-# Memo of self_test results per (device type, dtype, persistent linear): a property of the platform and
+# Memo of self_test results per (device type, dtype, linear family): a property of the platform and
 # of the kernels a model runs, computed once per process.
-_VERIFIED: dict[tuple[str, str, bool], list[str]] = {}
+_VERIFIED: dict[tuple[str, str, str], list[str]] = {}
 
 
-def platform_report(dtype: torch.dtype, device: torch.device | str, persistent_linear: bool = False) -> list[str]:
-    """The self-test's failures for this (device type, dtype), computed once per process; persistent_linear:
-    for a model whose table runs the persistent linear (KernelTable.persistent_linear)."""
-    key = (str(torch.device(device).type), str(dtype), persistent_linear)
+def platform_report(dtype: torch.dtype, device: torch.device | str, linear_family: str = "bucket") -> list[str]:
+    """The self-test's failures for this (device type, dtype), computed once per process; linear_family:
+    the dense linears' family of the model's table (KernelTable.linear_family)."""
+    key = (str(torch.device(device).type), str(dtype), linear_family)
     if key not in _VERIFIED:
-        _VERIFIED[key] = self_test(dtype, device, persistent_linear=persistent_linear)
+        _VERIFIED[key] = self_test(dtype, device, linear_family=linear_family)
     return _VERIFIED[key]
 
 

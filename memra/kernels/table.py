@@ -28,6 +28,7 @@ shared helpers; memra.kernels.exact (the self-test) imports the table.
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 from dataclasses import dataclass, field
 
@@ -38,9 +39,8 @@ from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
 
-# The Triton families are imported in the loaders below rather than at the top: Triton is an optional
-# dependency (absent on CPU-only machines, where the table never asks for them), and importing it costs
-# time a CPU run need not pay.
+# The Triton families are imported in the loaders below, not at the top: Triton is optional (absent on
+# CPU-only machines, where the table never asks for them), and importing it costs a CPU run time.
 
 
 @functools.cache
@@ -66,18 +66,13 @@ def triton_ops() -> types.SimpleNamespace | None:
 
 # The families the table calls as modules (attributes looked up per call), importable wherever
 # triton_ops() is not None: each needs only Triton.
-@functools.cache
-def _linear_triton():
-    from memra.kernels.triton import linear as linear_triton
-
-    return linear_triton
+LINEAR_FAMILIES = {"bucket": "linear", "persistent": "linear_persistent", "shaped": "linear_shaped"}
 
 
 @functools.cache
-def _linear_persistent():
-    from memra.kernels.triton import linear_persistent
-
-    return linear_persistent
+def linear_module(family: str):
+    """The module of a dense linear family (KernelTable.linear_family): its `linear` and `linear_silu_mul`."""
+    return importlib.import_module(f"memra.kernels.triton.{LINEAR_FAMILIES[family]}")
 
 
 @functools.cache
@@ -134,8 +129,8 @@ class KernelTable:
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
-    # dense linears of more than 256 rows as the persistent kernel (MEMRA_LINEAR_PERSISTENT; triton.linear_persistent)
-    persistent_linear: bool = False
+    persistent_linear: bool = False  # dense linears past 256 rows on the persistent kernel (MEMRA_LINEAR_PERSISTENT)
+    shaped_linear: bool = False  # their tiles chosen from N and K as well as M (MEMRA_LINEAR_SHAPED)
     batched_logprobs: bool = False  # the sampler's logprobs over every asking row at once (MEMRA_BATCHED_LOGPROBS)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
@@ -146,9 +141,10 @@ class KernelTable:
         triton = cuda and settings.triton and triton_ops() is not None
         persistent = triton and settings.exact and settings.linear_persistent
         if persistent:  # the descriptors' scratch, in the loading thread's context (others install it at launch)
-            _linear_persistent().install_scratch()
+            linear_module("persistent").install_scratch()
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
-                   persistent_linear=persistent, batched_logprobs=cuda and settings.batched_logprobs,
+                   persistent_linear=persistent, shaped_linear=persistent and settings.linear_shaped,
+                   batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
@@ -210,10 +206,14 @@ class KernelTable:
             return reference.linear(x, w, b)
         return self._dense().linear(x, w, b)
 
+    @property
+    def linear_family(self) -> str:
+        """The invariant dense linears' family (LINEAR_FAMILIES; the self-test's key): 'bucket' triton.linear,
+        'persistent' its large calls persistent, 'shaped' the tiles chosen from the whole shape."""
+        return "shaped" if self.shaped_linear else "persistent" if self.persistent_linear else "bucket"
+
     def _dense(self):
-        """The invariant dense linears' family: triton.linear, or with MEMRA_LINEAR_PERSISTENT
-        triton.linear_persistent (its large calls persistent, the rest triton.linear's)."""
-        return _linear_persistent() if self.persistent_linear else _linear_triton()
+        return linear_module(self.linear_family)
 
     def linear_add(self, x, w, residual):
         """residual + linear(x, w), with the bits of the two ops apart: the add in the invariant

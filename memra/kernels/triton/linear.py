@@ -115,7 +115,20 @@ def linear_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]
     shared memory (stages only overlap loads with math; they do not change the K order or the bits)."""
     if _interpreting():
         return LINEAR_INTERPRET_CONFIG
+    return bucket_config(m, elem_bytes)
+
+
+def bucket_config(m: int, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """The GPU's tile for an M-row call: LINEAR_BUCKETS', its stages fitted to the dtype."""
     bm, bn, bk, warps, stages = next(cfg for top, cfg in LINEAR_BUCKETS if top is None or m <= top)
+    return bm, bn, bk, warps, _fit_stages(bm, bn, bk, elem_bytes, stages)
+
+
+def _tile(m: int, elem_bytes: int, config: tuple | None) -> tuple[int, int, int, int, int]:
+    """linear_config(m), or `config` with its stages fitted to the dtype (the interpreter keeps its one tile)."""
+    if config is None or _interpreting():
+        return linear_config(m, elem_bytes)
+    bm, bn, bk, warps, stages = config
     return bm, bn, bk, warps, _fit_stages(bm, bn, bk, elem_bytes, stages)
 
 
@@ -126,10 +139,11 @@ def _fit_stages(bm: int, weight_cols: int, bk: int, elem_bytes: int, stages: int
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ b) -> [..., N] in x's dtype; fp32 accumulation, M-invariant. With
     `residual` [..., N]: residual + that, in the epilogue, with the bits of the add done apart (the
-    block's residual add after its down projection, one launch fewer per layer)."""
+    block's residual add after its down projection, one launch fewer per layer). `config`: another tile
+    than the bucket's (triton.linear_shaped's choice; any tile gives the same bits)."""
     lead, x2, w = _operands(x, w)
     m, n, k = x2.shape[0], w.shape[0], x2.shape[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -137,7 +151,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     if r.stride(-1) != 1:
         r = r.contiguous()
     if m:
-        bm, bn, bk, warps, stages = linear_config(m, x.element_size())
+        bm, bn, bk, warps, stages = _tile(m, x.element_size(), config)
         _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x2, w, b if b is not None else w, r, y, m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0),
             HAS_BIAS=b is not None, HAS_RESIDUAL=residual is not None, IEEE=x.dtype == torch.float32 or _interpreting(),
@@ -145,7 +159,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return y.reshape(*lead, n)
 
 
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
     """silu(x @ w[:F]^T) * (x @ w[F:]^T) -> [..., F] in x's dtype, w [2F, K] (gate rows, then up rows):
     SwiGLU's projection and activation in one launch, with the bits of `linear` then
     triton.activation.silu_mul, and no [T, 2F] product in memory. A program reads a gate tile and an up
@@ -157,7 +171,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, f, k = x2.shape[0], w.shape[0] // 2, x2.shape[1]
     y = torch.empty(m, f, dtype=x.dtype, device=x.device)
     if m:
-        bm, bn, bk, warps, stages = linear_config(m, x.element_size())
+        bm, bn, bk, warps, stages = _tile(m, x.element_size(), config)
         if not _interpreting():
             bn = max(16, bn // 2)
             stages = _fit_stages(bm, 2 * bn, bk, x.element_size(), stages)
