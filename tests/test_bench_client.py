@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from memra.errors import MemraError
 from memra.bench.serve_checks import check_against_offline, check_metrics, engine_time, list_models, scrape_metrics
 from memra.bench.serve_client import _plan, auto_client_processes, make_prompts, run_serve_bench
-from memra.bench.serve_report import ServeBenchConfig
+from memra.bench.serve_report import RequestResult, ServeBenchConfig, ServeBenchReport
 from memra.cli import main
 
 MODEL = "fake-echo"
@@ -208,12 +208,32 @@ def test_clean_server_every_request_accounted_for():
                                                   for r in report.results if r.state == "completed")
     assert report.output_tokens_per_s > 0 and report.ttft_p50 is not None and report.latency_p99 is not None
     assert report.ttft_p50 <= report.ttft_p99 and report.latency_p50 <= report.latency_p99
+    start, end = report.steady_window()  # the closed loop keeps every slot busy until its last requests
+    assert start < end and report.steady_output_tokens_per_s > 0 and "steady" in report.table()
     summary = json.loads(json.dumps(report.to_json(per_request=True)))
     assert summary["lost"] == 0 and len(summary["results"]) == CFG.requests
     assert "lost 0" in report.table()
     # request_success is exported under two label sets (finish_reason="length" / "stop"): one sum
     assert after["memra:request_success_total"] - before.get("memra:request_success_total", 0) >= report.completed
     assert after["memra:request_success_total"] <= CFG.requests
+
+
+def test_the_steady_rate_counts_only_the_span_with_every_slot_busy():
+    """Concurrency 2: requests 0 and 1 start together, 2 takes 0's slot when it ends, 1 ends last. Every slot
+    is busy from 0.0 to 1.0 (0's end), again from 1.0 (2's start) to 3.0 (1's end: no request follows):
+    the window is 0.0 to 3.0 and only chunks inside it count, weighted by tokens per chunk."""
+    def done(i, sent, ended, text_at, tokens):
+        return RequestResult(index=i, prompt="p", max_tokens=8, stream=True, finish_reason="length", sent_at=sent,
+                             ended_at=ended, text_at=text_at, usage={"completion_tokens": tokens, "prompt_tokens": 1})
+
+    results = [done(0, 0.0, 1.0, [0.5, 1.0], 4), done(1, 0.0, 3.0, [1.5, 2.5], 2), done(2, 1.0, 4.0, [2.0, 3.5], 2)]
+    report = ServeBenchReport(results, 4.0, ServeBenchConfig(requests=3, concurrency=2))
+    assert report.steady_window() == (0.0, 3.0) and report.steady_window_s == 3.0
+    assert report.steady_output_tokens_per_s == pytest.approx((4 + 2 + 1) / 3.0)  # request 2: one chunk of two in
+    assert report.output_tokens_per_s == 8 / 4.0
+    lonely = ServeBenchReport(results[:1], 1.0, ServeBenchConfig(requests=1, concurrency=2))  # never two in flight
+    assert lonely.steady_window() is None and lonely.steady_output_tokens_per_s is None
+    assert "steady" not in lonely.table() and lonely.to_json()["steady_output_tokens_per_s"] is None
 
 
 def test_client_processes_share_the_load_and_every_request_comes_back_in_plan_order():

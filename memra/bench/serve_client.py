@@ -111,6 +111,7 @@ def _take_chunk(res: RequestResult, chunk, t0: float) -> None:
             if res.ttft_s is None:
                 res.ttft_s = time.perf_counter() - t0
             res.text += text
+            res.text_at.append(time.time())
         if finish is not None:
             if res.finish_reason is not None:
                 res.anomalies.append(f"a second finish_reason {finish!r} after {res.finish_reason!r}")
@@ -177,7 +178,7 @@ async def _one(client, model: str, res: RequestResult, timeout_s: float) -> Requ
     body = {"model": model, "prompt": res.prompt, "max_tokens": res.max_tokens, "temperature": 0, "stream": res.stream}
     if res.stream:
         body["stream_options"] = {"include_usage": True}
-    t0 = time.perf_counter()
+    t0, res.sent_at = time.perf_counter(), time.time()
     try:
         async with asyncio.timeout(timeout_s):
             if res.stream:
@@ -190,7 +191,7 @@ async def _one(client, model: str, res: RequestResult, timeout_s: float) -> Requ
         res.error = str(e)
     except Exception as e:  # connection refused/reset, a protocol error: recorded, the run goes on
         res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    res.latency_s = time.perf_counter() - t0
+    res.latency_s, res.ended_at = time.perf_counter() - t0, time.time()
     return res
 
 

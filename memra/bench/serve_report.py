@@ -71,6 +71,10 @@ class RequestResult:
     status: int | None = None  # HTTP status of the response, when one came
     chunks: int = 0  # SSE data chunks received ([DONE] not counted); a non-streamed body counts as 1
     anomalies: list[str] = field(default_factory=list)  # protocol violations: a second finish, text after it, ...
+    # wall-clock times (time.time(): one clock for every client process): sent, ended, each text chunk's arrival
+    sent_at: float | None = None
+    ended_at: float | None = None
+    text_at: list[float] = field(default_factory=list)
 
     @property
     def state(self) -> str:
@@ -139,6 +143,43 @@ class ServeBenchReport:
     def output_tokens_per_s(self) -> float:
         return self.client_completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    def steady_window(self) -> tuple[float, float] | None:
+        """(start, end) of the span with every one of the concurrency's requests in flight: from the moment the
+        in-flight count first reaches it to the last end after which it never does again. Outside it the
+        server ramps up (the first prefills) or drains (the last answers, fewer rows a step) -- what a
+        closed-loop run of few requests mixes into its rate. None without a config or a full span."""
+        if self.config is None:
+            return None
+        events = sorted([(r.sent_at, 1) for r in self.results if r.sent_at is not None and r.ended_at is not None]
+                        + [(r.ended_at, -1) for r in self.results if r.sent_at is not None and r.ended_at is not None],
+                        key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+        live, start, end = 0, None, None
+        for t, step in events:
+            if step < 0 and live == self.config.concurrency:
+                end = t
+            live += step
+            if live == self.config.concurrency and start is None:
+                start = t
+        return (start, end) if start is not None and end is not None and end > start else None
+
+    @property
+    def steady_window_s(self) -> float | None:
+        window = self.steady_window()
+        return None if window is None else window[1] - window[0]
+
+    @property
+    def steady_output_tokens_per_s(self) -> float | None:
+        """Output tokens a second inside steady_window, from the completed streams' text chunks (each chunk
+        weighted by its request's completion tokens over its chunks); None without such a window or streams."""
+        window = self.steady_window()
+        streams = [r for r in self._in("completed") if r.stream and r.text_at]
+        if window is None or not streams:
+            return None
+        t0, t1 = window
+        tokens = sum(_usage_int(r.usage, "completion_tokens") * sum(t0 <= t <= t1 for t in r.text_at) / len(r.text_at)
+                     for r in streams)
+        return tokens / (t1 - t0)
+
     def _ttfts(self) -> list[float]:
         # cancelled streams did see their first token, so their TTFT is as real as a completed one's
         return [r.ttft_s for r in self.results if r.ttft_s is not None and r.state in ("completed", "cancelled")]
@@ -167,6 +208,8 @@ class ServeBenchReport:
             "requests": len(self.results), "completed": self.completed, "cancelled": self.cancelled,
             "errors": self.errors, "lost": self.lost, "duplicated": self.duplicated, "wall_s": self.wall_s,
             "output_tokens_per_s": self.output_tokens_per_s, "client_prompt_tokens": self.client_prompt_tokens,
+            "steady_output_tokens_per_s": self.steady_output_tokens_per_s,
+            "steady_window_s": self.steady_window_s,
             "client_completion_tokens": self.client_completion_tokens,
             "ttft_p50_s": self.ttft_p50, "ttft_p99_s": self.ttft_p99,
             "latency_p50_s": self.latency_p50, "latency_p99_s": self.latency_p99,
@@ -191,6 +234,8 @@ class ServeBenchReport:
                                                   else ""),
             f"output      {self.output_tokens_per_s:.1f} tok/s  ({self.client_completion_tokens} completion + "
             f"{self.client_prompt_tokens} prompt tokens over completed requests)",
+            *([f"steady      {steady:.1f} tok/s  (the {self.steady_window_s:.2f} s with all {self.config.concurrency} "
+               "requests in flight; streams only)"] if (steady := self.steady_output_tokens_per_s) is not None else []),
             f"TTFT        p50 {ms(self.ttft_p50)}  p99 {ms(self.ttft_p99)}",
             f"latency     p50 {ms(self.latency_p50)}  p99 {ms(self.latency_p99)}",
         ]
