@@ -9,8 +9,9 @@ What fixes a row's bits is the K order, not the tile (triton.linear's notes: eve
 reference tile's bits, re-checked by the self-test), so the tile can follow N and K as well as M.
 
 The choice is a small cost model, computed once per shape: a call of `tiles` output tiles on `sms` SMs runs
-ceil(tiles / sms) waves; a wave takes K times its tile's time per k step (each candidate's, measured on an
-H100: docs/PERFORMANCE.md); the whole call takes no less than its weights' read at HBM. Of the candidates
+ceil(tiles / sms) waves; a wave takes K times its tile's time per k step (each candidate's, fitted to one
+H100 sweep of every projection at 128-772 rows, docs/PERFORMANCE.md); the whole call takes no less than its
+weights' read at HBM. Of the candidates
 (today's tile first) the cheapest is taken, and today's is kept unless another is predicted SWITCH_GAIN
 faster. The model only ranks tiles; it never touches bits. tools/gpu_tune_shaped.py times the candidates.
 
@@ -33,7 +34,7 @@ from memra.kernels.triton.common import _interpreting
 HBM = 2.7e12  # bytes/s of weights one call streams at best (H100: 2.5-2.8 TB/s in the tiles' single waves)
 SWITCH_GAIN = 0.9  # another tile replaces today's only if predicted at most this fraction of its time
 SHAPED_ABOVE = 64  # calls of at most this many rows keep the bucket kernel's tile (at the weights' read rate)
-# (tile, seconds one tile takes per k step in bf16, measured in one wave on an H100); today's tile first.
+# (tile, seconds one tile takes per k step in bf16, fitted to that H100 sweep); today's tile first.
 # The bucket kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for 65-256 rows: 64x64 with six stages
 # keeps as many bytes in flight as 64x128 with four.
 BUCKET_TILES = (((64, 128, 128, 4, 4), 5.2e-9), ((64, 64, 128, 4, 6), 3.5e-9), ((128, 128, 64, 8, 4), 8.5e-9))
