@@ -209,22 +209,24 @@ def persistent_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """triton.linear.linear's contract and bits; more than PERSISTENT_ABOVE rows through the persistent kernel."""
+           residual: torch.Tensor | None = None, tile=None) -> torch.Tensor:
+    """triton.linear.linear's contract and bits; more than PERSISTENT_ABOVE rows through the persistent kernel.
+    tile: None (the frozen tiles), or (m, n, k, persistent) -> the call's tile (triton.linear_shaped's choice)."""
     lead, x2, w = bucket._operands(x, w)
-    m, n = x2.shape[0], w.shape[0]
+    m, n, k = x2.shape[0], w.shape[0], x2.shape[1]
     r = residual.reshape(m, n) if residual is not None else None
     if r is not None and r.stride(-1) != 1:
         r = r.contiguous()
     if m <= PERSISTENT_ABOVE or not describable(x2, w) or (n * x.element_size()) % 16:
-        return bucket.linear(x, w, b, residual)
-    return persistent_linear(x2, w, b, r).reshape(*lead, n)
+        return bucket.linear(x, w, b, residual, config=tile and tile(m, n, k, False))
+    return persistent_linear(x2, w, b, r, config=tile and tile(m, n, k, True)).reshape(*lead, n)
 
 
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """triton.linear.linear_silu_mul's contract and bits; more than PERSISTENT_ABOVE rows through the persistent kernel."""
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, tile=None) -> torch.Tensor:
+    """triton.linear.linear_silu_mul's contract and bits; more than PERSISTENT_ABOVE rows through the persistent
+    kernel. tile: as `linear`'s, asked with n = 2F (a program's gate and up tiles together)."""
     lead, x2, w = bucket._operands(x, w)
-    m, f = x2.shape[0], w.shape[0] // 2
+    m, f, k = x2.shape[0], w.shape[0] // 2, x2.shape[1]
     if m <= PERSISTENT_ABOVE or not describable(x2, w, w[f:]) or (f * x.element_size()) % 16:
-        return bucket.linear_silu_mul(x, w)
-    return persistent_linear(x2, w, swiglu=True).reshape(*lead, f)
+        return bucket.linear_silu_mul(x, w, config=tile and tile(m, 2 * f, k, False))
+    return persistent_linear(x2, w, swiglu=True, config=tile and tile(m, 2 * f, k, True)).reshape(*lead, f)

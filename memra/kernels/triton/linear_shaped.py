@@ -78,30 +78,22 @@ def _sms(x: torch.Tensor) -> int:
     return persistent._sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def _chooser(x: torch.Tensor):
+    """(m, n, k, persistent) -> the tile for a call on x's device and dtype; None under the interpreter (its one
+    tile: its numpy dot sums in an order set by the tile)."""
+    if _interpreting():
+        return None
+    sms, elem_bytes = _sms(x), x.element_size()
+    return lambda m, n, k, persistent: (persistent_tile if persistent else bucket_tile)(m, n, k, sms, elem_bytes)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """triton.linear_persistent.linear's routing, contract and bits, with the tile from bucket_tile or
-    persistent_tile (under the interpreter, its one tile: its numpy dot sums in an order set by the tile)."""
-    lead, x2, w = bucket._operands(x, w)
-    m, n, k = x2.shape[0], w.shape[0], x2.shape[1]
-    if _interpreting():
-        return persistent.linear(x, w, b, residual)
-    r = residual.reshape(m, n) if residual is not None else None
-    if r is not None and r.stride(-1) != 1:
-        r = r.contiguous()
-    if m > persistent.PERSISTENT_ABOVE and persistent.describable(x2, w) and (n * x.element_size()) % 16 == 0:
-        tile = persistent_tile(m, n, k, _sms(x2), x.element_size())
-        return persistent.persistent_linear(x2, w, b, r, config=tile).reshape(*lead, n)
-    return bucket.linear(x, w, b, residual, config=bucket_tile(m, n, k, _sms(x2), x.element_size()))
+    persistent_tile."""
+    return persistent.linear(x, w, b, residual, tile=_chooser(x))
 
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """triton.linear_persistent.linear_silu_mul's routing, contract and bits, the tile chosen as `linear`'s."""
-    lead, x2, w = bucket._operands(x, w)
-    m, f, k = x2.shape[0], w.shape[0] // 2, x2.shape[1]
-    if _interpreting():
-        return persistent.linear_silu_mul(x, w)
-    if m > persistent.PERSISTENT_ABOVE and persistent.describable(x2, w, w[f:]) and (f * x.element_size()) % 16 == 0:
-        tile = persistent_tile(m, 2 * f, k, _sms(x2), x.element_size())
-        return persistent.persistent_linear(x2, w, swiglu=True, config=tile).reshape(*lead, f)
-    return bucket.linear_silu_mul(x, w, config=bucket_tile(m, 2 * f, k, _sms(x2), x.element_size()))
+    return persistent.linear_silu_mul(x, w, tile=_chooser(x))
