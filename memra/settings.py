@@ -84,6 +84,7 @@ class Settings:
     cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     linear_shaped: bool = False  # the dense linears' tiles chosen from N and K as well as M (triton.linear_shaped)
+    linear_cublas: bool = False  # the dense linears on cuBLASLt without split-K, probed at load (triton.linear_cublas)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
@@ -99,6 +100,9 @@ class Settings:
         if self.linear_shaped and not self.linear_persistent:
             raise MemraError("MEMRA_LINEAR_SHAPED=1 needs MEMRA_LINEAR_PERSISTENT=1: it chooses the persistent kernel's "
                              "tile for calls of more than 256 rows")
+        if self.linear_cublas and self.linear_shaped:
+            raise MemraError("MEMRA_LINEAR_CUBLAS=1 and MEMRA_LINEAR_SHAPED=1 name two different dense linears; "
+                             "set one of them")
         if self.mixed_tokens not in MIXED_TOKEN_LIMITS:
             raise MemraError(f"MEMRA_MIXED_TOKENS={self.mixed_tokens} is not one of "
                              f"{', '.join(map(str, MIXED_TOKEN_LIMITS))}")
@@ -122,6 +126,7 @@ class Settings:
             cpu_flin=flag(e, "MEMRA_CPU_FLIN", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             linear_shaped=flag(e, "MEMRA_LINEAR_SHAPED", False),
+            linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", False),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
@@ -164,7 +169,7 @@ class Settings:
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
-                "MEMRA_LINEAR_SHAPED": on(self.linear_shaped),
+                "MEMRA_LINEAR_SHAPED": on(self.linear_shaped), "MEMRA_LINEAR_CUBLAS": on(self.linear_cublas),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
                 "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs),
                 **self.pp_env}
@@ -214,6 +219,11 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "as M, by a cost model of waves over the SMs (memra.kernels.triton.linear_shaped): at 128-512 rows the narrow "
      "projections (o, down, qkv) then leave fewer SMs idle; the same bits (a tile never changes them); needs "
      "MEMRA_LINEAR_PERSISTENT=1; off until a GPU run shows it faster"),
+    ("MEMRA_LINEAR_CUBLAS", "0", "1 = on CUDA in exact mode, the dense linears on cuBLASLt with split-K forbidden "
+     "(memra.kernels.triton.linear_cublas), another bit reference: at load every dense weight shape of the model is "
+     "run at every row count a step can give it (1-1,024, then every 8th to 4,096) and the load is refused in one "
+     "line if any row's bits change with the row count; SwiGLU's activation and the residual add run apart; sets "
+     "torch's cuBLAS flags for the process; not with MEMRA_LINEAR_SHAPED; off until a GPU run shows it faster"),
     ("MEMRA_MIXED_DECODE_WIDTH", "0", "1 = a captured mixed step's decode rows read a block table of their own width "
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "

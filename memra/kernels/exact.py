@@ -94,9 +94,11 @@ def _triton_probes(rnd, failures: list[str], linear_family: str = "bucket") -> N
     tk = triton_ops()
     if tk is None:
         return
-    linear_triton = linear_module(linear_family)  # routes as the table does (Triton is present)
+    # routes as the table does (Triton is present); 'cublas' has its rows held at load to the model's own shapes
+    # (triton.linear_cublas.require_rows), and the bucket kernel probed here stays the grouped MoE kernels' meaning
+    linear_triton = linear_module("bucket" if linear_family == "cublas" else linear_family)
     tk = types.SimpleNamespace(**{**vars(tk), "linear": linear_triton.linear})
-    persistent_linear = linear_family != "bucket"
+    persistent_linear = linear_family in ("persistent", "shaped")
 
     wide = 600  # beyond the largest M bucket, so every bucket's tile is held to the same rows
     for n_out, k in ((256, 64), (640, 256), (1024, 4096)):

@@ -66,55 +66,19 @@ def triton_ops() -> types.SimpleNamespace | None:
 
 # The families the table calls as modules (attributes looked up per call), importable wherever
 # triton_ops() is not None: each needs only Triton.
-LINEAR_FAMILIES = {"bucket": "linear", "persistent": "linear_persistent", "shaped": "linear_shaped"}
+LINEAR_FAMILIES = {"bucket": "linear", "persistent": "linear_persistent", "shaped": "linear_shaped",
+                   "cublas": "linear_cublas"}
 
 
 @functools.cache
+def triton_module(name: str):
+    """memra.kernels.triton.<name>, imported on first use (wherever the table asks for one, Triton is present)."""
+    return importlib.import_module(f"memra.kernels.triton.{name}")
+
+
 def linear_module(family: str):
     """The module of a dense linear family (KernelTable.linear_family): its `linear` and `linear_silu_mul`."""
-    return importlib.import_module(f"memra.kernels.triton.{LINEAR_FAMILIES[family]}")
-
-
-@functools.cache
-def _quant_triton():
-    from memra.kernels.triton import quant as quant_triton
-
-    return quant_triton
-
-
-@functools.cache
-def _gdn_triton():
-    from memra.kernels.triton import gdn
-
-    return gdn
-
-
-@functools.cache
-def _conv_triton():
-    from memra.kernels.triton import conv
-
-    return conv
-
-
-@functools.cache
-def _gdn_heads_triton():
-    from memra.kernels.triton import gdn_heads
-
-    return gdn_heads
-
-
-@functools.cache
-def _moe_triton():
-    from memra.kernels.triton import moe
-
-    return moe
-
-
-@functools.cache
-def _sample_triton():
-    from memra.kernels.triton import sampling
-
-    return sampling
+    return triton_module(LINEAR_FAMILIES[family])
 
 
 @dataclass(frozen=True)
@@ -131,6 +95,7 @@ class KernelTable:
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
     persistent_linear: bool = False  # dense linears past 256 rows on the persistent kernel (MEMRA_LINEAR_PERSISTENT)
     shaped_linear: bool = False  # their tiles chosen from N and K as well as M (MEMRA_LINEAR_SHAPED)
+    cublas_linear: bool = False  # the dense linears on cuBLASLt without split-K, probed at load (MEMRA_LINEAR_CUBLAS)
     batched_logprobs: bool = False  # the sampler's logprobs over every asking row at once (MEMRA_BATCHED_LOGPROBS)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
@@ -144,6 +109,7 @@ class KernelTable:
             linear_module("persistent").install_scratch()
         return cls(invariant=triton and settings.exact, triton=triton, exact=settings.exact,
                    persistent_linear=persistent, shaped_linear=persistent and settings.linear_shaped,
+                   cublas_linear=triton and settings.exact and settings.linear_cublas,
                    batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
@@ -199,7 +165,7 @@ class KernelTable:
                 if self.qdot and x.device.type == "cpu" and cpu_qdot.supports(w) and cpu_qdot.library() is not None:
                     return cpu_qdot.linear(x, w, b)
                 return quant.tiled_linear(x, w, b, self.scratch, self.linear)  # tiles: the plain weight's linear
-            return _quant_triton().linear(x, w, b)
+            return triton_module("quant").linear(x, w, b)
         if self.flin and not self._gpu(x) and cpu_flin.supports(x, w):  # CPU fp32: a row's bits at any row count
             return cpu_flin.linear(x, w, b)
         if self._impl(x) is reference:
@@ -209,8 +175,10 @@ class KernelTable:
     @property
     def linear_family(self) -> str:
         """The invariant dense linears' family (LINEAR_FAMILIES; the self-test's key): 'bucket' triton.linear,
-        'persistent' its large calls persistent, 'shaped' the tiles chosen from the whole shape."""
-        return "shaped" if self.shaped_linear else "persistent" if self.persistent_linear else "bucket"
+        'persistent' its large calls persistent, 'shaped' the tiles chosen from the whole shape, 'cublas'
+        cuBLASLt without split-K (configured, and its rows held to the model's shapes, at load: memra.model.hybrid)."""
+        return ("cublas" if self.cublas_linear else "shaped" if self.shaped_linear
+                else "persistent" if self.persistent_linear else "bucket")
 
     def _dense(self):
         return linear_module(self.linear_family)
@@ -255,7 +223,7 @@ class KernelTable:
     def _conv(self, u):
         # the same for every GDN path of the model (triton.conv: a prompt's, a verify's and a decode
         # step's tokens then share their bits)
-        return _conv_triton() if self._triton_on(u) else reference
+        return triton_module("conv") if self._triton_on(u) else reference
 
     def causal_conv(self, u, state, w):
         return self._conv(u).causal_conv(u, state, w)
@@ -275,7 +243,7 @@ class KernelTable:
         """reference.gdn_heads; one Triton launch wherever Triton runs on CUDA (triton.gdn_heads), which
         every GDN path of a model then shares."""
         if self._triton_on(mixed):
-            return _gdn_heads_triton().gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
+            return triton_module("gdn_heads").gdn_heads(mixed, b, a, a_neg, dt_bias, n_k_heads, n_v_heads, dk, dv)
         if self._cpu_gdn(mixed, dk):  # q / k in C (cpu_gdn), v and the gates as the reference makes them
             q, k = cpu_gdn.heads_rows(mixed, n_k_heads, n_v_heads, dk)
             v = mixed[:, 2 * n_k_heads * dk:].reshape(mixed.shape[0], n_v_heads, dv).float()
@@ -313,7 +281,7 @@ class KernelTable:
     def _chunked_gdn(self, q):
         # The Triton form where the invariant kernels run (MEMRA_GDN_KERNEL=0 is the door back): same chunks
         # at the same absolute cuts as the reference's loop, so a token's bits still do not depend on its piece.
-        return _gdn_triton() if self.gdn_kernel and self._gpu(q) else reference
+        return triton_module("gdn") if self.gdn_kernel and self._gpu(q) else reference
 
     def gdn_prefill(self, q, k, v, beta, g, state, pos0):
         return self._chunked_gdn(q).gdn_prefill(q, k, v, beta, g, state, pos0)
@@ -366,7 +334,7 @@ class KernelTable:
         device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
         248k vocabulary, in 5.8 ms against 45 ms row by row."""
         if self.sample_kernel and self._gpu(logits):
-            return _sample_triton().sample_batch(logits, list(samps))
+            return triton_module("sampling").sample_batch(logits, list(samps))
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_route(self, router_logits, top_k, normalize, dtype, bias=None):
@@ -378,7 +346,7 @@ class KernelTable:
             ids, order = ids.sort(dim=-1)  # ascending, as the grouped kernels sum them
             return weights.gather(1, order), ids
         if self.invariant and self._gpu(router_logits):
-            return _moe_triton().moe_route(router_logits, top_k, normalize, dtype)
+            return triton_module("moe").moe_route(router_logits, top_k, normalize, dtype)
         return reference.moe_route(router_logits, top_k, normalize, dtype)
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None, act=None, scale=1.0):
@@ -389,9 +357,9 @@ class KernelTable:
         so a Step step is captured as a Qwen MoE step is)."""
         if self.grouped_moe_weights(w_gate_up) and self._gpu(x):
             if act is None and scale == 1.0:
-                return _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=residual,
-                                                 ascending=True)
-            out = _moe_triton().moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, act=act)
+                return triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared,
+                                                        residual=residual, ascending=True)
+            out = triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, act=act)
         else:
             out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,
                                          silu_mul_fn=act or self.silu_mul)

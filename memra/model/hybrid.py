@@ -18,7 +18,7 @@ from memra.pools import KvBudget, ModelPools
 from memra.settings import Settings
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
-from memra.kernels.table import KernelTable
+from memra.kernels.table import KernelTable, linear_module
 from memra.model.block import Block
 from memra.model.context import Segments, StackedStep, StepContext
 from memra.model.mtp import MtpBlock
@@ -64,6 +64,19 @@ def per_layer_inputs(model, ids: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return torch.cat((e, side.reshape(t, n * p)), dim=-1)
 
 
+# The weights the blocks pass to ops.linear (memra.model.*), by the last part of their names; embed is the head
+# of a tied model.
+LINEAR_WEIGHTS = frozenset(("wqkv", "wo", "w_in", "w_gate_up", "w_down", "shared_gate_up", "shared_down", "shared_gate",
+                            "router", "fc", "ple_gate", "ple_proj", "ple_model_proj", "lm_head", "embed"))
+
+
+def dense_linear_shapes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> set[tuple[int, int]]:
+    """(N, K) of every plain 2-D weight of the model's dtype that a step multiplies (LINEAR_WEIGHTS)."""
+    return {tuple(w.shape) for name, w in weights.items()
+            if name.rsplit(".", 1)[-1] in LINEAR_WEIGHTS and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype == dtype}
+
+
 class HybridModel:
     """A loaded model: its weights, its Settings (read once, at load) and the kernel table they fix,
     its cache pools, and the step API (bodies in memra.step)."""
@@ -74,6 +87,8 @@ class HybridModel:
         self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.settings = settings if settings is not None else Settings()
         self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
+        if self.ops.cublas_linear:  # cuBLAS's rows held to this model's shapes now, or no load (triton.linear_cublas)
+            linear_module("cublas").require_rows(dense_linear_shapes(weights, dtype), dtype, device)
         self._weights = weights  # what a view with other settings is built from (with_settings)
         self.is_view = view  # built by with_settings: the weights belong to the model it views
         self.embed = weights["embed"]  # [V, E]

@@ -1,0 +1,131 @@
+"""The cuBLAS linear (memra.kernels.triton.linear_cublas, MEMRA_LINEAR_CUBLAS): the door, the table's routing, the
+row check a model's load runs (with its canary), and on a GPU the model's bits through it.
+
+On CPU the family is F.linear with the activation and the add apart, so the table's fused ops must equal those
+compositions bit for bit; the row check is exercised with a per-row linear (invariant by construction) and a
+canary that breaks one bit at one row count. On a GPU (`cuda`): the check on real weight shapes, and the gate
+battery on the Qwen3.5-9B shape with the door open, every row's bits at B=1 and B=64 stacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from conftest import gpu_kernel_table  # noqa: E402
+from cuda_marks import cuda_only  # noqa: E402
+
+from memra.errors import MemraError  # noqa: E402
+from memra.kernels.triton import linear_cublas as C  # noqa: E402
+from memra.kernels.triton.activation import silu_mul  # noqa: E402
+from memra.settings import Settings  # noqa: E402
+
+
+def rnd(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def per_row(x, w, b=None, residual=None):
+    """A linear whose rows are each their own call: invariant by construction."""
+    return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
+
+
+def one_bit_off_at(rows: int, linear=per_row):
+    """The canary: `linear` with one bit of its last row flipped in calls of `rows` rows."""
+    def fn(x, w):
+        y = linear(x, w)
+        if x.shape[0] == rows:
+            y.view(torch.int16)[rows - 1, 0] ^= 1
+        return y
+    return fn
+
+
+def test_the_door_is_off_by_default_and_not_with_the_shaped_tiles():
+    assert Settings.from_env({}).linear_cublas is False
+    assert Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1"}).as_env()["MEMRA_LINEAR_CUBLAS"] == "1"
+    with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 and MEMRA_LINEAR_SHAPED=1"):
+        Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1", "MEMRA_LINEAR_SHAPED": "1"})
+
+
+def test_the_table_takes_the_family_only_behind_its_door():
+    on = dataclasses.replace(gpu_kernel_table(), persistent_linear=True, cublas_linear=True)
+    assert on.linear_family == "cublas" and on._dense() is C
+    assert dataclasses.replace(on, cublas_linear=False).linear_family == "persistent"
+    x, w, w2, h = rnd(20, 64, seed=1), rnd(48, 64, seed=2), rnd(96, 64, seed=3), rnd(20, 48, seed=4)
+    assert torch.equal(on.linear(x, w), F.linear(x, w))
+    assert torch.equal(on.linear_add(x, w, h), h + F.linear(x, w))
+    assert torch.equal(on.linear_silu_mul(x, w2), silu_mul(F.linear(x, w2)))  # 20 rows: past the GEMV bucket
+    assert torch.equal(on.linear_silu_mul(x[:3], w2), silu_mul(F.linear(x[:3], w2)))
+
+
+def test_a_cpu_table_never_takes_it():
+    from memra.kernels.table import KernelTable
+
+    table = KernelTable.build("cpu", Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1"}))
+    assert not table.cublas_linear and table.linear_family != "cublas"
+
+
+def test_the_row_check_passes_an_invariant_linear_and_fails_one_bit():
+    shapes, rows = [(48, 64), (96, 32)], (1, 2, 3, 5, 8)
+    assert C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=per_row) == []
+    failed = C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=one_bit_off_at(3))
+    assert failed == ["[48x64] at 1 row counts (3)", "[96x32] at 1 row counts (3)"]
+
+
+def test_the_load_is_refused_in_one_line_where_a_row_changes():
+    with pytest.raises(MemraError) as refused:
+        C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=one_bit_off_at(2))
+    message = str(refused.value)
+    assert "\n" not in message and "MEMRA_LINEAR_CUBLAS=1 refused" in message and "[48x64]" in message
+    assert "unset MEMRA_LINEAR_CUBLAS" in message
+    C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=per_row)  # passes: no error
+
+
+def test_the_check_covers_every_linear_weight_of_a_model():
+    from memra.model.hybrid import dense_linear_shapes
+
+    weights = {"embed": rnd(100, 16), "lm_head": rnd(100, 16), "layers.0.wqkv": rnd(48, 16),
+               "layers.0.wo": rnd(16, 32), "layers.0.w_gate_up": rnd(64, 16), "layers.0.w_down": rnd(16, 32),
+               "layers.1.w_in": rnd(80, 16), "layers.1.conv": rnd(80, 4), "layers.1.attn_norm": rnd(16),
+               "layers.2.w_gate_up": rnd(4, 64, 16), "layers.2.router": rnd(4, 16), "mtp.0.fc": rnd(16, 32)}
+    assert dense_linear_shapes(weights, torch.bfloat16) == {(100, 16), (48, 16), (16, 32), (64, 16), (80, 16),
+                                                            (4, 16)}
+
+
+def test_row_counts_cover_every_step_size():
+    from memra.cache import PRIME_CHUNK_MAX_TOKENS
+    from memra.graphs import BUCKETS
+
+    assert set(range(1, max(BUCKETS) + 1)) <= set(C.ROW_COUNTS)
+    assert max(C.ROW_COUNTS) == PRIME_CHUNK_MAX_TOKENS
+
+
+@cuda_only
+def test_cublas_rows_hold_on_this_gpu_and_the_canary_fails():
+    """The fact the door stands on, on the running GPU, at the Llama-3-8B widths (lm_head left out for time),
+    and its canary: one bit off at one row count is refused."""
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    C.configure()
+    assert C.row_failures(shapes, torch.bfloat16, "cuda") == []
+    with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 refused"):
+        C.require_rows([(4096, 4096)], torch.bfloat16, "cuda", rows=(1, 7, 64), fn=one_bit_off_at(7, F.linear))
+
+
+@cuda_only
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gate_9b_shape_on_cublas(shape_9b, batch):
+    """Every row's bits with the door open: B rows stacked against each alone (the gate battery)."""
+    from memra.gate import run_battery
+
+    model = shape_9b.with_doors(MEMRA_LINEAR_CUBLAS="1")
+    assert model.ops.linear_family == "cublas"
+    lines: list[str] = []
+    ok = run_battery(model, steps=2, batch=batch, mode="config", plen=8, out=lines.append)
+    assert ok, "\n".join(lines)
+    assert "decode plan: stacked" in "\n".join(lines)
