@@ -1,10 +1,11 @@
 """The cuBLAS linear (memra.kernels.triton.linear_cublas, MEMRA_LINEAR_CUBLAS): the door, the table's routing, the
 row check a model's load runs (with its canary), and on a GPU the model's bits through it.
 
-On CPU the family is F.linear with the activation and the add apart, so the table's fused ops must equal those
-compositions bit for bit; the row check is exercised with a per-row linear (invariant by construction) and a
-canary that breaks one bit at one row count. On a GPU (`cuda`): the check on real weight shapes, and the gate
-battery on the Qwen3.5-9B shape with the door open, every row's bits at B=1 and B=64 stacked.
+On CPU the family is the bucket kernel (interpreted) up to CUBLAS_ABOVE rows and F.linear above, with the activation
+and the add apart, so the table's fused ops must equal those compositions bit for bit; the row check is exercised
+with a per-row linear (invariant by construction) and a canary that breaks one bit at one row count. On a GPU
+(`cuda`): cuBLAS's rows against the Triton kernel's on real weight shapes, and the gate battery on the Qwen3.5-9B
+shape with the door open, every row's bits at B=1 and B=96 stacked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from conftest import gpu_kernel_table  # noqa: E402
 from cuda_marks import cuda_only  # noqa: E402
 
 from memra.errors import MemraError  # noqa: E402
+from memra.kernels.triton import linear as bucket  # noqa: E402
 from memra.kernels.triton import linear_cublas as C  # noqa: E402
 from memra.kernels.triton.activation import silu_mul  # noqa: E402
 from memra.settings import Settings  # noqa: E402
@@ -57,11 +59,15 @@ def test_the_table_takes_the_family_only_behind_its_door():
     on = dataclasses.replace(gpu_kernel_table(), persistent_linear=True, cublas_linear=True)
     assert on.linear_family == "cublas" and on._dense() is C
     assert dataclasses.replace(on, cublas_linear=False).linear_family == "persistent"
-    x, w, w2, h = rnd(20, 64, seed=1), rnd(48, 64, seed=2), rnd(96, 64, seed=3), rnd(20, 48, seed=4)
-    assert torch.equal(on.linear(x, w), F.linear(x, w))
+    few, many = C.CUBLAS_ABOVE, C.CUBLAS_ABOVE + 16
+    x, w, w2, h = rnd(many, 64, seed=1), rnd(48, 64, seed=2), rnd(96, 64, seed=3), rnd(many, 48, seed=4)
+    assert torch.equal(on.linear(x, w), F.linear(x, w))  # above: cuBLAS (on CPU, torch's)
     assert torch.equal(on.linear_add(x, w, h), h + F.linear(x, w))
-    assert torch.equal(on.linear_silu_mul(x, w2), silu_mul(F.linear(x, w2)))  # 20 rows: past the GEMV bucket
-    assert torch.equal(on.linear_silu_mul(x[:3], w2), silu_mul(F.linear(x[:3], w2)))
+    assert torch.equal(on.linear_silu_mul(x, w2), silu_mul(F.linear(x, w2)))
+    assert torch.equal(on.linear(x[:few], w), bucket.linear(x[:few], w))  # at or below: the Triton kernel
+    assert torch.equal(on.linear_add(x[:few], w, h[:few]), bucket.linear(x[:few], w, residual=h[:few]))
+    assert torch.equal(on.linear_silu_mul(x[:20], w2), bucket.linear_silu_mul(x[:20], w2))
+    assert torch.equal(on.linear_silu_mul(x[:3], w2), silu_mul(bucket.linear(x[:3], w2)))  # the GEMV bucket
 
 
 def test_a_cpu_table_never_takes_it():
@@ -73,18 +79,18 @@ def test_a_cpu_table_never_takes_it():
 
 def test_the_row_check_passes_an_invariant_linear_and_fails_one_bit():
     shapes, rows = [(48, 64), (96, 32)], (1, 2, 3, 5, 8)
-    assert C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=per_row) == []
-    failed = C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=one_bit_off_at(3))
+    assert C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=per_row, reference=per_row) == []
+    failed = C.row_failures(shapes, torch.bfloat16, "cpu", rows, fn=one_bit_off_at(3), reference=per_row)
     assert failed == ["[48x64] at 1 row counts (3)", "[96x32] at 1 row counts (3)"]
 
 
 def test_the_load_is_refused_in_one_line_where_a_row_changes():
     with pytest.raises(MemraError) as refused:
-        C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=one_bit_off_at(2))
+        C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=one_bit_off_at(2), reference=per_row)
     message = str(refused.value)
     assert "\n" not in message and "MEMRA_LINEAR_CUBLAS=1 refused" in message and "[48x64]" in message
     assert "unset MEMRA_LINEAR_CUBLAS" in message
-    C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=per_row)  # passes: no error
+    C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=per_row, reference=per_row)  # no error
 
 
 def test_the_check_covers_every_linear_weight_of_a_model():
@@ -98,29 +104,31 @@ def test_the_check_covers_every_linear_weight_of_a_model():
                                                             (4, 16)}
 
 
-def test_row_counts_cover_every_step_size():
+def test_row_counts_cover_every_step_size_cublas_takes():
     from memra.cache import PRIME_CHUNK_MAX_TOKENS
     from memra.graphs import BUCKETS
 
-    assert set(range(1, max(BUCKETS) + 1)) <= set(C.ROW_COUNTS)
-    assert max(C.ROW_COUNTS) == PRIME_CHUNK_MAX_TOKENS
+    assert set(range(C.CUBLAS_ABOVE + 1, max(BUCKETS) + 1)) <= set(C.ROW_COUNTS)
+    assert min(C.ROW_COUNTS) == C.CUBLAS_ABOVE + 1 and max(C.ROW_COUNTS) == PRIME_CHUNK_MAX_TOKENS
 
 
 @cuda_only
 def test_cublas_rows_hold_on_this_gpu_and_the_canary_fails():
-    """The fact the door stands on, on the running GPU, at the Llama-3-8B widths (lm_head left out for time),
-    and its canary: one bit off at one row count is refused."""
+    """The fact the door stands on, on the running GPU, at the Llama-3-8B widths (lm_head left out for time):
+    cuBLAS's rows are the Triton kernel's at every row count it takes; and its canary, one bit off at one row
+    count, is refused."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     C.configure()
     assert C.row_failures(shapes, torch.bfloat16, "cuda") == []
     with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 refused"):
-        C.require_rows([(4096, 4096)], torch.bfloat16, "cuda", rows=(1, 7, 64), fn=one_bit_off_at(7, F.linear))
+        C.require_rows([(4096, 4096)], torch.bfloat16, "cuda", rows=(65, 100, 128), fn=one_bit_off_at(100, C.linear))
 
 
 @cuda_only
-@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("batch", [1, 96])
 def test_gate_9b_shape_on_cublas(shape_9b, batch):
-    """Every row's bits with the door open: B rows stacked against each alone (the gate battery)."""
+    """Every row's bits with the door open: B rows stacked against each alone (the gate battery); 96 rows take
+    cuBLAS in the stacked decode, one row the Triton kernel."""
     from memra.gate import run_battery
 
     model = shape_9b.with_doors(MEMRA_LINEAR_CUBLAS="1")

@@ -35,7 +35,7 @@ def _env(setting: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--setting", choices=SETTINGS, default="nosplit")
-    ap.add_argument("--time-ms", default="1,64,128,256,512,772,1024,4096")
+    ap.add_argument("--time-ms", default="1,64,128,256,512,772,1024,4096", help="row counts timed ('' for none)")
     a = ap.parse_args()
     _env(a.setting)
     import torch
@@ -83,7 +83,7 @@ def main() -> None:
 
     copies = 4
     rows = []
-    for m in [int(v) for v in a.time_ms.split(",")]:
+    for m in [int(v) for v in a.time_ms.split(",") if v]:
         total = {"l8b": [0.0, 0.0], "q9b": [0.0, 0.0]}
         for nm, (n, k, count) in SHAPES.items():
             if nm.endswith("lm_head") and m > 1024:

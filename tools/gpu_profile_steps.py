@@ -29,7 +29,7 @@ import memra  # noqa: E402
 from gpu_tune_linear import dense_peak  # noqa: E402 - tools/, this script's folder
 from memra.sampling import SamplingParams  # noqa: E402
 
-LINEAR_NAMES = ("linear", "gemm", "matmul", "_mm", "persistent")
+LINEAR_NAMES = ("linear", "gemm", "matmul", "_mm", "persistent", "nvjet", "xmma", "cutlass")  # Triton, and cuBLAS on Hopper
 
 
 def linear_weights(model) -> tuple[int, int]:
