@@ -68,6 +68,8 @@ def test_the_table_takes_the_family_only_behind_its_door():
     assert torch.equal(on.linear_add(x[:few], w, h[:few]), bucket.linear(x[:few], w, residual=h[:few]))
     assert torch.equal(on.linear_silu_mul(x[:20], w2), bucket.linear_silu_mul(x[:20], w2))
     assert torch.equal(on.linear_silu_mul(x[:3], w2), silu_mul(bucket.linear(x[:3], w2)))  # the GEMV bucket
+    b = rnd(48, seed=5)
+    assert torch.equal(on.linear(x, w, b), bucket.linear(x, w, b))  # a bias keeps the Triton kernel at every M
 
 
 def test_a_cpu_table_never_takes_it():

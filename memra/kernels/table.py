@@ -95,7 +95,7 @@ class KernelTable:
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
     persistent_linear: bool = False  # dense linears past 256 rows on the persistent kernel (MEMRA_LINEAR_PERSISTENT)
     shaped_linear: bool = False  # their tiles chosen from N and K as well as M (MEMRA_LINEAR_SHAPED)
-    cublas_linear: bool = False  # the dense linears on cuBLASLt without split-K, probed at load (MEMRA_LINEAR_CUBLAS)
+    cublas_linear: bool = False  # past 64 rows on cuBLASLt without split-K, held to Triton's bits (MEMRA_LINEAR_CUBLAS)
     batched_logprobs: bool = False  # the sampler's logprobs over every asking row at once (MEMRA_BATCHED_LOGPROBS)
     # the decoded-tile buffer of this model's packed CPU linears (quant.Scratch)
     scratch: quant.Scratch = field(default_factory=quant.Scratch, compare=False, repr=False)
@@ -176,7 +176,8 @@ class KernelTable:
     def linear_family(self) -> str:
         """The invariant dense linears' family (LINEAR_FAMILIES; the self-test's key): 'bucket' triton.linear,
         'persistent' its large calls persistent, 'shaped' the tiles chosen from the whole shape, 'cublas'
-        cuBLASLt without split-K (configured, and its rows held to the model's shapes, at load: memra.model.hybrid)."""
+        cuBLASLt without split-K past 64 rows (configured, and its rows held to the Triton kernel's on the model's
+        shapes, at load: memra.model.hybrid)."""
         return ("cublas" if self.cublas_linear else "shaped" if self.shaped_linear
                 else "persistent" if self.persistent_linear else "bucket")
 

@@ -7,8 +7,8 @@ products summed in parts, then the parts added) and GEMV-shaped kernels that red
 split-K forbidden (torch's allow_bf16_reduced_precision_reduction = (False, False) on cuBLASLt, as vLLM's
 batch-invariant mode sets on Hopper), an H100's cuBLASLt (torch 2.11, CUDA 13.0) gave every row of the Llama-3-8B
 and Qwen3.5-9B projections and heads the same bits at 540 row counts from 1 to 8,192, and the same bits as
-triton.linear's: both sum a row's products in K order, 16 at a time (the MMA's step), into one fp32 accumulator
-(tools/gpu_probe_cublas.py). So the two can share a weight: Triton's tiles where cuBLAS is slow (few rows: at 16
+triton.linear's (tools/gpu_probe_cublas.py; presumably because both sum a row's products in K order, 16 at a
+time, the MMA's step, into one fp32 accumulator). So the two can share a weight: Triton's tiles where cuBLAS is slow (few rows: at 16
 rows the Llama layer's linears took 15.0 ms on cuBLAS against 6.3), cuBLAS above (1.18x at 128 rows, 1.30x at 256,
 1.19x at 772 on the same layer). That is a fact of one cuBLAS build on one card, not a promise, so
 `require_rows` runs every dense weight shape of a model at every row count cuBLAS takes (ROW_COUNTS) against the
@@ -53,10 +53,12 @@ def _rows(x: torch.Tensor) -> int:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ b) (+ residual) -> [..., N] in x's dtype, with triton.linear's bits. On cuBLAS x is
-    made contiguous: a strided operand is another problem to its heuristics than the ones require_rows held."""
-    if _rows(x) <= CUBLAS_ABOVE:
+    made contiguous: a strided operand is another problem to its heuristics than the ones require_rows held. A
+    bias (Qwen2's qkv) keeps the Triton kernel at every M: it is added before the rounding there, and cuBLAS's
+    bias epilogue is not among what require_rows holds."""
+    if _rows(x) <= CUBLAS_ABOVE or b is not None:
         return bucket.linear(x, w, b, residual)
-    y = F.linear(x.contiguous(), w, b)
+    y = F.linear(x.contiguous(), w)
     return y if residual is None else residual + y
 
 
@@ -90,7 +92,7 @@ def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_cou
     return failures
 
 
-_HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device, rows, fn), once per process
+_HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device, rows, fn, reference), once a process
 
 
 def require_rows(shapes, dtype: torch.dtype, device: torch.device | str, rows=ROW_COUNTS, fn=linear,
