@@ -55,7 +55,9 @@ def test_the_door_is_off_by_default_and_not_with_the_shaped_tiles():
         Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1", "MEMRA_LINEAR_SHAPED": "1"})
 
 
-def test_the_table_takes_the_family_only_behind_its_door():
+def test_the_table_takes_the_family_only_behind_its_door(monkeypatch):
+    # the shapes a load's check held (on CPU F.linear is not held to the interpreter's bits: set them here)
+    monkeypatch.setattr(C, "HELD_SHAPES", {(48, 64, torch.bfloat16), (96, 64, torch.bfloat16)})
     on = dataclasses.replace(gpu_kernel_table(), persistent_linear=True, cublas_linear=True)
     assert on.linear_family == "cublas" and on._dense() is C
     assert dataclasses.replace(on, cublas_linear=False).linear_family == "persistent"
@@ -70,6 +72,9 @@ def test_the_table_takes_the_family_only_behind_its_door():
     assert torch.equal(on.linear_silu_mul(x[:3], w2), silu_mul(bucket.linear(x[:3], w2)))  # the GEMV bucket
     b = rnd(48, seed=5)
     assert torch.equal(on.linear(x, w, b), bucket.linear(x, w, b))  # a bias keeps the Triton kernel at every M
+    unheld = rnd(32, 64, seed=6)  # a weight the check did not hold keeps the Triton kernel too
+    assert torch.equal(on.linear(x, unheld), bucket.linear(x, unheld))
+    assert torch.equal(on.linear_silu_mul(x, unheld), bucket.linear_silu_mul(x, unheld))
 
 
 def test_a_cpu_table_never_takes_it():

@@ -55,8 +55,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """x [..., K] @ w[N, K]^T (+ b) (+ residual) -> [..., N] in x's dtype, with triton.linear's bits. On cuBLAS x is
     made contiguous: a strided operand is another problem to its heuristics than the ones require_rows held. A
     bias (Qwen2's qkv) keeps the Triton kernel at every M: it is added before the rounding there, and cuBLAS's
-    bias epilogue is not among what require_rows holds."""
-    if _rows(x) <= CUBLAS_ABOVE or b is not None:
+    bias epilogue is not among what require_rows holds; so does a weight whose shape it has not held."""
+    if _rows(x) <= CUBLAS_ABOVE or b is not None or (*w.shape, w.dtype) not in HELD_SHAPES:
         return bucket.linear(x, w, b, residual)
     y = F.linear(x.contiguous(), w)
     return y if residual is None else residual + y
@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ w[:F]^T) * (x @ w[F:]^T) -> [..., F]: triton.linear's fused kernel, or the projection on cuBLAS
     then triton.activation.silu_mul."""
-    if _rows(x) <= CUBLAS_ABOVE:
+    if _rows(x) <= CUBLAS_ABOVE or (*w.shape, w.dtype) not in HELD_SHAPES:
         return bucket.linear_silu_mul(x, w)
     return silu_mul(linear(x, w))
 
@@ -93,6 +93,9 @@ def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_cou
 
 
 _HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device, rows, fn, reference), once a process
+# (N, K, dtype) of the weights whose cuBLAS rows require_rows held to the Triton kernel's: the only ones `linear`
+# gives to cuBLAS, so a weight a model's list of linears missed still runs with the Triton bits.
+HELD_SHAPES: set[tuple] = set()
 
 
 def require_rows(shapes, dtype: torch.dtype, device: torch.device | str, rows=ROW_COUNTS, fn=linear,
@@ -106,6 +109,8 @@ def require_rows(shapes, dtype: torch.dtype, device: torch.device | str, rows=RO
         _HELD[key] = row_failures(key[0], dtype, device, rows, fn, reference)
         if device.type == "cuda":  # the probe's outputs of many sizes, back to the driver: pools are sized from it
             torch.cuda.empty_cache()
+        if not _HELD[key] and fn is linear and reference is bucket.linear and rows == ROW_COUNTS:
+            HELD_SHAPES.update((n, k, dtype) for n, k in key[0])
     if _HELD[key]:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         raise MemraError(f"MEMRA_LINEAR_CUBLAS=1 refused on {card}: cuBLAS gave rows other than the Triton kernel's "
