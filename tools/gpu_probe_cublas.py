@@ -35,7 +35,7 @@ def _env(setting: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--setting", choices=SETTINGS, default="nosplit")
-    ap.add_argument("--time-ms", default="1,64,128,256,512,772,1024,4096", help="row counts timed ('' for none)")
+    ap.add_argument("--time-ms", default="1,16,64,96,128,256,512,772,896,1024,4096", help="row counts timed ('' for none)")
     a = ap.parse_args()
     _env(a.setting)
     import torch
