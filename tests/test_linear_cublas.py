@@ -33,7 +33,7 @@ def rnd(*shape, seed=0, dtype=torch.bfloat16, device="cpu"):
     return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
 
-def per_row(x, w, b=None, residual=None):
+def per_row(x, w):
     """A linear whose rows are each their own call: invariant by construction."""
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
 
@@ -91,13 +91,36 @@ def test_the_row_check_passes_an_invariant_linear_and_fails_one_bit():
     assert failed == ["[48x64] at 1 row counts (3)", "[96x32] at 1 row counts (3)"]
 
 
-def test_the_load_is_refused_in_one_line_where_a_row_changes():
+@pytest.fixture
+def small_check(monkeypatch):
+    """require_rows over three row counts, against a per-row reference (on CPU, F.linear is not held to the
+    interpreter's bits), with nothing held yet; -> a setter for what stands in for cuBLAS."""
+    monkeypatch.setattr(C, "ROW_COUNTS", (1, 2, 4))
+    monkeypatch.setattr(bucket, "linear", per_row)
+    monkeypatch.setattr(C, "HELD_SHAPES", set())
+    monkeypatch.setattr(C, "_HELD", {})
+    return lambda fn: monkeypatch.setattr(C, "on_cublas", fn)
+
+
+def test_the_check_holds_and_marks_what_passed(small_check):
+    """The load's check runs the cuBLAS path itself (not `linear`, which sends an unheld shape to the Triton
+    kernel, so a check through it could never fail), and marks only the shapes that passed."""
+    small_check(per_row)
+    C.require_rows([(48, 64)], torch.bfloat16, "cpu")
+    assert C.HELD_SHAPES == {(48, 64, torch.bfloat16)}
+    small_check(one_bit_off_at(2))
+    with pytest.raises(MemraError):
+        C.require_rows([(96, 64)], torch.bfloat16, "cpu")
+    assert C.HELD_SHAPES == {(48, 64, torch.bfloat16)}
+
+
+def test_the_load_is_refused_in_one_line_where_a_row_changes(small_check):
+    small_check(one_bit_off_at(2))
     with pytest.raises(MemraError) as refused:
-        C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=one_bit_off_at(2), reference=per_row)
+        C.require_rows([(48, 64)], torch.bfloat16, "cpu")
     message = str(refused.value)
     assert "\n" not in message and "MEMRA_LINEAR_CUBLAS=1 refused" in message and "[48x64]" in message
     assert "unset MEMRA_LINEAR_CUBLAS" in message
-    C.require_rows([(48, 64)], torch.bfloat16, "cpu", rows=(1, 2, 4), fn=per_row, reference=per_row)  # no error
 
 
 def test_the_check_covers_every_linear_weight_of_a_model():
@@ -127,8 +150,8 @@ def test_cublas_rows_hold_on_this_gpu_and_the_canary_fails():
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     C.configure()
     assert C.row_failures(shapes, torch.bfloat16, "cuda") == []
-    with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 refused"):
-        C.require_rows([(4096, 4096)], torch.bfloat16, "cuda", rows=(65, 100, 128), fn=one_bit_off_at(100, C.linear))
+    failed = C.row_failures([(4096, 4096)], torch.bfloat16, "cuda", (65, 100, 128), fn=one_bit_off_at(100, C.on_cublas))
+    assert failed == ["[4096x4096] at 1 row counts (100)"]
 
 
 @cuda_only

@@ -8,11 +8,12 @@ split-K forbidden (torch's allow_bf16_reduced_precision_reduction = (False, Fals
 batch-invariant mode sets on Hopper), an H100's cuBLASLt (torch 2.11, CUDA 13.0) gave every row of the Llama-3-8B
 and Qwen3.5-9B projections and heads the same bits at 540 row counts from 1 to 8,192, and the same bits as
 triton.linear's (tools/gpu_probe_cublas.py; presumably because both sum a row's products in K order, 16 at a
-time, the MMA's step, into one fp32 accumulator). So the two can share a weight: Triton's tiles where cuBLAS is slow (few rows: at 16
-rows the Llama layer's linears took 15.0 ms on cuBLAS against 6.3), cuBLAS above (1.18x at 128 rows, 1.30x at 256,
-1.19x at 772 on the same layer). That is a fact of one cuBLAS build on one card, not a promise, so
-`require_rows` runs every dense weight shape of a model at every row count cuBLAS takes (ROW_COUNTS) against the
-Triton kernel's rows, and the model's load is refused in one line where any differs (memra.model.hybrid).
+time, the MMA's step, into one fp32 accumulator). So the two can share a weight: Triton's tiles where cuBLAS is
+slow (few rows: at 16 rows the Llama layer's linears took 15.0 ms on cuBLAS against 6.3), cuBLAS above (1.18x at
+128 rows, 1.30x at 256, 1.19x at 772 on the same layer). That is a fact of one cuBLAS build on one card, not a
+promise, so `require_rows` runs every dense weight shape of a model at every row count cuBLAS takes (ROW_COUNTS)
+against the Triton kernel's rows, and the model's load is refused in one line where any differs
+(memra.model.hybrid); only the shapes it held go to cuBLAS.
 
 Above CUBLAS_ABOVE, SwiGLU's activation and the residual add run apart, with the meaning of the Triton kernels'
 fused epilogues: silu_mul on the rounded products (triton.activation), then torch's add (fp32, rounded once).
@@ -50,15 +51,20 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+def on_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T on cuBLAS (what require_rows holds). x is made contiguous: a strided operand is
+    another problem to cuBLAS's heuristics than the ones the check ran."""
+    return F.linear(x.contiguous(), w)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T (+ b) (+ residual) -> [..., N] in x's dtype, with triton.linear's bits. On cuBLAS x is
-    made contiguous: a strided operand is another problem to its heuristics than the ones require_rows held. A
-    bias (Qwen2's qkv) keeps the Triton kernel at every M: it is added before the rounding there, and cuBLAS's
-    bias epilogue is not among what require_rows holds; so does a weight whose shape it has not held."""
+    """x [..., K] @ w[N, K]^T (+ b) (+ residual) -> [..., N] in x's dtype, with triton.linear's bits. A bias
+    (Qwen2's qkv) keeps the Triton kernel at every M: it is added before the rounding there, and cuBLAS's bias
+    epilogue is not among what require_rows holds; so does a weight whose shape it has not held."""
     if _rows(x) <= CUBLAS_ABOVE or b is not None or (*w.shape, w.dtype) not in HELD_SHAPES:
         return bucket.linear(x, w, b, residual)
-    y = F.linear(x.contiguous(), w)
+    y = on_cublas(x, w)
     return y if residual is None else residual + y
 
 
@@ -71,12 +77,15 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_counts=ROW_COUNTS, fn=linear,
-                 reference=bucket.linear) -> list[str]:
-    """For each weight shape (N, K): fn over the first M rows of one input, at every M of row_counts, against the
-    same rows of `reference` over the largest, bit for bit. -> one line per shape whose rows differ (empty: none).
-    reference: the Triton kernel whose bits fn must give (itself row-invariant: the self-test's probes);
-    fn: the linear under test (a canary passes one that breaks a bit)."""
+def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_counts=None, fn=None,
+                 reference=None) -> list[str]:
+    """For each weight shape (N, K): fn (default on_cublas) over the first M rows of one input, at every M of
+    row_counts (default ROW_COUNTS), against the same rows of `reference` (default the Triton kernel,
+    triton.linear.linear, itself row-invariant: the self-test's probes) over the largest, bit for bit.
+    -> one line per shape whose rows differ (empty: none)."""
+    row_counts = ROW_COUNTS if row_counts is None else row_counts
+    fn = on_cublas if fn is None else fn
+    reference = bucket.linear if reference is None else reference
     failures = []
     gen = torch.Generator(device="cpu").manual_seed(0)
     top = max(row_counts)
@@ -92,24 +101,23 @@ def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_cou
     return failures
 
 
-_HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device, rows, fn, reference), once a process
+_HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device), once per process
 # (N, K, dtype) of the weights whose cuBLAS rows require_rows held to the Triton kernel's: the only ones `linear`
 # gives to cuBLAS, so a weight a model's list of linears missed still runs with the Triton bits.
 HELD_SHAPES: set[tuple] = set()
 
 
-def require_rows(shapes, dtype: torch.dtype, device: torch.device | str, rows=ROW_COUNTS, fn=linear,
-                 reference=bucket.linear) -> None:
-    """configure(), then refuse (one line, before any token) where a shape's rows on cuBLAS are not the Triton
-    kernel's."""
+def require_rows(shapes, dtype: torch.dtype, device: torch.device | str) -> None:
+    """configure(), then hold cuBLAS's rows to the Triton kernel's on these weight shapes (row_failures' defaults):
+    refuse in one line, before any token, where any differs; else mark the shapes held."""
     configure()
     device = torch.device(device)
-    key = (tuple(sorted(set(shapes))), str(dtype), str(device), rows, fn, reference)
+    key = (tuple(sorted(set(shapes))), str(dtype), str(device))
     if key not in _HELD:
-        _HELD[key] = row_failures(key[0], dtype, device, rows, fn, reference)
+        _HELD[key] = row_failures(key[0], dtype, device)
         if device.type == "cuda":  # the probe's outputs of many sizes, back to the driver: pools are sized from it
             torch.cuda.empty_cache()
-        if not _HELD[key] and fn is linear and reference is bucket.linear and rows == ROW_COUNTS:
+        if not _HELD[key]:
             HELD_SHAPES.update((n, k, dtype) for n, k in key[0])
     if _HELD[key]:
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
