@@ -44,6 +44,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_tune_linear import SHAPES, bench, kind
+    from gpu_tune_shaped import COPIES, cycling
 
     from memra.kernels.triton import linear_persistent as P
     from memra.kernels.triton.activation import silu_mul
@@ -81,7 +82,6 @@ def main() -> None:
         del w, x, ref
         torch.cuda.empty_cache()
 
-    copies = 4
     rows = []
     for m in [int(v) for v in a.time_ms.split(",") if v]:
         total = {"l8b": [0.0, 0.0], "q9b": [0.0, 0.0]}
@@ -89,18 +89,10 @@ def main() -> None:
             if nm.endswith("lm_head") and m > 1024:
                 continue  # the head runs on sampled rows only
             how = kind(nm)
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(COPIES)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             nout = n // 2 if how == "swiglu" else n
             r = torch.randn(m, nout, device="cuda", dtype=torch.bfloat16, generator=g) if how == "residual" else None
-            state = {"i": 0}
-
-            def cycled(fn):
-                def call():
-                    state["i"] += 1
-                    return fn(ws[state["i"] % copies])
-                return call
-
             if how == "swiglu":
                 ours, theirs = (lambda w: P.linear_silu_mul(x, w)), (lambda w: silu_mul(F.linear(x, w)))
             elif how == "residual":
@@ -108,7 +100,7 @@ def main() -> None:
             else:
                 ours, theirs = (lambda w: P.linear(x, w)), (lambda w: F.linear(x, w))
             flops = 2.0 * m * n * k
-            t_ours, t_cublas = bench(cycled(ours), flops), bench(cycled(theirs), flops)
+            t_ours, t_cublas = bench(cycling(ours, ws), flops), bench(cycling(theirs, ws), flops)
             total[nm[:3]][0] += t_ours * count
             total[nm[:3]][1] += t_cublas * count
             del ws
