@@ -73,7 +73,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     then triton.activation.silu_mul."""
     if _rows(x) <= CUBLAS_ABOVE or (*w.shape, w.dtype) not in HELD_SHAPES:
         return bucket.linear_silu_mul(x, w)
-    return silu_mul(linear(x, w))
+    return silu_mul(on_cublas(x, w))
 
 
 @torch.inference_mode()
