@@ -118,8 +118,8 @@ class StaticDecode:
         if key not in model.decode_logits:
             model.decode_logits[key] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.logits = model.decode_logits[key]
-        if dev.type == "cuda" and model.decode_graph_pool is None:
-            model.decode_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
+        if dev.type == "cuda":
+            model.decode_graph_pool = capture_pool(model.decode_graphs, model.decode_graph_pool)
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
         self.starts = torch.arange(bucket, device=dev) * (nb * BLOCK_SIZE)  # row r's prefix in the flat rows
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -154,6 +154,29 @@ class StaticDecode:
         return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one stream of this device on which every step's first, eager run and then its capture run.
+    One stream, and the same for both: cuBLAS (the MEMRA_LINEAR_CUBLAS path) takes a workspace per stream
+    on its first call there, kept for the process. Taken during a capture it would come from that graph's
+    private memory pool and pin it: once the pool's graphs are dropped (pools enlarged, an engine closed)
+    the pool can never be freed, and a later capture that names it fails torch's allocator assert
+    (use_count > 0). The eager run on this stream takes the workspace outside any capture; and a fresh
+    stream per capture would take a new workspace each time."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
+def capture_pool(store: dict, pool):
+    """The memory pool a new capture among `store`'s steps goes into: `pool`, the one they share (the steps
+    never run at once), while any of them holds a captured graph; else a new one. torch refuses to reopen a
+    pool whose graphs are all gone (static_for drops an old version's steps) once it cannot free it."""
+    return pool if pool is not None and any(s.graph is not None for s in store.values()) else torch.cuda.graph_pool_handle()
+
+
 def run_static(static, pool=None) -> None:
     """Run a static step's body() (reading its filled buffers, writing its outputs). The first run on a
     GPU runs it eagerly on a side stream (which also compiles every kernel, so none compiles during
@@ -167,13 +190,13 @@ def run_static(static, pool=None) -> None:
         with no_host_sync(f"{type(static).__name__}.body") if static.model.ops.invariant else contextlib.nullcontext():
             static.body()
     elif static.graph is None:
-        side = torch.cuda.Stream(device)
+        side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), no_host_sync(f"{type(static).__name__}.body"):
             static.body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=side):
             static.body()
         static.graph = graph
         counters.bump("graph_captures")

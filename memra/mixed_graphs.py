@@ -49,6 +49,7 @@ import torch
 from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
 from memra.graphs import (
     bucket_for,
+    capture_pool,
     graph_key,
     graphable,
     host_rows,
@@ -212,6 +213,6 @@ def graphed_mixed(model, ids: torch.Tensor, dec_caches: list[Cache], pieces: lis
         return None
     static = static_for(model.mixed_graphs, graph_key(bucket, nb, kv, rec, tokens, decode_nb),
                         lambda: StaticMixed(model, kv, rec, bucket, tokens, nb, decode_nb))
-    if model.device.type == "cuda" and model.mixed_graph_pool is None:
-        model.mixed_graph_pool = torch.cuda.graph_pool_handle()  # one pool: the steps never run at once
+    if model.device.type == "cuda" and static.graph is None:  # to be captured: into the pool the others share
+        model.mixed_graph_pool = capture_pool(model.mixed_graphs, model.mixed_graph_pool)
     return static.run(ids, dec_caches, pieces, pre_caches, scratch, model.mixed_graph_pool)

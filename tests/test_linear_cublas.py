@@ -167,3 +167,37 @@ def test_gate_9b_shape_on_cublas(shape_9b, batch):
     ok = run_battery(model, steps=2, batch=batch, mode="config", plen=8, out=lines.append)
     assert ok, "\n".join(lines)
     assert "decode plan: stacked" in "\n".join(lines)
+
+
+@cuda_only
+def test_a_step_with_cublas_in_it_is_captured_again_after_every_graph_of_its_pool_was_dropped():
+    """memra.graphs.run_static and capture_pool: a captured step that calls cuBLAS, dropped with its pool's last
+    graph (pools enlarged, an engine closed), then captured again, into a new pool and into the old handle too.
+    Before the warm-up and the capture shared one stream, cuBLAS took its workspace during the capture, from the
+    graph's pool, which pinned it: the next capture naming that pool failed torch's allocator assert."""
+    from memra.graphs import capture_pool, run_static
+
+    C.configure()
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    class Step:  # what run_static needs of a static step: body(), its logits' device, its graph
+        def __init__(self):
+            self.x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
+            self.logits, self.graph, self.model = torch.empty(96, 4096, device="cuda"), None, None
+
+        def body(self):
+            self.logits.copy_(C.on_cublas(self.x, w))  # 96 rows: a cuBLAS kernel
+
+    store: dict = {}
+    pool = capture_pool(store, None)
+    store["a"] = first = Step()
+    run_static(first, pool)
+    assert first.graph is not None and capture_pool(store, pool) == pool  # the others share it while one lives
+    del store["a"], first  # the pool's last graph gone
+    fresh = capture_pool(store, pool)
+    assert fresh != pool
+    for handle in (fresh, pool):
+        step = Step()
+        run_static(step, handle)
+        step.graph.replay()
+        assert torch.equal(step.logits, C.on_cublas(step.x, w).float())
