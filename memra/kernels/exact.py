@@ -95,7 +95,7 @@ def _triton_probes(rnd, failures: list[str], linear_family: str = "bucket") -> N
     if tk is None:
         return
     # routes as the table does (Triton is present); 'cublas' runs the bucket kernel up to 64 rows and has its cuBLAS
-    # rows held at load to that kernel's on the model's own shapes (triton.linear_cublas.require_rows)
+    # rows held at load to that kernel's on the model's own shapes (triton.linear_cublas.hold_rows)
     linear_triton = linear_module("bucket" if linear_family == "cublas" else linear_family)
     tk = types.SimpleNamespace(**{**vars(tk), "linear": linear_triton.linear})
     persistent_linear = linear_family in ("persistent", "shaped")

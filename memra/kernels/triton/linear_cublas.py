@@ -11,21 +11,22 @@ triton.linear's (tools/gpu_probe_cublas.py; presumably because both sum a row's 
 time, the MMA's step, into one fp32 accumulator). So the two can share a weight: Triton's tiles where cuBLAS is
 slow (few rows: at 16 rows the Llama layer's linears took 15.0 ms on cuBLAS against 6.3), cuBLAS above (1.18x at
 128 rows, 1.30x at 256, 1.19x at 772 on the same layer). That is a fact of one cuBLAS build on one card, not a
-promise, so `require_rows` runs every dense weight shape of a model at every row count cuBLAS takes (ROW_COUNTS)
-against the Triton kernel's rows, and the model's load is refused in one line where any differs
-(memra.model.hybrid); only the shapes it held go to cuBLAS.
+promise, so `hold_rows` runs every dense weight shape of a model at every row count cuBLAS takes (ROW_COUNTS)
+against the Triton kernel's rows at load (memra.model.hybrid): only the shapes it held go to cuBLAS; a shape whose
+rows differ anywhere keeps the Triton kernel at every M, and one line on stderr names it.
 
 Above CUBLAS_ABOVE, SwiGLU's activation and the residual add run apart, with the meaning of the Triton kernels'
 fused epilogues: silu_mul on the rounded products (triton.activation), then torch's add (fp32, rounded once).
-The settings are process-wide (torch's cuBLAS flags); `require_rows` sets them when a model takes this family.
+The settings are process-wide (torch's cuBLAS flags); `hold_rows` sets them when a model takes this family.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from memra.errors import MemraError
 from memra.kernels.triton import linear as bucket
 from memra.kernels.triton.activation import silu_mul
 
@@ -52,7 +53,7 @@ def _rows(x: torch.Tensor) -> int:
 
 
 def on_cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T on cuBLAS (what require_rows holds). x is made contiguous: a strided operand is
+    """x [..., K] @ w[N, K]^T on cuBLAS (what hold_rows holds). x is made contiguous: a strided operand is
     another problem to cuBLAS's heuristics than the ones the check ran."""
     return F.linear(x.contiguous(), w)
 
@@ -61,7 +62,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (+ b) (+ residual) -> [..., N] in x's dtype, with triton.linear's bits. A bias
     (Qwen2's qkv) keeps the Triton kernel at every M: it is added before the rounding there, and cuBLAS's bias
-    epilogue is not among what require_rows holds; so does a weight whose shape it has not held."""
+    epilogue is not among what hold_rows holds; so does a weight whose shape it has not held."""
     if _rows(x) <= CUBLAS_ABOVE or b is not None or (*w.shape, w.dtype) not in HELD_SHAPES:
         return bucket.linear(x, w, b, residual)
     y = on_cublas(x, w)
@@ -78,15 +79,15 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_counts=None, fn=None,
-                 reference=None) -> list[str]:
+                 reference=None) -> dict[tuple[int, int], str]:
     """For each weight shape (N, K): fn (default on_cublas) over the first M rows of one input, at every M of
     row_counts (default ROW_COUNTS), against the same rows of `reference` (default the Triton kernel,
     triton.linear.linear, itself row-invariant: the self-test's probes) over the largest, bit for bit.
-    -> one line per shape whose rows differ (empty: none)."""
+    -> {(N, K): one line saying where its rows differ}, for the shapes whose rows differ (empty: none)."""
     row_counts = ROW_COUNTS if row_counts is None else row_counts
     fn = on_cublas if fn is None else fn
     reference = bucket.linear if reference is None else reference
-    failures = []
+    failures = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
     top = max(row_counts)
     for n, k in sorted(set(shapes)):
@@ -95,31 +96,32 @@ def row_failures(shapes, dtype: torch.dtype, device: torch.device | str, row_cou
         full = reference(x, w)
         bad = [m for m in row_counts if not torch.equal(fn(x[:m], w), full[:m])]
         if bad:
-            failures.append(f"[{n}x{k}] at {len(bad)} row counts ({', '.join(map(str, bad[:4]))}"
-                            f"{' ...' if len(bad) > 4 else ''})")
+            failures[n, k] = (f"[{n}x{k}] at {len(bad)} row counts ({', '.join(map(str, bad[:4]))}"
+                              f"{' ...' if len(bad) > 4 else ''})")
         del w, x, full
     return failures
 
 
-_HELD: dict[tuple, list[str]] = {}  # row_failures per (shapes, dtype, device), once per process
-# (N, K, dtype) of the weights whose cuBLAS rows require_rows held to the Triton kernel's: the only ones `linear`
-# gives to cuBLAS, so a weight a model's list of linears missed still runs with the Triton bits.
+_HELD: dict[tuple, dict] = {}  # row_failures per (shapes, dtype, device), once per process
+# (N, K, dtype) of the weights whose cuBLAS rows hold_rows held to the Triton kernel's: the only ones `linear`
+# gives to cuBLAS, so a weight a model's list of linears missed, or one whose rows differ, runs with the Triton bits.
 HELD_SHAPES: set[tuple] = set()
 
 
-def require_rows(shapes, dtype: torch.dtype, device: torch.device | str) -> None:
-    """configure(), then hold cuBLAS's rows to the Triton kernel's on these weight shapes (row_failures' defaults):
-    refuse in one line, before any token, where any differs; else mark the shapes held."""
+def hold_rows(shapes, dtype: torch.dtype, device: torch.device | str) -> dict[tuple[int, int], str]:
+    """configure(), then hold cuBLAS's rows to the Triton kernel's on these weight shapes (row_failures'
+    defaults), once per process: mark the shapes that held, and say in one line on stderr which did not (they
+    keep the Triton kernel at every M). -> row_failures' answer."""
     configure()
     device = torch.device(device)
     key = (tuple(sorted(set(shapes))), str(dtype), str(device))
     if key not in _HELD:
-        _HELD[key] = row_failures(key[0], dtype, device)
+        _HELD[key] = failed = row_failures(key[0], dtype, device)
         if device.type == "cuda":  # the probe's outputs of many sizes, back to the driver: pools are sized from it
             torch.cuda.empty_cache()
-        if not _HELD[key]:
-            HELD_SHAPES.update((n, k, dtype) for n, k in key[0])
-    if _HELD[key]:
-        card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise MemraError(f"MEMRA_LINEAR_CUBLAS=1 refused on {card}: cuBLAS gave rows other than the Triton kernel's "
-                         f"for {'; '.join(_HELD[key][:2])}; unset MEMRA_LINEAR_CUBLAS to run the Triton kernels")
+        HELD_SHAPES.update((n, k, dtype) for n, k in key[0] if (n, k) not in failed)
+        if failed:
+            card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            print(f"memra: on {card} cuBLAS gave rows other than the Triton kernel's for {'; '.join(failed.values())}: "
+                  f"those weights keep the Triton kernel (MEMRA_LINEAR_CUBLAS)", file=sys.stderr)
+    return _HELD[key]
