@@ -99,7 +99,10 @@ def small_check(monkeypatch):
     monkeypatch.setattr(bucket, "linear", per_row)
     monkeypatch.setattr(C, "HELD_SHAPES", set())
     monkeypatch.setattr(C, "_HELD", {})
-    return lambda fn: monkeypatch.setattr(C, "on_cublas", fn)
+    monkeypatch.setattr(C, "_BEFORE", [])
+    yield lambda fn: monkeypatch.setattr(C, "on_cublas", fn)
+    if C._BEFORE:  # hold_rows configured torch's flags: the process's own again for the tests after
+        C._set_flags(*C._BEFORE[0])
 
 
 def test_the_check_holds_and_marks_only_what_passed(small_check, capsys):
@@ -197,3 +200,19 @@ def test_a_step_with_cublas_in_it_is_captured_again_after_every_graph_of_its_poo
         run_static(step, handle)
         step.graph.replay()
         assert torch.equal(step.logits, C.on_cublas(step.x, w).float())
+
+
+def test_torch_defaults_gives_code_not_memras_the_flags_as_the_process_had_them(monkeypatch):
+    """configure() changes torch's process-wide cuBLAS flags; torch_defaults() puts back what it first found for
+    the duration (the HF peer of `memra bench model`), then memra's again."""
+    monkeypatch.setattr(C, "_BEFORE", [])
+    before = C._flags()
+    try:
+        C.configure()
+        configured = C._flags()
+        assert configured[:2] == (False, False) and configured != before  # (torch reads back the first half)
+        with C.torch_defaults():
+            assert C._flags() == before
+        assert C._flags() == configured
+    finally:
+        C._set_flags(*before)

@@ -30,6 +30,7 @@ the results and their table in report; the command line in command.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 import sys
@@ -48,6 +49,7 @@ from memra.bench.roofline import (roofline_decode_tokens_per_s, roofline_prefill
                                   tensor_numel, trunk_weights)
 from memra.bench.timing import Timing, sync
 from memra.errors import MemraError
+from memra.kernels.table import linear_module
 from memra.random_model import SHAPES
 from memra.settings import process_env, show_progress
 
@@ -290,15 +292,18 @@ def _bench_peer(run: _Run, name: str, model, roofs: dict) -> str:
     note = hf_notes(hf, mcfg)
     vocab = mcfg.vocab_size
     fixed = lambda key: (lambda t: roofs[key])
-    for mode in (p for p in PEERS if p in cfg.peers):
-        static = mode == "hf-static"
-        for b in cfg.batches:
-            run.cell(name, mode, "decode", b,
-                     lambda: time_hf_decode(hf, vocab, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, device,
-                                            cfg.seed, static), fixed(("decode", b)), note)
-        run.cell(name, mode, "prefill", 1, lambda: time_hf_first_token(hf, vocab, cfg.prefill_chunk, cfg.repeats,
-                                                                        device, cfg.seed, static),
-                 fixed(("prefill", 1)), note)
-        run.cell(name, mode, "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats, device,
-                                                                     cfg.seed + 1, static), fixed(("ttft", 1)), note)
+    # torch's own cuBLAS flags for the peer where the door changed them (memra's linears past 64 rows on cuBLAS)
+    flags = linear_module("cublas").torch_defaults() if model.ops.cublas_linear else contextlib.nullcontext()
+    with flags:
+        for mode in (p for p in PEERS if p in cfg.peers):
+            static = mode == "hf-static"
+            for b in cfg.batches:
+                run.cell(name, mode, "decode", b,
+                         lambda: time_hf_decode(hf, vocab, b, cfg.decode_steps, cfg.warmup, cfg.prompt_tokens, device,
+                                                cfg.seed, static), fixed(("decode", b)), note)
+            run.cell(name, mode, "prefill", 1, lambda: time_hf_first_token(hf, vocab, cfg.prefill_chunk, cfg.repeats,
+                                                                            device, cfg.seed, static),
+                     fixed(("prefill", 1)), note)
+            run.cell(name, mode, "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats, device,
+                                                                         cfg.seed + 1, static), fixed(("ttft", 1)), note)
     return how

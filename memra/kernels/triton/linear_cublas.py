@@ -22,6 +22,7 @@ The settings are process-wide (torch's cuBLAS flags); `hold_rows` sets them when
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -41,11 +42,40 @@ CUBLAS_ABOVE = 64
 ROW_COUNTS = tuple(range(CUBLAS_ABOVE + 1, 1025)) + tuple(range(1032, 4097, 8))
 
 
+def _flags() -> tuple:
+    m = torch.backends.cuda.matmul
+    return m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction, \
+        torch.backends.cuda.preferred_blas_library()
+
+
+def _set_flags(bf16, fp16, library) -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16
+    torch.backends.cuda.preferred_blas_library(library)
+
+
+_BEFORE: list[tuple] = []  # torch's flags as configure() first found them (the process's own)
+
+
 def configure() -> None:
     """No split-K and no reduced-precision reduction, on cuBLASLt (the torch flags vLLM's Hopper mode sets)."""
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    if not _BEFORE:
+        _BEFORE.append(_flags())
+    _set_flags((False, False), (False, False), "cublaslt")
+
+
+@contextlib.contextmanager
+def torch_defaults():
+    """torch's cuBLAS flags as they were before configure(), for the duration: for code that is not memra's and
+    should run as it would alone (the HF peer of `memra bench model`: split-K is much of its speed at few rows)."""
+    if not _BEFORE:  # never configured: nothing to undo
+        yield
+        return
+    _set_flags(*_BEFORE[0])
+    try:
+        yield
+    finally:  # memra's again (read back, a flag set as (False, False) gives only its first half)
+        configure()
 
 
 def _rows(x: torch.Tensor) -> int:
