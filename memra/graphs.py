@@ -158,9 +158,9 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The one stream of this device on which every step's first, eager run and then its capture run.
-    One stream, and the same for both: cuBLAS (the MEMRA_LINEAR_CUBLAS path) takes a workspace per stream
-    on its first call there, kept for the process. Taken during a capture it would come from that graph's
+    """The one stream of this device on which a step that calls cuBLAS runs first eagerly, then its capture
+    (run_static). One stream, and the same for both: cuBLAS (the MEMRA_LINEAR_CUBLAS path) takes a workspace
+    per stream on its first call there, kept for the process. Taken during a capture it would come from that graph's
     private memory pool and pin it: once the pool's graphs are dropped (pools enlarged, an engine closed)
     the pool can never be freed, and a later capture that names it fails torch's allocator assert
     (use_count > 0). The eager run on this stream takes the workspace outside any capture; and a fresh
@@ -174,7 +174,8 @@ def capture_pool(store: dict, pool):
     """The memory pool a new capture among `store`'s steps goes into: `pool`, the one they share (the steps
     never run at once), while any of them holds a captured graph; else a new one. torch refuses to reopen a
     pool whose graphs are all gone (static_for drops an old version's steps) once it cannot free it."""
-    return pool if pool is not None and any(s.graph is not None for s in store.values()) else torch.cuda.graph_pool_handle()
+    live = pool is not None and any(s.graph is not None for s in store.values())
+    return pool if live else torch.cuda.graph_pool_handle()
 
 
 def run_static(static, pool=None) -> None:
@@ -190,13 +191,16 @@ def run_static(static, pool=None) -> None:
         with no_host_sync(f"{type(static).__name__}.body") if static.model.ops.invariant else contextlib.nullcontext():
             static.body()
     elif static.graph is None:
-        side = capture_stream(device)
+        # One stream for the warm-up and the capture where the step calls cuBLAS (MEMRA_LINEAR_CUBLAS, off), the
+        # only path whose GPU runs have held it so far; elsewhere a side stream, and torch's own for the capture.
+        one_stream = static.model.ops.cublas_linear
+        side = capture_stream(device) if one_stream else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), no_host_sync(f"{type(static).__name__}.body"):
             static.body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=side):
+        with torch.cuda.graph(graph, pool=pool, stream=side if one_stream else None):
             static.body()
         static.graph = graph
         counters.bump("graph_captures")

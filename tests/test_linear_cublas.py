@@ -11,6 +11,7 @@ shape with the door open, every row's bits at B=1 and B=96 stacked.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -182,7 +183,8 @@ def test_a_step_with_cublas_in_it_is_captured_again_after_every_graph_of_its_poo
     class Step:  # what run_static needs of a static step: body(), its logits' device, its graph
         def __init__(self):
             self.x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
-            self.logits, self.graph, self.model = torch.empty(96, 4096, device="cuda"), None, None
+            self.logits, self.graph = torch.empty(96, 4096, device="cuda"), None
+            self.model = types.SimpleNamespace(ops=types.SimpleNamespace(cublas_linear=True))  # the door's model
 
         def body(self):
             self.logits.copy_(C.on_cublas(self.x, w))  # 96 rows: a cuBLAS kernel

@@ -304,6 +304,7 @@ def _bench_peer(run: _Run, name: str, model, roofs: dict) -> str:
             run.cell(name, mode, "prefill", 1, lambda: time_hf_first_token(hf, vocab, cfg.prefill_chunk, cfg.repeats,
                                                                             device, cfg.seed, static),
                      fixed(("prefill", 1)), note)
-            run.cell(name, mode, "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats, device,
-                                                                         cfg.seed + 1, static), fixed(("ttft", 1)), note)
+            run.cell(name, mode, "ttft", 1, lambda: time_hf_first_token(hf, vocab, cfg.ttft_tokens, cfg.repeats,
+                                                                         device, cfg.seed + 1, static),
+                     fixed(("ttft", 1)), note)
     return how
