@@ -222,10 +222,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_LINEAR_CUBLAS", "0", "1 = on CUDA in exact mode, the dense linears of more than 64 rows on cuBLASLt with "
      "split-K forbidden (memra.kernels.triton.linear_cublas), with the Triton kernels' bits: at load every dense "
      "weight shape of the model is run at every row count cuBLAS takes (65-1,024, then every 8th to 4,096) against "
-     "the Triton kernel's rows; a shape whose rows differ anywhere keeps the Triton kernel, named in one line on stderr; "
-     "SwiGLU's activation and the "
-     "residual add run apart there; sets torch's cuBLAS flags for the process; not with MEMRA_LINEAR_SHAPED; off "
-     "until a GPU run shows it faster"),
+     "the Triton kernel's rows; a shape whose rows differ anywhere keeps the Triton kernel, named in one line on "
+     "stderr; SwiGLU's activation and the residual add run apart there; sets torch's cuBLAS flags for the process; "
+     "not with MEMRA_LINEAR_SHAPED; off until a GPU run shows it faster"),
     ("MEMRA_MIXED_DECODE_WIDTH", "0", "1 = a captured mixed step's decode rows read a block table of their own width "
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "

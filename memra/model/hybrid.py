@@ -87,7 +87,7 @@ class HybridModel:
         self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.settings = settings if settings is not None else Settings()
         self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
-        if self.ops.cublas_linear:  # cuBLAS's rows held to this model's shapes now; the rest keep Triton (linear_cublas)
+        if self.ops.cublas_linear:  # cuBLAS's rows held to this model's shapes now; others keep Triton (linear_cublas)
             linear_module("cublas").hold_rows(dense_linear_shapes(weights, dtype), dtype, device)
         self._weights = weights  # what a view with other settings is built from (with_settings)
         self.is_view = view  # built by with_settings: the weights belong to the model it views
