@@ -160,8 +160,8 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     """The one stream of this device on which a step that calls cuBLAS runs first eagerly, then its capture
     (run_static). One stream, and the same for both: cuBLAS (the MEMRA_LINEAR_CUBLAS path) takes a workspace
-    per stream on its first call there, kept for the process. Taken during a capture it would come from that graph's
-    private memory pool and pin it: once the pool's graphs are dropped (pools enlarged, an engine closed)
+    per stream on its first call there, kept for the process. Taken during a capture it would come from that
+    graph's private memory pool and pin it: once the pool's graphs are dropped (pools enlarged, an engine closed)
     the pool can never be freed, and a later capture that names it fails torch's allocator assert
     (use_count > 0). The eager run on this stream takes the workspace outside any capture; and a fresh
     stream per capture would take a new workspace each time."""
@@ -191,8 +191,9 @@ def run_static(static, pool=None) -> None:
         with no_host_sync(f"{type(static).__name__}.body") if static.model.ops.invariant else contextlib.nullcontext():
             static.body()
     elif static.graph is None:
-        # One stream for the warm-up and the capture where the step calls cuBLAS (MEMRA_LINEAR_CUBLAS, off), the
-        # only path whose GPU runs have held it so far; elsewhere a side stream, and torch's own for the capture.
+        # One stream for the warm-up and the capture where the step calls cuBLAS (MEMRA_LINEAR_CUBLAS, off: the fix
+        # its captures need); elsewhere, until a GPU run of the whole suite holds the one stream for every capture,
+        # the side stream and torch's own capture stream that every GPU run so far has held.
         one_stream = static.model.ops.cublas_linear
         side = capture_stream(device) if one_stream else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
