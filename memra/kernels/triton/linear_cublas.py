@@ -51,7 +51,8 @@ def _flags() -> tuple:
 def _set_flags(bf16, fp16, library) -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16
-    torch.backends.cuda.preferred_blas_library(library)
+    if torch.backends.cuda.is_built():  # a CPU build of torch has no cuBLAS to prefer, and refuses the call
+        torch.backends.cuda.preferred_blas_library(library)
 
 
 _BEFORE: list[tuple] = []  # torch's flags as configure() first found them (the process's own)
