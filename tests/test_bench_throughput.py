@@ -8,9 +8,11 @@ import json
 
 import pytest
 
-from conftest import DEVICE
+from conftest import DEVICE, hf_dir
+from memra.bench.roofline import prefill_flops, state_bytes
 from memra.bench.throughput import (MAX_LEN, MIN_LEN, ThroughputConfig, jsonl_workload, run_throughput,
                                     synthetic_workload)
+from memra.bench.workload_floor import workload_floor, workload_work
 from memra.cli import main
 from memra.errors import MemraError
 
@@ -60,6 +62,31 @@ def test_throughput_run_on_the_demo(tmp_path):
     assert report.output_tps > 0 and report.total_tps > report.output_tps
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved["output_tokens"] == 144 and saved["output_tokens_per_s"] == pytest.approx(report.output_tps)
+    # the workload's floor on this device, measured after the run: in the table and in the JSON
+    floor = report.floor
+    assert floor.matmul_flops > 0 and floor.cache_bytes > 0 and floor.seconds > 0
+    assert "floor on this device" in report.table() and saved["floor"]["seconds"] == floor.seconds
+
+
+def test_the_floor_counts_each_token_once_as_a_prefill_or_a_decode_step(load_model):
+    """workload_work's closed forms against the roofline's per-step counts summed token by token: a prompt's
+    prefill, then each decode step at its position (prefill_flops of one token at pos0, state_bytes of its
+    prefix), on a hybrid (GDN state) and a plain attention model."""
+    for arch in ("qwen3_5", "llama"):
+        model = load_model(hf_dir(arch))
+        lengths = [(5, 1), (7, 4), (1, 9)]
+        flops, cache = workload_work(model, lengths)
+        want_flops = want_cache = 0.0
+        for p, o in lengths:
+            want_flops += prefill_flops(model, p)
+            for k in range(o - 1):  # the decode step feeding position p + k attends to p + k + 1 keys
+                want_flops += prefill_flops(model, 1, pos0=p + k)
+                want_cache += state_bytes(model.cfg, model.dtype, p + k + 1)
+        # the same terms summed in another order: equal up to float rounding
+        assert flops == pytest.approx(want_flops, rel=1e-12) and cache == pytest.approx(want_cache, rel=1e-12)
+        floor = workload_floor(model, lengths, matmul_flops_per_s=1e12, read_bytes_per_s=1e11)
+        assert floor.seconds == pytest.approx(flops / 1e12 + cache / 1e11, rel=1e-12)
+        assert "this run 50% of it" in floor.line(output_tokens=14, seconds=2 * floor.seconds)
 
 
 def test_throughput_cli(tmp_path, capsys):

@@ -133,7 +133,7 @@ class BenchReport:
 
 def si(x: float) -> str:
     """1.23 G, 45.6 M, ...: a number with an SI prefix (the unit follows)."""
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
             return f"{x / factor:.2f} {prefix}"
     return f"{x:.2f} "

@@ -85,7 +85,7 @@ def weight_bytes(model, tokens: int) -> float:
     return total
 
 
-def _cache_parts(cfg: ModelConfig, dtype: torch.dtype, context: int) -> tuple[int, int]:
+def cache_parts(cfg: ModelConfig, dtype: torch.dtype, context: int) -> tuple[int, int]:
     """One sequence's cache (memra.cache layout): (K and V of `context` positions over the attention
     layers, the recurrent state of the GDN layers: fp32 delta-rule state + conv window) in bytes."""
     item = torch.empty((), dtype=dtype).element_size()
@@ -102,13 +102,13 @@ def state_bytes(cfg: ModelConfig, dtype: torch.dtype, context: int) -> int:
     """Bytes one sequence's decode step moves in its cache: the KV of `context` positions (read; the new
     token's K/V write is negligible) and the GDN recurrent state read and written back (it is replaced
     every step, so its write is as unavoidable as its read)."""
-    kv, rec = _cache_parts(cfg, dtype, context)
+    kv, rec = cache_parts(cfg, dtype, context)
     return kv + 2 * rec
 
 
 def cache_bytes(cfg: ModelConfig, dtype: torch.dtype, context: int) -> int:
     """Memory one sequence's cache of `context` positions holds."""
-    return sum(_cache_parts(cfg, dtype, context))
+    return sum(cache_parts(cfg, dtype, context))
 
 
 def decode_step_bytes(model, batch: int, context: int) -> float:
@@ -121,15 +121,10 @@ def roofline_decode_tokens_per_s(model, batch: int, bandwidth: float, *, context
     return batch / (decode_step_bytes(model, batch, context) / bandwidth)
 
 
-def prefill_flops(model, tokens: int, pos0: int = 0) -> float:
-    """FLOPs of priming `tokens` tokens of one sequence from position pos0: 2 per weight per token for
-    every matmul weight (the routed experts at top_k / n_experts of theirs, the embedding gather free),
-    the LM head once (prime computes only the last position's logits), causal attention over the prefix,
-    and an estimate of the chunked delta rule (state apply + update, and the intra-chunk products)."""
-    from memra.kernels.reference import GDN_CHUNK
-
-    cfg = model.cfg
-    per_token = 0.0
+def token_flops(model) -> float:
+    """Matmul FLOPs of one token through the trunk: 2 per weight of every matmul (the routed experts at
+    top_k / n_experts of theirs), neither the embedding (a gather) nor the LM head (counted per logits row)."""
+    cfg, per_token = model.cfg, 0.0
     for name, t in trunk_weights(model).items():
         if name in ("embed", "lm_head") or len(t.shape) < 2 or name.endswith(".gdn.conv"):
             continue
@@ -137,16 +132,34 @@ def prefill_flops(model, tokens: int, pos0: int = 0) -> float:
         if name.endswith(ROUTED):
             n *= cfg.moe.top_k / cfg.moe.n_experts
         per_token += 2 * n
-    flops = per_token * tokens + 2 * cfg.vocab_size * cfg.hidden_size
-    a = cfg.attn
-    # causal QK^T and PV: token at position p attends to p + 1 keys, 2 FLOPs per multiply-add, 2 products
+    return per_token
+
+
+def attention_flops(cfg: ModelConfig, keys: float) -> float:
+    """QK^T and PV over `keys` (query, key) pairs in every attention layer: 2 FLOPs a multiply-add, 2 products."""
+    return len(cfg.attention_layers) * 4 * cfg.attn.n_heads * cfg.attn.head_dim * keys
+
+
+def gdn_flops(cfg: ModelConfig, tokens: int) -> float:
+    """An estimate of the chunked delta rule over `tokens` tokens in every GDN layer (state apply + update, and
+    the intra-chunk products); 0 without GDN layers."""
+    from memra.kernels.reference import GDN_CHUNK
+
+    if cfg.gdn is None:
+        return 0.0
+    g = cfg.gdn
+    per_head = 6 * g.k_head_dim * g.v_head_dim + 2 * GDN_CHUNK * (g.k_head_dim + g.v_head_dim)
+    return len(cfg.gdn_layers) * g.n_v_heads * per_head * tokens
+
+
+def prefill_flops(model, tokens: int, pos0: int = 0) -> float:
+    """FLOPs of priming `tokens` tokens of one sequence from position pos0: the trunk's matmuls per token,
+    the LM head once (prime computes only the last position's logits), causal attention over the prefix
+    (the token at position p attends to p + 1 keys), and the chunked delta rule's estimate."""
+    cfg = model.cfg
     keys = tokens * pos0 + tokens * (tokens + 1) / 2
-    flops += len(cfg.attention_layers) * 4 * a.n_heads * a.head_dim * keys
-    if cfg.gdn is not None:
-        g = cfg.gdn
-        per_head = 6 * g.k_head_dim * g.v_head_dim + 2 * GDN_CHUNK * (g.k_head_dim + g.v_head_dim)
-        flops += len(cfg.gdn_layers) * g.n_v_heads * per_head * tokens
-    return flops
+    return (token_flops(model) * tokens + 2 * cfg.vocab_size * cfg.hidden_size + attention_flops(cfg, keys)
+            + gdn_flops(cfg, tokens))
 
 
 def roofline_prefill_tokens_per_s(model, tokens: int, bandwidth: float, matmul_flops: float, pos0: int = 0) -> float:

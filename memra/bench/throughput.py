@@ -13,7 +13,7 @@ with and without it gives the grammar's cost per token. Beside the rates it prin
 of the prompts again one at a time and compares their tokens with the batched run's: the throughput
 is the exact engine's, and the run shows it. The step mix includes what sat between the steps (the
 host's gap, and on CUDA the GPU's idle share, memra.engine.step_clock) and the decode steps' row
-histogram. --max-batch auto (the default) sizes the batch from the KV memory (memra.engine.batch_size);
+histogram, and the end the workload's floor on this device (memra.bench.workload_floor). --max-batch auto (the default) sizes the batch from the KV memory (memra.engine.batch_size);
 --prefill-budget sets the scheduler's split budget (0: shared; default: EngineConfig.split_budget's);
 --variants runs several such settings on one loaded model and prints one table
 (memra.bench.throughput_variants).
@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from memra import counters
+from memra.bench.probes import Probes
+from memra.bench.workload_floor import WorkloadFloor, workload_floor
 from memra.errors import MemraError
 from memra.pools import KvBudget
 from memra.sampling import MAX_LOGPROBS, SamplingParams
@@ -166,6 +168,7 @@ class ThroughputReport:
     checked: int = 0
     check_failures: list[str] = field(default_factory=list)
     length_failures: int = 0  # requests that ended before their output length
+    floor: WorkloadFloor | None = None  # the workload's floor on this device (memra.bench.workload_floor)
 
     @property
     def output_tps(self) -> float:
@@ -192,10 +195,13 @@ class ThroughputReport:
             lines.append(f"exactness: {self.checked} requests re-run alone, tokens {verdict}")
         if self.length_failures:
             lines.append(f"{self.length_failures} requests ended before their output length")
+        if self.floor is not None:
+            lines.append(self.floor.line(self.output_tokens, self.seconds))
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {**{k: v for k, v in vars(self).items() if k != "step_lines"},
+        floor = None if self.floor is None else {**asdict(self.floor), "seconds": self.floor.seconds}
+        return {**{k: v for k, v in vars(self).items() if k not in ("step_lines", "floor")}, "floor": floor,
                 "output_tokens_per_s": self.output_tps, "total_tokens_per_s": self.total_tps}
 
 
@@ -260,6 +266,9 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
         if alone != outs[i].outputs[0].token_ids:
             report.check_failures.append(f"request {i}: batched and alone differ")
     llm.close()
+    probes = Probes.measure(model.device, model.dtype, repeats=3)  # after close: the pools' memory is free again
+    report.floor = workload_floor(model, [(len(r.prompt), r.output_len) for r in reqs], probes.matmul_flops_per_s,
+                                  probes.read_bytes_per_s)
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
     return report
