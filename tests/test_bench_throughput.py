@@ -12,7 +12,7 @@ from conftest import DEVICE, hf_dir
 from memra.bench.roofline import prefill_flops, state_bytes
 from memra.bench.throughput import (MAX_LEN, MIN_LEN, ThroughputConfig, jsonl_workload, run_throughput,
                                     synthetic_workload)
-from memra.bench.workload_floor import workload_floor, workload_work
+from memra.bench.workload_floor import meta_model, workload_floor, workload_work
 from memra.cli import main
 from memra.errors import MemraError
 
@@ -84,6 +84,8 @@ def test_the_floor_counts_each_token_once_as_a_prefill_or_a_decode_step(load_mod
                 want_cache += state_bytes(model.cfg, model.dtype, p + k + 1)
         # the same terms summed in another order: equal up to float rounding
         assert flops == pytest.approx(want_flops, rel=1e-12) and cache == pytest.approx(want_cache, rel=1e-12)
+        # a model of the same shape on the meta device (tools/workload_floor.py's) counts the same
+        assert workload_work(meta_model(model.cfg, model.dtype), lengths) == (flops, cache)
         floor = workload_floor(model, lengths, matmul_flops_per_s=1e12, read_bytes_per_s=1e11)
         assert floor.seconds == pytest.approx(flops / 1e12 + cache / 1e11, rel=1e-12)
         assert "this run 50% of it" in floor.line(output_tokens=14, seconds=2 * floor.seconds)

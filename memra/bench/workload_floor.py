@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from memra.bench.report import si
 from memra.bench.roofline import attention_flops, cache_parts, gdn_flops, token_flops
 
@@ -38,14 +40,15 @@ class WorkloadFloor:
     def seconds(self) -> float:
         return self.matmul_flops / self.matmul_flops_per_s + self.cache_bytes / self.read_bytes_per_s
 
-    def line(self, output_tokens: int, seconds: float) -> str:
-        """One line for the report: the floor, its parts, and the run's share of it."""
-        return (f"floor on this device: {self.seconds:.2f} s ({output_tokens / self.seconds:,.0f} output tok/s) = "
+    def describe(self, output_tokens: int) -> str:
+        """The floor and its parts: '14.06 s (17,578 output tok/s) = matmuls ... + cache reads ...'."""
+        return (f"{self.seconds:.2f} s ({output_tokens / self.seconds:,.0f} output tok/s) = "
                 f"matmuls {si(self.matmul_flops)}FLOP at {si(self.matmul_flops_per_s)}FLOP/s + "
-                f"cache reads {si(self.cache_bytes)}B at {si(self.read_bytes_per_s)}B/s; "
-                f"this run {self.seconds / seconds:.0%} of it")
+                f"cache reads {si(self.cache_bytes)}B at {si(self.read_bytes_per_s)}B/s")
 
-
+    def line(self, output_tokens: int, seconds: float) -> str:
+        """One line for a run's report: the floor on its device, and the run's share of it."""
+        return f"floor on this device: {self.describe(output_tokens)}; this run {self.seconds / seconds:.0%} of it"
 
 def workload_work(model, lengths: list[tuple[int, int]]) -> tuple[float, float]:
     """(matmul FLOPs, cache bytes) of generating output_len tokens after each (prompt_len, output_len)."""
@@ -66,3 +69,14 @@ def workload_floor(model, lengths: list[tuple[int, int]], matmul_flops_per_s: fl
                    read_bytes_per_s: float) -> WorkloadFloor:
     flops, cache = workload_work(model, lengths)
     return WorkloadFloor(flops, cache, matmul_flops_per_s, read_bytes_per_s)
+
+
+def meta_model(cfg, dtype: torch.dtype = torch.bfloat16):
+    """A model of cfg's shape whose weights are meta tensors (in `dtype`, norms fp32 as random_model holds them):
+    every count above, no memory, on any machine (tools/workload_floor.py)."""
+    from memra.model.hybrid import HybridModel
+    from memra.random_model import FP32_WEIGHTS, canonical_shapes
+
+    weights = {k: torch.empty(shape, device="meta", dtype=torch.float32 if k.rsplit(".", 1)[-1] in FP32_WEIGHTS else dtype)
+               for k, shape in canonical_shapes(cfg).items()}
+    return HybridModel(cfg, weights, torch.device("meta"), dtype, source="meta")
