@@ -9,14 +9,15 @@ Llama-3 tokens, with a long tail); prompt ids are uniform over the vocabulary. E
 its output length (ignore_eos), so the token count does not depend on what a random model says.
 
 With --structured every request is held to one grammar (llguidance, memra.structured): the same run
-with and without it gives the grammar's cost per token. Beside the rates it prints the engine's step mix (memra.engine.step_mix) and, with --check K, runs K
-of the prompts again one at a time and compares their tokens with the batched run's: the throughput
-is the exact engine's, and the run shows it. The step mix includes what sat between the steps (the
-host's gap, and on CUDA the GPU's idle share, memra.engine.step_clock) and the decode steps' row
-histogram, and the end the workload's floor on this device (memra.bench.workload_floor). --max-batch auto (the default) sizes the batch from the KV memory (memra.engine.batch_size);
---prefill-budget sets the scheduler's split budget (0: shared; default: EngineConfig.split_budget's);
---variants runs several such settings on one loaded model and prints one table
-(memra.bench.throughput_variants).
+with and without it gives the grammar's cost per token. Beside the rates it prints the engine's step mix
+(memra.engine.step_mix) and, with --check K, runs K of the prompts again one at a time and compares their
+tokens with the batched run's: the throughput is the exact engine's, and the run shows it. The step mix
+includes what sat between the steps (the host's gap, and on CUDA the GPU's idle share,
+memra.engine.step_clock) and the decode steps' row histogram. The report ends with the workload's floor on
+this device (memra.bench.workload_floor) and the run's share of it. --max-batch auto (the default) sizes the
+batch from the KV memory (memra.engine.batch_size); --prefill-budget sets the scheduler's split budget (0:
+shared; default: EngineConfig.split_budget's); --variants runs several such settings on one loaded model and
+prints one table (memra.bench.throughput_variants).
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class WorkloadFloor:
         """One line for a run's report: the floor on its device, and the run's share of it."""
         return f"floor on this device: {self.describe(output_tokens)}; this run {self.seconds / seconds:.0%} of it"
 
+
 def workload_work(model, lengths: list[tuple[int, int]]) -> tuple[float, float]:
     """(matmul FLOPs, cache bytes) of generating output_len tokens after each (prompt_len, output_len)."""
     cfg = model.cfg
