@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memra.bench.roofline import cache_parts  # noqa: E402
 from memra.bench.throughput import ThroughputConfig, synthetic_workload  # noqa: E402
-from memra.bench.workload_floor import meta_model, workload_floor  # noqa: E402
+from memra.bench.workload_floor import decode_keys, meta_model, workload_floor  # noqa: E402
 from memra.random_model import SHAPES  # noqa: E402
 
 
@@ -36,13 +36,11 @@ def main() -> None:
         lengths = [(len(r.prompt), r.output_len) for r in reqs]
         floor = workload_floor(model, lengths, args.peak, args.bandwidth)
         output = sum(o for _, o in lengths)
-        kv_per_position, recurrent = cache_parts(model.cfg, model.dtype, 1)
-        decode_keys = sum((o - 1) * (2 * p + o) / 2 for p, o in lengths)
-        kv = kv_per_position * decode_keys
+        kv = cache_parts(model.cfg, model.dtype, 1)[0] * sum(decode_keys(p, o) for p, o in lengths)
         print(f"{name}: {sum(p for p, _ in lengths)} prompt + {output} output tokens")
         print(f"  floor at these figures: {floor.describe(output)}")
-        print(f"  cache reads: KV {kv / 1e12:.2f} TB, GDN state read and written {(floor.cache_bytes - kv) / 1e12:.2f} TB; "
-              f"matmuls {floor.matmul_flops / args.peak:.2f} s, cache {floor.cache_bytes / args.bandwidth:.2f} s")
+        print(f"  cache traffic: KV {kv / 1e12:.2f} TB, GDN state read and written {(floor.cache_bytes - kv) / 1e12:.2f} "
+              f"TB; matmuls {floor.matmul_flops / args.peak:.2f} s, cache {floor.cache_bytes / args.bandwidth:.2f} s")
 
 
 if __name__ == "__main__":

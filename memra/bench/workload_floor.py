@@ -51,6 +51,12 @@ class WorkloadFloor:
         return f"floor on this device: {self.describe(output_tokens)}; this run {self.seconds / seconds:.0%} of it"
 
 
+def decode_keys(prompt_len: int, output_len: int) -> float:
+    """(query, key) pairs of a request's decode steps: the step feeding position p + k attends to p + k + 1 keys,
+    k = 0 .. output_len - 2 (the first output token is its prefill's)."""
+    return (output_len - 1) * (2 * prompt_len + output_len) / 2
+
+
 def workload_work(model, lengths: list[tuple[int, int]]) -> tuple[float, float]:
     """(matmul FLOPs, cache bytes) of generating output_len tokens after each (prompt_len, output_len)."""
     cfg = model.cfg
@@ -58,11 +64,10 @@ def workload_work(model, lengths: list[tuple[int, int]]) -> tuple[float, float]:
     kv_per_position, recurrent = cache_parts(cfg, model.dtype, 1)
     flops = cache = 0.0
     for p, o in lengths:
-        steps = o - 1  # decode steps; the first output token is the prefill's
-        decode_keys = steps * (2 * p + o) / 2  # sum of p + 1 .. p + o - 1
-        keys = p * (p + 1) / 2 + decode_keys
-        flops += per_token * (p + steps) + head * o + attention_flops(cfg, keys) + gdn_flops(cfg, p + steps)
-        cache += kv_per_position * decode_keys + 2 * recurrent * steps
+        steps, keys = o - 1, decode_keys(p, o)  # decode steps; the first output token is the prefill's
+        flops += (per_token * (p + steps) + head * o + attention_flops(cfg, p * (p + 1) / 2 + keys)
+                  + gdn_flops(cfg, p + steps))
+        cache += kv_per_position * keys + 2 * recurrent * steps
     return flops, cache
 
 
