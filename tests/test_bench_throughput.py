@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import DEVICE, hf_dir
 from memra.bench.roofline import prefill_flops, state_bytes
@@ -89,6 +90,22 @@ def test_the_floor_counts_each_token_once_as_a_prefill_or_a_decode_step(load_mod
         floor = workload_floor(model, lengths, matmul_flops_per_s=1e12, read_bytes_per_s=1e11)
         assert floor.seconds == pytest.approx(flops / 1e12 + cache / 1e11, rel=1e-12)
         assert "this run 50% of it" in floor.line(output_tokens=14, seconds=2 * floor.seconds)
+
+
+def test_a_floor_whose_probes_do_not_fit_is_named_not_fatal(monkeypatch):
+    """The probes run after the engine is closed; where their buffers do not fit beside the model, the run's
+    report stands and says why it has no floor."""
+    from memra.bench.probes import Probes
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(Probes, "measure", no_room)
+    cfg = ThroughputConfig(model="demo", num_prompts=3, output_len=4, max_batch=4, device=DEVICE, check=0)
+    report = run_throughput(cfg, log=lambda line: None)
+    assert report.output_tokens == 12 and report.floor is None
+    assert "floor on this device: not measured (the probes' buffers did not fit beside the model)" in report.table()
+    assert report.to_json()["floor"] is None
 
 
 def test_throughput_cli(tmp_path, capsys):

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from memra import counters
 from memra.bench.probes import Probes
@@ -170,6 +171,7 @@ class ThroughputReport:
     check_failures: list[str] = field(default_factory=list)
     length_failures: int = 0  # requests that ended before their output length
     floor: WorkloadFloor | None = None  # the workload's floor on this device (memra.bench.workload_floor)
+    floor_skipped: str = ""  # why there is none, where the probes could not run
 
     @property
     def output_tps(self) -> float:
@@ -198,6 +200,8 @@ class ThroughputReport:
             lines.append(f"{self.length_failures} requests ended before their output length")
         if self.floor is not None:
             lines.append(self.floor.line(self.output_tokens, self.seconds))
+        elif self.floor_skipped:
+            lines.append(f"floor on this device: not measured ({self.floor_skipped})")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -267,9 +271,13 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
         if alone != outs[i].outputs[0].token_ids:
             report.check_failures.append(f"request {i}: batched and alone differ")
     llm.close()
-    probes = Probes.measure(model.device, model.dtype, repeats=3)  # after close: the pools' memory is free again
-    report.floor = workload_floor(model, [(len(r.prompt), r.output_len) for r in reqs], probes.matmul_flops_per_s,
-                                  probes.read_bytes_per_s)
+    try:  # after close: the pools' memory is free again
+        probes = Probes.measure(model.device, model.dtype, repeats=3)
+    except torch.OutOfMemoryError:  # a model that leaves no room for the probes' buffers: the run's figures stand
+        report.floor_skipped = "the probes' buffers did not fit beside the model"
+    else:
+        report.floor = workload_floor(model, [(len(r.prompt), r.output_len) for r in reqs],
+                                      probes.matmul_flops_per_s, probes.read_bytes_per_s)
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
     return report
