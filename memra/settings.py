@@ -25,6 +25,7 @@ from memra.errors import MemraError
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 DECODE_PLANS = ("auto", "row", "stacked", "bucket")
+ADMISSION_ORDERS = ("fcfs", "lof")  # MEMRA_ADMISSION_ORDER's values: the waiting queue's order (memra.engine.admission)
 MIXED_TOKEN_LIMITS = (512, 1024, 2048)  # MEMRA_MIXED_TOKENS's values: the largest captured prompt bucket
 
 
@@ -88,6 +89,7 @@ class Settings:
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
+    admission_order: str = "fcfs"  # the order waiting requests start in: fcfs | lof (memra.engine.admission)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -103,6 +105,8 @@ class Settings:
         if self.linear_cublas and self.linear_shaped:
             raise MemraError("MEMRA_LINEAR_CUBLAS=1 and MEMRA_LINEAR_SHAPED=1 name two different dense linears; "
                              "set one of them")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise MemraError(f"MEMRA_ADMISSION_ORDER={self.admission_order!r} is not one of {', '.join(ADMISSION_ORDERS)}")
         if self.mixed_tokens not in MIXED_TOKEN_LIMITS:
             raise MemraError(f"MEMRA_MIXED_TOKENS={self.mixed_tokens} is not one of "
                              f"{', '.join(map(str, MIXED_TOKEN_LIMITS))}")
@@ -130,6 +134,7 @@ class Settings:
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
+            admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "fcfs").strip().lower() or "fcfs",
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -171,7 +176,7 @@ class Settings:
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
                 "MEMRA_LINEAR_SHAPED": on(self.linear_shaped), "MEMRA_LINEAR_CUBLAS": on(self.linear_cublas),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
-                "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs),
+                "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs), "MEMRA_ADMISSION_ORDER": self.admission_order,
                 **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
@@ -237,6 +242,11 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "log-softmax over those rows, a gather and a count (memra.engine.sampler.logprob_numbers; a vocabulary that is "
      "not a multiple of 4 keeps the rows apart), not some seven launches a row: the same bits (CUDA's softmax "
      "reduces each row alone); 0 = row by row"),
+    ("MEMRA_ADMISSION_ORDER", "fcfs", "the order waiting requests start in: fcfs = first come first served, lof = "
+     "longest output first (largest max_tokens first, arrival order among equal ones; SGLang's --schedule-policy "
+     "lof): offline, the long requests no longer start late and leave a tail of few-row steps; served under load, "
+     "short requests may wait behind long ones; changes no output bit (memra.engine.admission); off until a GPU "
+     "run shows it faster"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

@@ -28,13 +28,14 @@ One step, in this order:
    chunk that the budget allows gets no block at all, that sequence swaps out younger RUNNING
    sequences that are not scheduled this step (latest first) until some chunk fits — otherwise
    prefillers that hold every block between them would wait for each other for ever.
-3. Resume SWAPPED sequences, oldest first, then admit WAITING ones, first come first served. Each
+3. Resume SWAPPED sequences, oldest first, then admit WAITING ones in the queue's order (first come first
+   served, or longest output first: memra.engine.admission.enqueue). Each
    needs room in the running set (which is also a free slot), the budget for its step, and the blocks
    for its whole cache plus what the step writes. Resumed sequences run in this very step: the engine
    swaps them in before running it, so a resumed decoder is in `decode` and a resumed prefiller in
    `prefill` (swap_in is always a subset of the rids that run). This phase is strictly ordered: at the
    first candidate that cannot start, it stops, so a waiting request is never admitted while an older
-   swapped one cannot resume, and nobody jumps the queue. It is skipped entirely when this step
+   swapped one cannot resume, and nobody passes the queue's head. It is skipped entirely when this step
    preempted anything (memory is short: resuming would only thrash) or when a RUNNING prefiller could
    not be scheduled (new work would keep taking the budget and blocks it waits for).
    A consequence: running + swapped never exceeds the running-set cap (admission happens only when
@@ -58,18 +59,18 @@ of prefill_align; if that leaves n <= 0 it is not scheduled this step (nor once 
 cut lands on an absolute multiple of prefill_align or on the prompt end, which the engine's exactness relies
 on (E5). The chunk that reaches the prompt end samples the sequence's first token.
 
-Prefix cache: a WAITING request may start at a cached aligned cut (still counted as holding its whole
-cache's blocks), end chunks at `stops`, or be `held` at the queue's head (memra.engine.prefix_hooks).
+Prefix cache: a WAITING request may start at a cached aligned cut (still counted as holding its whole cache's
+blocks), end chunks at `stops`, or be `held` at the queue's head (memra.engine.prefix_hooks).
 
 Liveness. Whenever anything is RUNNING, the oldest RUNNING sequence (or, when it is a prefiller blocked by the
-budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING the oldest swapped or waiting
-sequence starts with the whole pool (add() refuses a request whose prompt_len + max_tokens cannot fit it).
-Swapping loses no work, so every request finishes.
+budget, the decoders ahead of it) makes progress each step; when nothing is RUNNING the oldest swapped sequence
+or the waiting queue's head starts with the whole pool (add() refuses a request whose prompt_len + max_tokens
+cannot fit it). Swapping loses no work, so every request finishes.
 
-Finished and cancelled sequences are forgotten at once (memory stays bounded for a long-running server):
-`get()` raises KeyError for them and the rid may be reused. Reports about a rid cancelled while its step
-was in flight are ignored. A sequence that reaches max_tokens is finished by the scheduler even if the
-engine did not list it, so a missed report cannot overrun the block bound.
+Finished and cancelled sequences are forgotten at once (memory stays bounded for a long-running server): `get()`
+raises KeyError for them and the rid may be reused. Reports about a rid cancelled while its step was in flight
+are ignored. A sequence that reaches max_tokens is finished by the scheduler even if the engine did not list it,
+so a missed report cannot overrun the block bound.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from memra.engine.admission import PrefillGrouping
+from memra.engine.admission import PrefillGrouping, enqueue
 from memra.engine.prefix_hooks import PrefixHooks
 from memra.engine.scheduled import Sequence, Status, StepPlan
 
@@ -99,6 +100,7 @@ class SchedulerConfig:
     grouping: PrefillGrouping = field(default_factory=PrefillGrouping)  # waiting requests held to start together
     prefill_budget: int | None = None  # prompt tokens a step, apart from decode rows (split budget); None: shared
     max_pieces: int | None = None  # prefill chunks a step at most (a captured mixed step's piece entries); None: any
+    longest_first: bool = False  # waiting requests queued by max_tokens, most first (MEMRA_ADMISSION_ORDER=lof)
 
     def __post_init__(self) -> None:
         names = ["max_running", "token_budget", "prefill_align", "max_waiting", "block_size", "total_blocks"]
@@ -125,10 +127,8 @@ class Scheduler(PrefixHooks):
 
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        # Every live sequence, in arrival order (dicts keep insertion order and add() appends), so
-        # iterating it is iterating oldest first.
-        self._seqs: dict[str, Sequence] = {}
-        self._waiting: deque[str] = deque()  # WAITING rids, first come first served
+        self._seqs: dict[str, Sequence] = {}  # every live sequence in arrival order (add() appends): oldest first
+        self._waiting: deque[str] = deque()  # WAITING rids in admission order (SchedulerConfig.longest_first)
         self._free = cfg.total_blocks
         self._arrivals = 0
         # The plan in flight, until step_done: what each rid was told to do (checks the engine's report).
@@ -157,7 +157,7 @@ class Scheduler(PrefixHooks):
         self._seqs[rid] = Sequence(rid, prompt_len, max_tokens, self._arrivals, Status.WAITING,
                                    block_size=self.cfg.block_size)
         self._arrivals += 1
-        self._waiting.append(rid)
+        enqueue(self._waiting, rid, lambda r: self._seqs[r].max_tokens, self.cfg.longest_first)
 
     def cancel(self, rid: str) -> bool:
         """End a request in any state and free what it holds. -> whether it was known and unfinished."""

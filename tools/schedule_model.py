@@ -1,0 +1,83 @@
+"""The throughput workload through memra's own scheduler on CPU, each step priced by a cost model: how the step
+mix, and so the rate, follows the scheduler's settings before a GPU run measures them.
+
+    python tools/schedule_model.py [--num-prompts 1000] [--max-batch 768] [--orders fcfs,lof] [--budgets 512,1024]
+
+The requests are `memra bench throughput`'s (synthetic_workload, same seed); the scheduler is the engine's
+(memra.engine.scheduler, with the engine's split budget and piece bound). Every request runs to its output
+length, as random weights with no stop token do. A step costs
+
+    max(weights / read rate, padded rows x FLOP a token / matmul rate) + KV read / attention rate
+    + a fixed per-step rest + prompt tokens x a per-token rest
+
+with rows padded to the decode graph's bucket plus the mixed graph's token bucket. The defaults are Llama-3-8B
+on one H100, fitted to the profile and step times of docs/PERFORMANCE.md. With them fcfs at a 512-token budget
+models 1,018 decode and 474 mixed steps and 9,642 output tok/s, where the engine ran 1,018 and 473 and measured
+9,451 (MEMRA_LINEAR_CUBLAS=1). A model of step counts, not a benchmark: `memra bench throughput` gives the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from memra.bench.throughput import ThroughputConfig, synthetic_workload  # noqa: E402
+from memra.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from memra.graphs import bucket_for  # noqa: E402
+from memra.mixed_graphs import PIECES, token_bucket  # noqa: E402
+
+
+def run(reqs, args, order: str, budget: int) -> dict:
+    sched = Scheduler(SchedulerConfig(max_running=args.max_batch, token_budget=2048, prefill_align=64,
+                                      max_waiting=1 << 30, block_size=16, total_blocks=1 << 24,
+                                      prefill_budget=budget, max_pieces=PIECES - 1, longest_first=order == "lof"))
+    lengths = {}
+    for i, r in enumerate(reqs):
+        sched.add(str(i), len(r.prompt), r.output_len)
+        lengths[str(i)] = len(r.prompt)
+    seconds, steps, rows = 0.0, {"decode": 0, "mixed": 0}, 0
+    while sched.num_running() or sched.num_waiting():
+        plan = sched.schedule()
+        tokens = sum(n for _, _, n in plan.prefill)
+        padded = (bucket_for(len(plan.decode)) or len(plan.decode)) + (token_bucket(tokens, budget) or tokens)
+        kv = sum(lengths[rid] + sched.get(rid).generated for rid in plan.decode) * args.kv_bytes
+        seconds += (max(args.weight_bytes / args.read_rate, padded * args.token_flop / args.matmul_rate)
+                    + kv / args.attention_rate + args.step_rest + tokens * args.token_rest)
+        steps["mixed" if tokens else "decode"] += 1
+        rows += len(plan.decode)
+        sampled = [rid for rid, start, n in plan.prefill if start + n == lengths[rid]] + list(plan.decode)
+        done = [rid for rid in sampled if sched.get(rid).generated + 1 >= sched.get(rid).max_tokens]
+        sched.step_done({rid: n for rid, _, n in plan.prefill}, sampled, done)
+    return {"seconds": seconds, "steps": steps, "rows": rows / sum(steps.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--max-batch", type=int, default=768)
+    ap.add_argument("--orders", default="fcfs,lof")
+    ap.add_argument("--budgets", default="512,1024", help="prompt tokens a step (MEMRA_MIXED_TOKENS's buckets)")
+    ap.add_argument("--weight-bytes", type=float, default=16.06e9)
+    ap.add_argument("--read-rate", type=float, default=3.0e12)
+    ap.add_argument("--token-flop", type=float, default=14.0e9)
+    ap.add_argument("--matmul-rate", type=float, default=580e12)
+    ap.add_argument("--kv-bytes", type=float, default=131072, help="KV bytes a position (all layers)")
+    ap.add_argument("--attention-rate", type=float, default=2.4e12)
+    ap.add_argument("--step-rest", type=float, default=1.7e-3, help="seconds a step outside linears and attention")
+    ap.add_argument("--token-rest", type=float, default=1.2e-6, help="seconds a prompt token outside the linears")
+    args = ap.parse_args()
+    reqs = synthetic_workload(ThroughputConfig(model="model", num_prompts=args.num_prompts), 1000, 8192)
+    out = sum(r.output_len for r in reqs)
+    print("| order | prompt tokens a step | modelled s | output tok/s | decode steps | mixed steps | rows a step |")
+    print("|---|---|---|---|---|---|---|")
+    for order in args.orders.split(","):
+        for budget in map(int, args.budgets.split(",")):
+            r = run(reqs, args, order, budget)
+            print(f"| {order} | {budget} | {r['seconds']:.2f} | {out / r['seconds']:,.0f} | {r['steps']['decode']:,} "
+                  f"| {r['steps']['mixed']:,} | {r['rows']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
