@@ -24,30 +24,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memra.bench.throughput import ThroughputConfig, synthetic_workload  # noqa: E402
+from memra.cache import BLOCK_SIZE  # noqa: E402
+from memra.engine.types import EngineConfig  # noqa: E402
 from memra.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from memra.graphs import bucket_for  # noqa: E402
 from memra.mixed_graphs import PIECES, token_bucket  # noqa: E402
+from memra.step import EXACT_PIECE  # noqa: E402
 
 
 def run(reqs, args, order: str, budget: int) -> dict:
-    sched = Scheduler(SchedulerConfig(max_running=args.max_batch, token_budget=2048, prefill_align=64,
-                                      max_waiting=1 << 30, block_size=16, total_blocks=1 << 24,
-                                      prefill_budget=budget, max_pieces=PIECES - 1, longest_first=order == "lof"))
-    lengths = {}
+    # the engine's scheduler as Engine builds it on a GPU with captured mixed steps (a pool that holds every request)
+    sched = Scheduler(SchedulerConfig(max_running=args.max_batch, token_budget=EngineConfig().token_budget,
+                                      prefill_align=EXACT_PIECE, max_waiting=1 << 30, block_size=BLOCK_SIZE,
+                                      total_blocks=1 << 24, prefill_budget=budget, max_pieces=PIECES - 1,
+                                      longest_first=order == "lof"))
     for i, r in enumerate(reqs):
         sched.add(str(i), len(r.prompt), r.output_len)
-        lengths[str(i)] = len(r.prompt)
     seconds, steps, rows = 0.0, {"decode": 0, "mixed": 0}, 0
     while sched.num_running() or sched.num_waiting():
         plan = sched.schedule()
         tokens = sum(n for _, _, n in plan.prefill)
         padded = (bucket_for(len(plan.decode)) or len(plan.decode)) + (token_bucket(tokens, budget) or tokens)
-        kv = sum(lengths[rid] + sched.get(rid).generated for rid in plan.decode) * args.kv_bytes
+        kv = sum(sched.get(rid).prompt_len + sched.get(rid).generated for rid in plan.decode) * args.kv_bytes
         seconds += (max(args.weight_bytes / args.read_rate, padded * args.token_flop / args.matmul_rate)
                     + kv / args.attention_rate + args.step_rest + tokens * args.token_rest)
         steps["mixed" if tokens else "decode"] += 1
         rows += len(plan.decode)
-        sampled = [rid for rid, start, n in plan.prefill if start + n == lengths[rid]] + list(plan.decode)
+        sampled = [rid for rid, start, n in plan.prefill if start + n == sched.get(rid).prompt_len] + list(plan.decode)
         done = [rid for rid in sampled if sched.get(rid).generated + 1 >= sched.get(rid).max_tokens]
         sched.step_done({rid: n for rid, _, n in plan.prefill}, sampled, done)
     return {"seconds": seconds, "steps": steps, "rows": rows / sum(steps.values())}
