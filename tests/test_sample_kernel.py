@@ -39,3 +39,35 @@ def test_a_row_does_not_depend_on_the_batch():
     whole = sample_triton.sample_batch(logits, specs)
     for i in range(5):
         assert int(sample_triton.sample_batch(logits[i : i + 1].clone(), specs[i : i + 1])[0]) == int(whole[i])
+
+
+def test_split_rows_choose_the_unsplit_walks_tokens():
+    """MEMRA_SAMPLE_SPLIT: each row's vocabulary over several programs, then the combine. The same token as
+    device_sample in every row, with maxima tied inside a part, across parts and at a part's first index."""
+    g = torch.Generator().manual_seed(2)
+    v = 20_000  # 20 blocks: 5 parts of 4 at 7 rows (sample_triton.split_span)
+    logits = (torch.randn(7, v, generator=g) * 2).to(DEVICE)
+    span = sample_triton.split_span(7, v)
+    assert (span, -(-v // span)) == (4 * sample_triton.SAMPLE_BLOCK, 5)
+    top = logits.max() + 1
+    logits[0, [9_000, 17_000]] = top  # parts 2 and 4: the earlier part's index
+    logits[1, [span + 5, span + 700]] = top  # inside part 1: the first index
+    logits[2, [span, 3 * span]] = top  # a part's first entry
+    logits[3, : span + 1] = float("-inf")  # a part with nothing allowed in it
+    specs = [DevSamp(0.0, 0, 0), DevSamp(0.0, 0, 0), DevSamp(0.0, 0, 0), DevSamp(1.0, 4, 2),
+             DevSamp(0.7, 11, 3, top_k=40), DevSamp(1.2, 5, 0, top_p=0.9), DevSamp(0.0, 0, 0)]
+    for step in range(3):
+        specs = [DevSamp(s.temperature, s.seed, s.ctr + step, s.top_k, s.top_p, s.min_p) for s in specs]
+        got = sample_triton.sample_batch(logits, specs, split=True).tolist()
+        assert got == sample_triton.sample_batch(logits, specs).tolist()
+        assert got == [int(device_sample(logits[i], s)) for i, s in enumerate(specs)]
+    assert got[:3] == [9_000, span + 5, span]
+
+
+def test_split_span_follows_the_rows():
+    block = sample_triton.SAMPLE_BLOCK
+    # one row of Llama-3's 126 blocks: aimed at 31 parts of SPLIT_MIN_BLOCKS or more, so 26 parts of 5
+    assert sample_triton.split_span(1, 128_256) == 5 * block
+    assert -(-128_256 // sample_triton.split_span(256, 128_256)) == 4  # 4 parts a row: 1,024 programs
+    assert sample_triton.split_span(2048, 128_256) >= 128_256  # rows enough: one part
+    assert sample_triton.split_span(1, 3_000) >= 3_000  # under SPLIT_MIN_BLOCKS blocks: one part

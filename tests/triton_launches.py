@@ -173,11 +173,13 @@ for _name, _value in list(vars(KernelTable).items()):
         setattr(RecordingTable, _name, _answer_twice(_name))
 
 
-def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False) -> RecordingTable:
+def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
+                    sample_split: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
-    MEMRA_LINEAR_SHAPED=1 too."""
+    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
-                           persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear)
+                           persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
+                           sample_split=sample_split)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -338,6 +340,16 @@ def drive_dense(table, dtype) -> None:
         table.linear_add(x, wide, torch.randn(m, 256).to(dtype))
         table.linear_silu_mul(x, wide_gate_up)
     table.linear_add(torch.randn(256, 256).to(dtype), torch.randn(6144, 256).to(dtype), torch.randn(256, 6144).to(dtype))
+
+
+def drive_sampler(table) -> None:
+    """The batch sampler over a vocabulary of many blocks (the fixtures' are one or two), plain and filtered
+    rows: with MEMRA_SAMPLE_SPLIT=1's table, the split walk and its combine."""
+    from memra.sampling import DevSamp
+
+    logits = torch.randn(3, 20_000)
+    table.sample_batch(logits, [DevSamp(1.0, 1, 0), DevSamp(0.0, 0, 0), DevSamp(0.8, 2, 1, top_k=20)])
+    table.sample_batch(logits[:2], [DevSamp(1.0, 1, 0), DevSamp(0.7, 2, 1)])
 
 
 def tiny_models(dtype) -> list:

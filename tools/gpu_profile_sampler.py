@@ -4,6 +4,11 @@ with those doors runs (run through the device tool):
 
     python tools/gpu_profile_sampler.py [--batch 128] [--vocab 248320] [--reps 5]
 
+and the one launch against its split form (MEMRA_SAMPLE_SPLIT=1: a row's vocabulary in parts, then a
+combine), plain seeded rows at each batch size, CUDA-event timed:
+
+    python tools/gpu_profile_sampler.py --split --batches 1,16,64,128,256,512 --vocabs 128256,248320
+
 A profiler, not a check: that the launch picks device_sample's token in every row is
 tests/test_cuda_kernels.py (and tests/test_sample_kernel.py).
 """
@@ -33,12 +38,42 @@ def timed_ms(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def split_table(batches: list[int], vocabs: list[int], reps: int) -> None:
+    """Plain seeded rows (the throughput run's): the one launch against the split one, ms a call."""
+    whole = KernelTable.build("cuda", Settings())
+    split = KernelTable.build("cuda", Settings(sample_split=True))
+    print(f"| vocabulary | rows | one launch, ms | split, ms | ratio | same tokens |  ({torch.cuda.get_device_name()})")
+    print("|---|---|---|---|---|---|")
+    for v in vocabs:
+        for b in batches:
+            logits = torch.randn(b, v, device="cuda", generator=torch.Generator(device="cuda").manual_seed(b)) * 4
+            specs = [DevSamp(1.0, 1000 + i, 7 * i) for i in range(b)]
+            ms = []
+            for table in (whole, split):
+                table.sample_batch(logits, specs)  # compile and warm
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    table.sample_batch(logits, specs)
+                end.record()
+                torch.cuda.synchronize()
+                ms.append(start.elapsed_time(end) / reps)
+            same = torch.equal(whole.sample_batch(logits, specs), split.sample_batch(logits, specs))
+            print(f"| {v:,} | {b} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[0] / ms[1]:.2f}x | {same} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--split", action="store_true", help="the one launch against MEMRA_SAMPLE_SPLIT's, per batch")
+    ap.add_argument("--batches", default="1,16,64,128,256,512")
+    ap.add_argument("--vocabs", default="128256,248320")
     a = ap.parse_args()
+    if a.split:
+        split_table([int(b) for b in a.batches.split(",")], [int(v) for v in a.vocabs.split(",")], max(a.reps, 20))
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(a.batch, a.vocab, device="cuda", generator=g) * 4
     filters = [dict(), dict(top_k=40), dict(top_p=0.9), dict(min_p=0.05)]

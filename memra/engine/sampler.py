@@ -141,12 +141,13 @@ def launch_pick(ops, logits: torch.Tensor, rows: list[RowSpec]) -> PendingPick:
         for i in constrained:  # after the penalties, as vLLM: a row's mask is its own grammar's, at its own place
             rows[i].grammar.advance(rows[i].out)
             chosen_from[i] = rows[i].grammar.apply(chosen_from[i])
-    tokens = chosen_from.argmax(-1)  # [B] int64 on the device: every greedy row's token (device_sample's rule)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    # [B] int64 on the device: every greedy row's token (device_sample's rule); a batch with none skips the read
+    tokens = None if rows and len(sampled) == len(rows) else chosen_from.argmax(-1)
     if sampled:  # one launch for the rest (a program per row walks its vocabulary: no use for argmax)
-        idx = upload_values(sampled, torch.long, logits.device) if len(sampled) < len(rows) else slice(None)
+        idx = upload_values(sampled, torch.long, logits.device) if tokens is not None else slice(None)
         picked = ops.sample_batch(chosen_from[idx], [rows[i].params.dev_samp(len(rows[i].out)) for i in sampled])
-        tokens = tokens.index_copy_(0, idx, picked) if isinstance(idx, torch.Tensor) else picked
+        tokens = tokens.index_copy_(0, idx, picked) if tokens is not None else picked
     asked = [(i, r.logprobs) for i, r in enumerate(rows) if r.logprobs is not None]
     payload = None  # the tokens, then each asking row's numbers, as one float64 vector
     if asked:

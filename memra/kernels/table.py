@@ -90,6 +90,7 @@ class KernelTable:
     exact: bool  # the exact path (MEMRA_EXACT)
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
+    sample_split: bool = False  # its rows' vocabularies in parts, then a combine launch (MEMRA_SAMPLE_SPLIT)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -113,6 +114,7 @@ class KernelTable:
                    batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
+                   sample_split=settings.sample_split,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -335,7 +337,7 @@ class KernelTable:
         device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
         248k vocabulary, in 5.8 ms against 45 ms row by row."""
         if self.sample_kernel and self._gpu(logits):
-            return triton_module("sampling").sample_batch(logits, list(samps))
+            return triton_module("sampling").sample_batch(logits, list(samps), self.sample_split)
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_route(self, router_logits, top_k, normalize, dtype, bias=None):

@@ -14,6 +14,12 @@ Whether the fp64 logs round as torch's do is a property of the math library (lib
 tests hold the kernel to device_sample token for token, in the interpreter and on the GPU (an H200:
 libdevice's logs gave torch's tokens in every row). On by default on CUDA; MEMRA_SAMPLE_KERNEL=0 is
 the door back to device_sample row by row.
+
+With few rows, one program a row leaves most of the GPU idle while each walks its whole vocabulary
+(126 blocks of Llama-3's 128k vocabulary, one after the other). `split` (MEMRA_SAMPLE_SPLIT, off) cuts each
+row's vocabulary into parts of whole blocks, one program a part, and a second launch keeps, per row,
+the first part holding the highest score. A part's best is the first index of its maximum, the parts
+are in vocabulary order, and a maximum is exact: the token is the one the unsplit walk gives.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from memra.sampling import _MASK64, DevSamp, _to_signed, allowed_tokens, splitmi
 from memra.upload import upload_values
 
 SAMPLE_BLOCK = 1024  # vocabulary entries per loop turn
+# `split`: programs a launch aims for (a few per SM of an H100's 132), and the fewest blocks a part walks (a
+# part's loop then outweighs its share of the combine)
+SPLIT_PROGRAMS = 1024
+SPLIT_MIN_BLOCKS = 4
 
 
 @triton.jit
@@ -37,17 +47,22 @@ def _splitmix64(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, key_ptr, temp_ptr, greedy_ptr, mask_ptr, out_ptr, V, stride_l, stride_m,
-                   HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
+def _sample_kernel(logits_ptr, key_ptr, temp_ptr, greedy_ptr, mask_ptr, out_ptr, score_ptr, V, SPAN, stride_l,
+                   stride_m, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r's best over vocabulary part p (ids [p * SPAN, (p + 1) * SPAN)): its first index to out [B, P]
+    and, where SPLIT, its score to score [B, P]. Unsplit, SPAN >= V and out is [B]."""
+    r, p = tl.program_id(0), tl.program_id(1)
+    parts = tl.num_programs(1)
     key = tl.load(key_ptr + r).to(tl.uint64, bitcast=True)
     temperature = tl.load(temp_ptr + r)  # fp64 (1 for greedy rows, unused there)
     greedy = tl.load(greedy_ptr + r) != 0
+    start = p * SPAN
+    end = tl.minimum(start + SPAN, V)
     best = tl.full((BLOCK,), float("-inf"), tl.float64)
-    best_at = tl.full((BLOCK,), 0, tl.int64)
-    for v0 in range(0, V, BLOCK):
+    best_at = tl.full((BLOCK,), 0, tl.int64) + start
+    for v0 in range(start, end, BLOCK):
         ids = v0 + tl.arange(0, BLOCK)
-        live = ids < V
+        live = ids < end
         x = tl.load(logits_ptr + r * stride_l + ids, mask=live, other=float("-inf")).to(tl.float64)
         bits = _splitmix64(ids.to(tl.uint64) ^ key)
         u = ((bits >> 11).to(tl.float64) + 0.5) * (1.0 / 9007199254740992.0)  # 2^53
@@ -60,8 +75,32 @@ def _sample_kernel(logits_ptr, key_ptr, temp_ptr, greedy_ptr, mask_ptr, out_ptr,
         best_at = tl.where(better, ids.to(tl.int64), best_at)
         best = tl.where(better, score, best)
     top = tl.max(best, axis=0)
-    # the first index holding the maximum (torch.argmax's rule; an all -inf row gives 0, as torch's does)
-    tl.store(out_ptr + r, tl.min(tl.where(best == top, best_at, V), axis=0))
+    # the first index holding the maximum (torch.argmax's rule; an all -inf row gives the part's first index,
+    # so 0 for the whole row, as torch's does)
+    tl.store(out_ptr + r * parts + p, tl.min(tl.where(best == top, best_at, V), axis=0))
+    if SPLIT:
+        tl.store(score_ptr + r * parts + p, top)
+
+
+@triton.jit
+def _combine_kernel(score_ptr, at_ptr, out_ptr, P, BLOCK_P: tl.constexpr, NOWHERE: tl.constexpr):
+    """Row r's token: the first index among the parts whose score is the row's highest (parts in vocabulary
+    order, so the smallest such index)."""
+    r = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    live = p < P
+    score = tl.load(score_ptr + r * P + p, mask=live, other=float("-inf"))
+    at = tl.load(at_ptr + r * P + p, mask=live, other=NOWHERE)  # past every index: a padding lane never wins
+    top = tl.max(score, axis=0)
+    tl.store(out_ptr + r, tl.min(tl.where(score == top, at, NOWHERE), axis=0))
+
+
+def split_span(rows: int, vocab: int) -> int:
+    """The vocabulary entries one program walks under `split`: whole blocks, as many parts as bring the launch
+    near SPLIT_PROGRAMS, none of fewer than SPLIT_MIN_BLOCKS blocks (a span >= vocab: one part)."""
+    blocks = triton.cdiv(vocab, SAMPLE_BLOCK)
+    parts = max(1, min(blocks // SPLIT_MIN_BLOCKS, triton.cdiv(SPLIT_PROGRAMS, max(rows, 1))))
+    return triton.cdiv(blocks, parts) * SAMPLE_BLOCK
 
 
 def _key(seed: int, ctr: int) -> int:
@@ -70,8 +109,9 @@ def _key(seed: int, ctr: int) -> int:
     return int(splitmix64(mixed))
 
 
-def sample_batch(logits: torch.Tensor, samps: list[DevSamp]) -> torch.Tensor:
-    """Row r of logits [B, V] chosen as device_sample(logits[r], samps[r]) would -> int64 [B] on the device."""
+def sample_batch(logits: torch.Tensor, samps: list[DevSamp], split: bool = False) -> torch.Tensor:
+    """Row r of logits [B, V] chosen as device_sample(logits[r], samps[r]) would -> int64 [B] on the device.
+    split: each row's vocabulary over several programs (split_span), then one combine launch; same tokens."""
     b, v = logits.shape
     dev = logits.device
     keys = upload_values([_key(s.seed, s.ctr) for s in samps], torch.int64, dev)
@@ -84,9 +124,16 @@ def sample_batch(logits: torch.Tensor, samps: list[DevSamp]) -> torch.Tensor:
         for i in filtered:
             mask[i] = allowed_tokens(logits[i], samps[i]).to(torch.uint8)
     out = torch.empty(b, dtype=torch.int64, device=dev)
-    if b:
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        _sample_kernel[(b,)](logits, keys, temps, greedy, mask if mask is not None else greedy, out, v,
-                             logits.stride(0), mask.stride(0) if mask is not None else 0,
-                             HAS_MASK=mask is not None, BLOCK=SAMPLE_BLOCK)
+    if not b:
+        return out
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    span = split_span(b, v) if split else v
+    parts = triton.cdiv(v, span)
+    at = out if parts == 1 else torch.empty(b, parts, dtype=torch.int64, device=dev)  # [B] | [B, P]
+    scores = torch.empty(b, parts, dtype=torch.float64, device=dev) if parts > 1 else out
+    _sample_kernel[(b, parts)](logits, keys, temps, greedy, mask if mask is not None else greedy, at, scores, v,
+                               span, logits.stride(0), mask.stride(0) if mask is not None else 0,
+                               HAS_MASK=mask is not None, SPLIT=parts > 1, BLOCK=SAMPLE_BLOCK)
+    if parts > 1:
+        _combine_kernel[(b,)](scores, at, out, parts, BLOCK_P=triton.next_power_of_2(parts), NOWHERE=2**62)
     return out
