@@ -76,6 +76,7 @@ class Settings:
     gdn_kernel: bool = True
     sample_kernel: bool = True
     sample_split: bool = False  # the batch sampler's rows over several programs each (triton.sampling.split_span)
+    rope_tile: bool = False  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
@@ -122,6 +123,7 @@ class Settings:
             gdn_kernel=flag(e, "MEMRA_GDN_KERNEL", True),
             sample_kernel=flag(e, "MEMRA_SAMPLE_KERNEL", True),
             sample_split=flag(e, "MEMRA_SAMPLE_SPLIT", False),
+            rope_tile=flag(e, "MEMRA_ROPE_TILE", False),
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
@@ -173,7 +175,7 @@ class Settings:
         on = lambda b: "1" if b else "0"  # noqa: E731
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
-                "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
+                "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
@@ -204,6 +206,8 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_SAMPLE_KERNEL", "1", "a batch's seeded sampling in one Triton launch on CUDA; 0 = row by row"),
     ("MEMRA_SAMPLE_SPLIT", "0", "1 = that launch walks each row's vocabulary in parts, one program a part, and a "
      "second launch keeps each row's best (the same tokens; for few rows, which leave the GPU idle otherwise)"),
+    ("MEMRA_ROPE_TILE", "0", "1 = the fused RoPE and K/V write (memra.kernels.triton.rope) with 8 heads a program "
+     "instead of one, so a wave of many tokens launches fewer, larger programs (the same bits)"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "

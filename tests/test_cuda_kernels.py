@@ -72,3 +72,25 @@ def test_batch_sampler_at_full_vocabulary():
     split = KernelTable.build("cuda", Settings(sample_split=True))  # MEMRA_SAMPLE_SPLIT: parts, then the combine
     for rows in (slice(0, 1), slice(1, 4), slice(None)):  # 1 and 3 rows: many parts a row; 128: eight
         assert split.sample_batch(logits[rows], specs[rows]).tolist() == want[rows], f"split rows {rows}"
+
+
+@torch.inference_mode()
+def test_rope_tile_keeps_the_bits_at_model_shapes():
+    """MEMRA_ROPE_TILE: the fused RoPE and K/V write with ROPE_TILE_HEADS heads a program, against one head
+    a program, bit for bit: a 770-token wave of the Llama-3-8B shape (32 / 8 heads of 128) and of the
+    Qwen3.5 attention's (16 / 4 heads of 256, a quarter rotated)."""
+    from memra.kernels.triton import rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for hq, hkv, d, r in ((32, 8, 128, 128), (16, 4, 256, 64)):
+        t = 770
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+        cos, sin = (torch.randn(t, r, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        rows = torch.randperm(2 * t, device="cuda", generator=g)[:t]
+        outs = []
+        for heads in (1, rope.ROPE_TILE_HEADS):
+            k_pool, v_pool = (torch.zeros(2 * t // 16, 16, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            outs.append((rope.rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows, heads), k_pool, v_pool,
+                         rope.apply_rope(q, cos, sin, heads)))
+        assert all(same_bits(a, b) for a, b in zip(*outs)), f"heads of {d}: the tiled launch moved bits"

@@ -10,8 +10,9 @@ rows), the model API's solo prime and decode, random-weight models for the shape
 (a context past ATTN_SPLIT, a wave past the last M bucket, an MoE decode on the per-pair plan, an MoE
 FFN without its residual as Gemma's sandwich norms call it), the dense linears' epilogues and a model's
 waves again with MEMRA_LINEAR_PERSISTENT=1 (the persistent kernel's table), the shaped linear's table
-(MEMRA_LINEAR_SHAPED=1) on a weight it gives other tiles, the batch sampler split (MEMRA_SAMPLE_SPLIT=1), and
-every packed layout in memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
+(MEMRA_LINEAR_SHAPED=1) on a weight it gives other tiles, the batch sampler and the RoPE as
+MEMRA_SAMPLE_SPLIT=1 and MEMRA_ROPE_TILE=1 launch them, and every packed layout in
+memra.kernels.split.SPLIT_TYPES through the table's linear. Each kernel-table op
 is answered twice: first recorded as a CUDA model's table would launch it -- each family's launcher
 computing tiles, buckets, splits and flags as on a GPU (`_interpreting()` answers False), each kernel
 launch kept (argument types as Triton specializes them, constexprs, options) and not run -- then by the
@@ -96,7 +97,7 @@ def _collect() -> list:
                 tl.drive_dense(door, dtype)
             if dtype == torch.bfloat16:  # a model's wave past 256 rows through the door's table
                 tl.drive_api(long_llama.with_doors(MEMRA_LINEAR_PERSISTENT="1"), (3, 600))
-        tl.drive_sampler(tl.recording_table(launches, sample_split=True))  # MEMRA_SAMPLE_SPLIT=1's table
+        tl.drive_doors(tl.recording_table(launches, sample_split=True, rope_tile=True))  # those doors open
     return launches.records()
 
 

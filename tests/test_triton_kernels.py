@@ -20,6 +20,7 @@ tl = pytest.importorskip("triton.language")
 
 from memra.kernels import reference  # noqa: E402
 from memra.kernels.table import triton_ops  # noqa: E402  (interpreted on CPU: conftest sets TRITON_INTERPRET)
+from memra.kernels.triton.rope import ROPE_TILE_HEADS  # noqa: E402
 
 tk = triton_ops()  # every family's twin of a reference op, under the reference's name
 
@@ -250,6 +251,8 @@ def test_rope_matches_the_reference_within_one_rounding(dtype, d, r):
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * tol
     assert torch.equal(got[..., r:], x[..., r:])  # channels past R pass through untouched
     assert torch.equal(tk.apply_rope(x[2:3], cos[2:3], sin[2:3]), got[2:3])  # a token's bits alone == in the batch
+    for heads in (2, ROPE_TILE_HEADS):  # MEMRA_ROPE_TILE: several heads a program, the last group part empty
+        assert torch.equal(tk.apply_rope(x, cos, sin, heads), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -273,6 +276,10 @@ def test_rope_write_kv_is_the_rope_then_the_copy(dtype, d, r):
     want_v.view(-1, hkv, d).index_copy_(0, rows, v)
     assert torch.equal(got_q, tk.apply_rope(q, cos, sin))
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    tiled_k, tiled_v = pools()  # MEMRA_ROPE_TILE: several heads a program (here past the last head), same bits
+    for heads in (2, ROPE_TILE_HEADS):
+        assert torch.equal(tk.rope_write_kv(q, k, v, cos, sin, tiled_k, tiled_v, rows, heads), got_q)
+        assert torch.equal(tiled_k, k_pool) and torch.equal(tiled_v, v_pool)
     twin_k, twin_v = pools()
     twin_q = reference.rope_write_kv(q, k, v, cos, sin, twin_k, twin_v, rows)
     tol = 2 ** -6 if dtype != torch.float32 else 1e-6

@@ -174,12 +174,12 @@ for _name, _value in list(vars(KernelTable).items()):
 
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
-                    sample_split: bool = False) -> RecordingTable:
+                    sample_split: bool = False, rope_tile: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
-    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1."""
+    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; rope_tile: with MEMRA_ROPE_TILE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
-                           sample_split=sample_split)
+                           sample_split=sample_split, rope_tile=rope_tile)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -342,14 +342,21 @@ def drive_dense(table, dtype) -> None:
     table.linear_add(torch.randn(256, 256).to(dtype), torch.randn(6144, 256).to(dtype), torch.randn(256, 6144).to(dtype))
 
 
-def drive_sampler(table) -> None:
-    """The batch sampler over a vocabulary of many blocks (the fixtures' are one or two), plain and filtered
-    rows: with MEMRA_SAMPLE_SPLIT=1's table, the split walk and its combine."""
+def drive_doors(table) -> None:
+    """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
+    blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
+    split walk and its combine), and the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads)."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
     table.sample_batch(logits, [DevSamp(1.0, 1, 0), DevSamp(0.0, 0, 0), DevSamp(0.8, 2, 1, top_k=20)])
     table.sample_batch(logits[:2], [DevSamp(1.0, 1, 0), DevSamp(0.7, 2, 1)])
+    t, hq, hkv, d = 5, 12, 2, 64
+    q, k, v = (torch.randn(t, h, d).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    cos, sin = torch.randn(t, d).to(torch.bfloat16), torch.randn(t, d).to(torch.bfloat16)
+    pool = lambda: torch.zeros(2, 16, hkv, d, dtype=torch.bfloat16)  # noqa: E731
+    table.rope_write_kv(q, k, v, cos, sin, pool(), pool(), torch.arange(t))
+    table.apply_rope(q, cos, sin)
 
 
 def tiny_models(dtype) -> list:

@@ -91,6 +91,7 @@ class KernelTable:
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     sample_split: bool = False  # its rows' vocabularies in parts, then a combine launch (MEMRA_SAMPLE_SPLIT)
+    rope_tile: bool = False  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -114,7 +115,7 @@ class KernelTable:
                    batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
-                   sample_split=settings.sample_split,
+                   sample_split=settings.sample_split, rope_tile=settings.rope_tile,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -152,14 +153,21 @@ class KernelTable:
         # One fused launch instead of five (triton.rope) on 16-bit activations.
         return self._triton_on(x) and x.dtype in (torch.bfloat16, torch.float16)
 
+    def _rope_heads(self) -> int:
+        # heads a fused RoPE program takes (triton.rope.ROPE_TILE_HEADS behind MEMRA_ROPE_TILE): never the bits
+        return triton_module("rope").ROPE_TILE_HEADS if self.rope_tile else 1
+
     def apply_rope(self, x, cos, sin):
-        return (triton_ops() if self._fused_rope(x) else reference).apply_rope(x, cos, sin)
+        if self._fused_rope(x):
+            return triton_ops().apply_rope(x, cos, sin, self._rope_heads())
+        return reference.apply_rope(x, cos, sin)
 
     def rope_write_kv(self, q, k, v, cos, sin, k_pool, v_pool, rows):
         """Rotated q; k rotated and v written to the pool rows. Where the fused rope runs, one launch
         with its bits (apply_rope, then a copy); elsewhere the twin, which is that composition."""
-        return (triton_ops() if self._fused_rope(q) else reference).rope_write_kv(q, k, v, cos, sin, k_pool, v_pool,
-                                                                               rows)
+        if self._fused_rope(q):
+            return triton_ops().rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows, self._rope_heads())
+        return reference.rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows)
 
     def linear(self, x, w, b=None):
         if isinstance(w, split.SPLIT_TYPES):  # packed: the fused kernel, or decoded a tile at a time
