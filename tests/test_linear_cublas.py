@@ -149,9 +149,9 @@ def test_cublas_rows_hold_on_this_gpu_and_the_canary_fails():
     count, is refused."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
     C.configure()
-    assert C.row_failures(shapes, torch.bfloat16, "cuda") == []
+    assert C.row_failures(shapes, torch.bfloat16, "cuda") == {}
     failed = C.row_failures([(4096, 4096)], torch.bfloat16, "cuda", (65, 100, 128), fn=one_bit_off_at(100, C.on_cublas))
-    assert failed == ["[4096x4096] at 1 row counts (100)"]
+    assert failed == {(4096, 4096): "[4096x4096] at 1 row counts (100)"}
 
 
 @cuda_only
