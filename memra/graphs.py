@@ -191,9 +191,9 @@ def run_static(static, pool=None) -> None:
         with no_host_sync(f"{type(static).__name__}.body") if static.model.ops.invariant else contextlib.nullcontext():
             static.body()
     elif static.graph is None:
-        # One stream for the warm-up and the capture where the step calls cuBLAS (MEMRA_LINEAR_CUBLAS, off: the fix
-        # its captures need); elsewhere, until a GPU run of the whole suite holds the one stream for every capture,
-        # the side stream and torch's own capture stream that every GPU run so far has held.
+        # One stream for the warm-up and the capture where the step calls cuBLAS (MEMRA_LINEAR_CUBLAS, on by
+        # default: the fix its captures need); with the door shut, the side stream and torch's own capture
+        # stream, as before the door, until a GPU run of the whole suite holds the one stream there too.
         one_stream = static.model.ops.cublas_linear
         side = capture_stream(device) if one_stream else torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())

@@ -87,7 +87,7 @@ class Settings:
     cpu_decode: bool = True  # CPU fp32 norms, SwiGLU, decode attention, dense layers, GDN steps in C (cpu_decode, cpu_layer, cpu_gdn)
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     linear_shaped: bool = False  # the dense linears' tiles chosen from N and K as well as M (triton.linear_shaped)
-    linear_cublas: bool = False  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
+    linear_cublas: bool = True  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
     mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
@@ -134,7 +134,8 @@ class Settings:
             cpu_flin=flag(e, "MEMRA_CPU_FLIN", True),
             linear_persistent=flag(e, "MEMRA_LINEAR_PERSISTENT", True),
             linear_shaped=flag(e, "MEMRA_LINEAR_SHAPED", False),
-            linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", False),
+            # on unless asked off, or MEMRA_LINEAR_SHAPED=1 asks for the Triton tiles it chooses
+            linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", not flag(e, "MEMRA_LINEAR_SHAPED", False)),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
@@ -233,12 +234,12 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "as M, by a cost model of waves over the SMs (memra.kernels.triton.linear_shaped): at 128-512 rows the narrow "
      "projections (o, down, qkv) then leave fewer SMs idle; the same bits (a tile never changes them); needs "
      "MEMRA_LINEAR_PERSISTENT=1; off until a GPU run shows it faster"),
-    ("MEMRA_LINEAR_CUBLAS", "0", "1 = on CUDA in exact mode, the dense linears of more than 64 rows on cuBLASLt with "
+    ("MEMRA_LINEAR_CUBLAS", "1", "on CUDA in exact mode, the dense linears of more than 64 rows on cuBLASLt with "
      "split-K forbidden (memra.kernels.triton.linear_cublas), with the Triton kernels' bits: at load every dense "
      "weight shape of the model is run at every row count cuBLAS takes (65-1,024, then every 8th to 4,096) against "
      "the Triton kernel's rows; a shape whose rows differ anywhere keeps the Triton kernel, named in one line on "
      "stderr; SwiGLU's activation and the residual add run apart there; sets torch's cuBLAS flags for the process; "
-     "not with MEMRA_LINEAR_SHAPED; off until a GPU run shows it faster"),
+     "0 = the Triton kernels at every M; off by default where MEMRA_LINEAR_SHAPED=1, and not with it"),
     ("MEMRA_MIXED_DECODE_WIDTH", "0", "1 = a captured mixed step's decode rows read a block table of their own width "
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "

@@ -49,9 +49,10 @@ def one_bit_off_at(rows: int, linear=per_row):
     return fn
 
 
-def test_the_door_is_off_by_default_and_not_with_the_shaped_tiles():
-    assert Settings.from_env({}).linear_cublas is False
-    assert Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1"}).as_env()["MEMRA_LINEAR_CUBLAS"] == "1"
+def test_the_door_is_on_by_default_and_not_with_the_shaped_tiles():
+    assert Settings.from_env({}).linear_cublas is True and Settings().linear_cublas is True
+    assert Settings.from_env({"MEMRA_LINEAR_CUBLAS": "0"}).as_env()["MEMRA_LINEAR_CUBLAS"] == "0"
+    assert Settings.from_env({"MEMRA_LINEAR_SHAPED": "1"}).linear_cublas is False  # the shaped tiles alone: off
     with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 and MEMRA_LINEAR_SHAPED=1"):
         Settings.from_env({"MEMRA_LINEAR_CUBLAS": "1", "MEMRA_LINEAR_SHAPED": "1"})
 

@@ -1,4 +1,4 @@
-"""Dense linears of more than CUBLAS_ABOVE rows on cuBLASLt with split-K forbidden (MEMRA_LINEAR_CUBLAS, off), with
+"""Dense linears of more than CUBLAS_ABOVE rows on cuBLASLt with split-K forbidden (MEMRA_LINEAR_CUBLAS, on), with
 the Triton kernels' bits, held to them on the running GPU before a model may use it.
 
 cuBLAS picks its kernel from the shape of a call, which is why the exact path runs Triton's frozen tiles
