@@ -14,6 +14,9 @@ with rows padded to the decode graph's bucket plus the mixed graph's token bucke
 on one H100, fitted to the profile and step times of docs/PERFORMANCE.md. With them fcfs at a 512-token budget
 models 1,018 decode and 474 mixed steps and 9,642 output tok/s, where the engine ran 1,018 and 473 and measured
 9,451 (MEMRA_LINEAR_CUBLAS=1). A model of step counts, not a benchmark: `memra bench throughput` gives the rates.
+Its known miss: it prices a mixed step's decode attention as a decode step's, where a mixed step reads it
+through the prompt piece's wide table; lof, which moves long contexts into mixed steps, modelled 10,666 and
+measured 9,644 against fcfs's 9,610 on one H100 (docs/PERFORMANCE.md, admission order).
 """
 
 from __future__ import annotations
