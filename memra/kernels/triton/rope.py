@@ -11,8 +11,8 @@ import triton.language as tl
 from memra.kernels.triton.launch import lean
 
 
-# MEMRA_ROPE_TILE: heads a program of the two kernels below takes when the door is open (1 when shut, a
-# program per (token, head) as before): a prefill wave of 770 tokens of the Llama-3-8B shape launched 37k
+# MEMRA_ROPE_TILE: heads a program of the two kernels below takes when the door is open (1 when shut: a
+# program per (token, head)): a prefill wave of 770 tokens of the Llama-3-8B shape launched 37k
 # programs of 128 values a layer, each too small to keep memory busy.
 ROPE_TILE_HEADS = 8
 
