@@ -38,11 +38,12 @@ The order (MEMRA_ADMISSION_ORDER): "fcfs" queues a request behind every one that
 (longest output first, SGLang's --schedule-policy lof) behind every waiting request whose max_tokens is at
 least its own, so that the requests that will run longest start first. Offline, where every request is
 known at once, that shortens the tail a long request started late would leave (a run's last steps
-decoding a few rows, bound by reading the weights). This scheduler on the workload of `memra bench throughput`
-(1,000 requests, 768 running; tools/schedule_model.py) runs 566 decode steps instead of 1,018 beside the same
-~475 mixed ones, 10,666 output tok/s instead of 9,642 under that tool's cost model of an H100. Served under
-steady load it can keep short requests waiting; off until a GPU run measures it. Like the wait, the order changes
-no bit of any output: a request's tokens are the same whichever step it starts in and beside whom.
+decoding a few rows, bound by reading the weights). On the workload of `memra bench throughput` (1,000 requests,
+768 running) it runs 566 decode steps instead of 1,018 beside the same ~475 mixed ones, but on one H100 the run
+gained 0.4% (9,644 against 9,610 output tok/s): the long requests' contexts are then read in mixed steps, whose
+decode attention is slower (docs/PERFORMANCE.md, admission order). Served under steady load it can keep short
+requests waiting; off. Like the wait, the order changes no bit of any output: a request's tokens are the same
+whichever step it starts in and beside whom.
 """
 
 from __future__ import annotations
