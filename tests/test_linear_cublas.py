@@ -122,6 +122,9 @@ def test_the_check_holds_and_marks_only_what_passed(small_check, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "[96x64] at 1 row counts (2)" in err and "keep the Triton kernel" in err
     # (an unheld shape keeps the Triton kernel at every M: test_the_table_takes_the_family_only_behind_its_door)
+    small_check(canary)  # a gate of one output column: cuBLAS's GEMV, never probed, never held, never named
+    assert C.hold_rows([(1, 64), (C.CUBLAS_MIN_N - 1, 64)], torch.bfloat16, "cpu") == {}
+    assert (1, 64, torch.bfloat16) not in C.HELD_SHAPES and capsys.readouterr().err == ""
 
 
 def test_the_check_covers_every_linear_weight_of_a_model():

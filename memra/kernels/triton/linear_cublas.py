@@ -35,6 +35,11 @@ from memra.kernels.triton.activation import silu_mul
 # 2.4x slower than them at 16 rows on an H100).
 CUBLAS_ABOVE = 64
 
+# Weights of fewer outputs (N) than this keep the Triton kernel without being probed: cuBLAS runs such a call as
+# a GEMV, which sums a row in another order (an H100 gave the Qwen3.5-35B-A3B's one-column shared-expert gate,
+# [1x2048], other rows than the Triton kernel's at 438 of the row counts), and their arithmetic is negligible.
+CUBLAS_MIN_N = 16
+
 # Every row count cuBLAS can be given on the exact path: decode and mixed steps (up to 1,024 rows and a prompt
 # bucket beside them) and prefill pieces (at most cache.PRIME_CHUNK_MAX_TOKENS = 4,096 tokens). Each up to
 # 1,024, then every 8th: cuBLASLt's heuristics switch kernels at size thresholds, which a sparse sweep could
@@ -142,10 +147,11 @@ HELD_SHAPES: set[tuple] = set()
 def hold_rows(shapes, dtype: torch.dtype, device: torch.device | str) -> dict[tuple[int, int], str]:
     """configure(), then hold cuBLAS's rows to the Triton kernel's on these weight shapes (row_failures'
     defaults), once per process: mark the shapes that held, and say in one line on stderr which did not (they
-    keep the Triton kernel at every M). -> row_failures' answer."""
+    keep the Triton kernel at every M). Shapes of fewer than CUBLAS_MIN_N outputs are left out: unheld, unprobed
+    and unnamed. -> row_failures' answer."""
     configure()
     device = torch.device(device)
-    key = (tuple(sorted(set(shapes))), str(dtype), str(device))
+    key = (tuple(sorted({(n, k) for n, k in shapes if n >= CUBLAS_MIN_N})), str(dtype), str(device))
     if key not in _HELD:
         _HELD[key] = failed = row_failures(key[0], dtype, device)
         if device.type == "cuda":  # the probe's outputs of many sizes, back to the driver: pools are sized from it
