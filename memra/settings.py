@@ -25,7 +25,7 @@ from memra.errors import MemraError
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 DECODE_PLANS = ("auto", "row", "stacked", "bucket")
-ADMISSION_ORDERS = ("fcfs", "lof")  # MEMRA_ADMISSION_ORDER's values: the waiting queue's order (memra.engine.admission)
+ADMISSION_ORDERS = ("auto", "fcfs", "lof")  # MEMRA_ADMISSION_ORDER's values: the waiting queue's order (memra.engine.admission)
 MIXED_TOKEN_LIMITS = (512, 1024, 2048)  # MEMRA_MIXED_TOKENS's values: the largest captured prompt bucket
 
 
@@ -88,10 +88,10 @@ class Settings:
     linear_persistent: bool = True  # large-M dense linears as a persistent TMA kernel (triton.linear_persistent)
     linear_shaped: bool = False  # the dense linears' tiles chosen from N and K as well as M (triton.linear_shaped)
     linear_cublas: bool = True  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
-    mixed_decode_width: bool = False  # a captured mixed step's decode rows on a table width of their own
+    mixed_decode_width: bool = True  # a captured mixed step's decode rows on a table width of their own
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
-    admission_order: str = "fcfs"  # the order waiting requests start in: fcfs | lof (memra.engine.admission)
+    admission_order: str = "auto"  # the order waiting requests start in: auto | fcfs | lof (memra.engine.admission)
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -136,10 +136,10 @@ class Settings:
             linear_shaped=flag(e, "MEMRA_LINEAR_SHAPED", False),
             # on unless asked off, or MEMRA_LINEAR_SHAPED=1 asks for the Triton tiles it chooses
             linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", not flag(e, "MEMRA_LINEAR_SHAPED", False)),
-            mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", False),
+            mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", True),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
-            admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "fcfs").strip().lower() or "fcfs",
+            admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "auto").strip().lower() or "auto",
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -189,6 +189,8 @@ class Settings:
         """These settings with some doors set (a value, parsed as from the environment) or unset (None):
         `settings.with_doors(MEMRA_EXACT="0", MEMRA_PP_STAGES="2")`."""
         env = self.as_env()
+        if "MEMRA_LINEAR_SHAPED" in doors and "MEMRA_LINEAR_CUBLAS" not in doors and self.linear_cublas != self.linear_shaped:
+            del env["MEMRA_LINEAR_CUBLAS"]  # at its default, which follows SHAPED's (from_env): it moves with it
         for name, value in doors.items():
             if name not in env and not _is_pp_door(name):
                 raise MemraError(f"{name} is not a door Settings holds (see memra.settings.DOORS)")
@@ -240,10 +242,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "the Triton kernel's rows; a shape whose rows differ anywhere keeps the Triton kernel, named in one line on "
      "stderr; SwiGLU's activation and the residual add run apart there; sets torch's cuBLAS flags for the process; "
      "0 = the Triton kernels at every M; off by default where MEMRA_LINEAR_SHAPED=1, and not with it"),
-    ("MEMRA_MIXED_DECODE_WIDTH", "0", "1 = a captured mixed step's decode rows read a block table of their own width "
+    ("MEMRA_MIXED_DECODE_WIDTH", "1", "a captured mixed step's decode rows read a block table of their own width "
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "
-     "same bits, a third table width of mixed graphs to capture; off until a GPU run shows it faster"),
+     "same bits, a third table width of mixed graphs to capture; 0 = the pieces' width for every row"),
     ("MEMRA_MIXED_TOKENS", "512", "the largest prompt-token bucket of a captured mixed step: 512, 1024 or 2048. "
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "
@@ -252,11 +254,12 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "log-softmax over those rows, a gather and a count (memra.engine.sampler.logprob_numbers; a vocabulary that is "
      "not a multiple of 4 keeps the rows apart), not some seven launches a row: the same bits (CUDA's softmax "
      "reduces each row alone); 0 = row by row"),
-    ("MEMRA_ADMISSION_ORDER", "fcfs", "the order waiting requests start in: fcfs = first come first served, lof = "
+    ("MEMRA_ADMISSION_ORDER", "auto", "the order waiting requests start in: fcfs = first come first served, lof = "
      "longest output first (largest max_tokens first, arrival order among equal ones; SGLang's --schedule-policy "
-     "lof): offline, the long requests no longer start late and leave a tail of few-row steps; served under load, "
-     "short requests may wait behind long ones; changes no output bit (memra.engine.admission); off until a GPU "
-     "run shows it faster"),
+     "lof), auto = lof where every request of a run comes at once (memra.LLM: `memra generate`, `memra bench "
+     "throughput`), fcfs in the server: offline the long requests no longer start late and leave a tail of few-row "
+     "steps, served under load short requests would wait behind long ones; changes no output bit "
+     "(memra.engine.admission)"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

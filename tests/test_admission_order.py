@@ -10,6 +10,7 @@ import pytest
 
 import memra
 from memra.engine.admission import enqueue
+from memra.engine.engine import Engine, EngineConfig
 from memra.engine.scheduler import Scheduler, SchedulerConfig
 from memra.errors import MemraError
 from memra.sampling import SamplingParams
@@ -52,11 +53,27 @@ def test_the_queue_is_a_stable_sort_by_max_tokens_and_fcfs_is_arrival_order():
         assert list(waiting) == (sorted(arrival, key=lambda r: -asks[r]) if longest_first else arrival)
 
 
-def test_the_door_takes_fcfs_or_lof_and_refuses_anything_else_by_name():
-    assert Settings.from_env({}).admission_order == "fcfs"
+def test_the_door_takes_auto_fcfs_or_lof_and_refuses_anything_else_by_name():
+    assert Settings.from_env({}).admission_order == "auto"
     assert Settings.from_env({"MEMRA_ADMISSION_ORDER": " LOF "}).as_env()["MEMRA_ADMISSION_ORDER"] == "lof"
-    with pytest.raises(MemraError, match="MEMRA_ADMISSION_ORDER='sjf' is not one of fcfs, lof"):
+    with pytest.raises(MemraError, match="MEMRA_ADMISSION_ORDER='sjf' is not one of auto, fcfs, lof"):
         Settings.from_env({"MEMRA_ADMISSION_ORDER": "sjf"})
+
+
+def test_auto_is_longest_first_in_llm_and_first_come_in_a_served_engine():
+    """auto resolves by the engine's kind: memra.LLM takes a whole run at once (lof), the server's engine a
+    stream (fcfs); a named order holds in both."""
+    for order, offline, want in [("auto", True, True), ("auto", False, False), ("fcfs", True, False),
+                                 ("lof", False, True)]:
+        assert EngineConfig(offline=offline).longest_first(order) is want, (order, offline)
+    model = memra.load("demo", device="cpu")
+    with memra.LLM(model, max_batch=2, max_ctx=64, warm_up=False) as llm:
+        assert llm.engine.scheduler.cfg.longest_first
+    engine = Engine(model, EngineConfig(max_batch=2, max_ctx=64))
+    try:
+        assert not engine.scheduler.cfg.longest_first
+    finally:
+        engine.shutdown(drain_timeout=0.0)
 
 
 def test_an_engine_started_longest_first_gives_every_request_the_same_tokens():

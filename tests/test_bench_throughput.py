@@ -67,6 +67,7 @@ def test_throughput_run_on_the_demo(tmp_path):
     floor = report.floor
     assert floor.matmul_flops > 0 and floor.cache_bytes > 0 and floor.seconds > 0
     assert "floor on this device" in report.table() and saved["floor"]["seconds"] == floor.seconds
+    assert report.longest_first and ", longest outputs first" in report.table()  # memra.LLM's auto order
 
 
 def test_the_floor_counts_each_token_once_as_a_prefill_or_a_decode_step(load_model):

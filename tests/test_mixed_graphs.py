@@ -142,10 +142,10 @@ def _longer(src, tmp_path, positions=1024):
 
 @cuda_only
 def test_the_decode_rows_own_table_width_keeps_the_two_calls_bits(load_model, tmp_path):
-    """MEMRA_MIXED_DECODE_WIDTH: a prompt piece past one attention split (64 tokens from position 480) makes
-    the pieces' table full width while the decode rows keep one split's: the step has the two calls' bits,
-    and the graph it ran is keyed by both widths (liveness: the narrow decode table ran)."""
-    model = load_model(_longer(hf_dir("llama"), tmp_path), dtype="bfloat16").with_doors(MEMRA_MIXED_DECODE_WIDTH="1")
+    """MEMRA_MIXED_DECODE_WIDTH (on by default): a prompt piece past one attention split (64 tokens from position
+    480) makes the pieces' table full width while the decode rows keep one split's: the step has the two calls'
+    bits, and the graph it ran is keyed by both widths (liveness: the narrow decode table ran)."""
+    model = load_model(_longer(hf_dir("llama"), tmp_path), dtype="bfloat16")
     delta, equal = _two_calls_and_graphed(model, NEW, ctx=1024, primed=480)
     split = [k for k in model.mixed_graphs if k.decode_blocks != k.table_blocks]
     assert equal and delta["mixed_steps"] == 1 and split and all(k.decode_blocks == SPLIT_BLOCKS for k in split)

@@ -29,6 +29,12 @@ def test_every_door_is_parsed_with_its_default_and_refused_by_name():
             Settings.from_env({name: bad})
     with pytest.raises(MemraError, match="not a door"):
         s.with_doors(MEMRA_NO_SUCH_DOOR="1")
+    # the cuBLAS door's default follows MEMRA_LINEAR_SHAPED's, through with_doors as through the environment
+    shaped = Settings().with_doors(MEMRA_LINEAR_SHAPED="1")
+    assert shaped.linear_shaped and not shaped.linear_cublas and Settings.from_env(shaped.as_env()) == shaped
+    assert not Settings().with_doors(MEMRA_LINEAR_CUBLAS="0").linear_cublas
+    with pytest.raises(MemraError, match="MEMRA_LINEAR_CUBLAS=1 and MEMRA_LINEAR_SHAPED=1"):
+        Settings().with_doors(MEMRA_LINEAR_SHAPED="1", MEMRA_LINEAR_CUBLAS="1")
     named = " ".join(d[0] for d in DOORS)
     for door in ("MEMRA_EXACT", "MEMRA_TRITON", "MEMRA_GDN_KERNEL", "MEMRA_SAMPLE_KERNEL", "MEMRA_CUDA_GRAPHS",
                  "MEMRA_DECODE_PLAN", "MEMRA_GATE_SEED", "MEMRA_GATE_CANARY", "MEMRA_API_KEY", "MEMRA_PP_STAGES"):

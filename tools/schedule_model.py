@@ -14,9 +14,10 @@ with rows padded to the decode graph's bucket plus the mixed graph's token bucke
 on one H100, fitted to the profile and step times of docs/PERFORMANCE.md. With them fcfs at a 512-token budget
 models 1,018 decode and 474 mixed steps and 9,642 output tok/s, where the engine ran 1,018 and 473 and measured
 9,451 (MEMRA_LINEAR_CUBLAS=1). A model of step counts, not a benchmark: `memra bench throughput` gives the rates.
-Its known miss: it prices a mixed step's decode attention as a decode step's, where a mixed step reads it
-through the prompt piece's wide table; lof, which moves long contexts into mixed steps, modelled 10,666 and
-measured 9,644 against fcfs's 9,610 on one H100 (docs/PERFORMANCE.md, admission order).
+Its known miss: it prices a mixed step's decode attention as a decode step's. lof, which moves long contexts
+into mixed steps, modelled 10,666; on one H100 it measured 9,644 against fcfs's 9,610 while the decode rows read
+the prompt piece's wide table, and 10,383 against 9,413 (one call) with their own width, the default now
+(docs/PERFORMANCE.md, admission order).
 """
 
 from __future__ import annotations
@@ -43,20 +44,25 @@ def run(reqs, args, order: str, budget: int) -> dict:
                                       longest_first=order == "lof"))
     for i, r in enumerate(reqs):
         sched.add(str(i), len(r.prompt), r.output_len)
-    seconds, steps, rows = 0.0, {"decode": 0, "mixed": 0}, 0
+    seconds, steps, rows, bound = 0.0, {"decode": 0, "mixed": 0}, 0, 0
     while sched.num_running() or sched.num_waiting():
         plan = sched.schedule()
         tokens = sum(n for _, _, n in plan.prefill)
         padded = (bucket_for(len(plan.decode)) or len(plan.decode)) + (token_bucket(tokens, budget) or tokens)
         kv = sum(sched.get(rid).prompt_len + sched.get(rid).generated for rid in plan.decode) * args.kv_bytes
-        seconds += (max(args.weight_bytes / args.read_rate, padded * args.token_flop / args.matmul_rate)
-                    + kv / args.attention_rate + args.step_rest + tokens * args.token_rest)
+        if args.ideal:  # the schedule's own floor: no padding, every kernel at the probes' rates, nothing else
+            padded, rest = tokens + len(plan.decode), 0.0
+        else:
+            rest = args.step_rest + tokens * args.token_rest
+        weights, matmuls = args.weight_bytes / args.read_rate, padded * args.token_flop / args.matmul_rate
+        seconds += max(weights, matmuls) + kv / (args.read_rate if args.ideal else args.attention_rate) + rest
+        bound += weights > matmuls
         steps["mixed" if tokens else "decode"] += 1
         rows += len(plan.decode)
         sampled = [rid for rid, start, n in plan.prefill if start + n == sched.get(rid).prompt_len] + list(plan.decode)
         done = [rid for rid in sampled if sched.get(rid).generated + 1 >= sched.get(rid).max_tokens]
         sched.step_done({rid: n for rid, _, n in plan.prefill}, sampled, done)
-    return {"seconds": seconds, "steps": steps, "rows": rows / sum(steps.values())}
+    return {"seconds": seconds, "steps": steps, "rows": rows / sum(steps.values()), "bound": bound}
 
 
 def main() -> None:
@@ -73,16 +79,20 @@ def main() -> None:
     ap.add_argument("--attention-rate", type=float, default=2.4e12)
     ap.add_argument("--step-rest", type=float, default=1.7e-3, help="seconds a step outside linears and attention")
     ap.add_argument("--token-rest", type=float, default=1.2e-6, help="seconds a prompt token outside the linears")
+    ap.add_argument("--ideal", action="store_true",
+                    help="price each step at its floor: unpadded, the matmuls at --matmul-rate and the weights and KV at "
+                         "--read-rate, nothing else (with --matmul-rate 784e12 --read-rate 3.07e12: an H100's probes)")
     args = ap.parse_args()
     reqs = synthetic_workload(ThroughputConfig(model="model", num_prompts=args.num_prompts), 1000, 8192)
     out = sum(r.output_len for r in reqs)
-    print("| order | prompt tokens a step | modelled s | output tok/s | decode steps | mixed steps | rows a step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| order | prompt tokens a step | modelled s | output tok/s | decode steps | mixed steps | rows a step | "
+          "steps bound by the weights |")
+    print("|---|---|---|---|---|---|---|---|")
     for order in args.orders.split(","):
         for budget in map(int, args.budgets.split(",")):
             r = run(reqs, args, order, budget)
             print(f"| {order} | {budget} | {r['seconds']:.2f} | {out / r['seconds']:,.0f} | {r['steps']['decode']:,} "
-                  f"| {r['steps']['mixed']:,} | {r['rows']:.0f} |")
+                  f"| {r['steps']['mixed']:,} | {r['rows']:.0f} | {r['bound']:,} |")
 
 
 if __name__ == "__main__":

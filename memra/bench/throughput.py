@@ -161,6 +161,7 @@ class ThroughputReport:
     step_lines: list[str] = field(default_factory=list)
     max_batch: int = 0
     prefill_budget: int | None = None
+    longest_first: bool = False  # the waiting requests started longest output first (MEMRA_ADMISSION_ORDER)
     sizing: str = ""  # how --max-batch auto chose, where it did
     decode_row_bins: dict = field(default_factory=dict)  # decode steps by row count (StepMix.rows)
     idle_share: float | None = None  # the GPU's idle time between steps over its step time (CUDA)
@@ -189,7 +190,8 @@ class ThroughputReport:
                  f"  {self.output_tps:10.1f} output tokens/s",
                  f"  {self.total_tps:10.1f} total tokens/s",
                  f"max_batch {self.max_batch}, prefill budget "
-                 + (f"{self.prefill_budget} (split)" if self.prefill_budget else "shared with the decode rows"),
+                 + (f"{self.prefill_budget} (split)" if self.prefill_budget else "shared with the decode rows")
+                 + (", longest outputs first" if self.longest_first else ", first come first served"),
                  *([self.sizing] if self.sizing else []), "engine steps:", *self.step_lines,
                  f"  mixed steps as one forward: {self.one_forward} of {self.steps.get('mixed', {}).get('steps', 0)} "
                  f"(the rest: the decode rows and an eager prefill, two calls); graphs captured mid-run: {self.captures}"]
@@ -260,7 +262,8 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     mix = llm.engine.step_mix.since(before)
     report = ThroughputReport(cfg.model, str(model.device), workload, len(reqs), sum(len(r.prompt) for r in reqs),
                               sum(len(o.outputs[0].token_ids) for o in outs), seconds, mix.to_json(), mix.lines(),
-                              max_batch, llm.engine.scheduler.cfg.prefill_budget, sizing, dict(mix.rows),
+                              max_batch, llm.engine.scheduler.cfg.prefill_budget, llm.engine.scheduler.cfg.longest_first,
+                              sizing, dict(mix.rows),
                               mix.idle_share, mix.wait_share,
                               counted.get("mixed_steps", 0), counted.get("graph_captures", 0))
     report.length_failures = sum(len(o.outputs[0].token_ids) != r.output_len for o, r in zip(outs, reqs))

@@ -36,14 +36,16 @@ tok/s at 0 against 8,313 at 8, TTFT p50 80 against 115 ms.
 
 The order (MEMRA_ADMISSION_ORDER): "fcfs" queues a request behind every one that came before it; "lof"
 (longest output first, SGLang's --schedule-policy lof) behind every waiting request whose max_tokens is at
-least its own, so that the requests that will run longest start first. Offline, where every request is
-known at once, that shortens the tail a long request started late would leave (a run's last steps
-decoding a few rows, bound by reading the weights). On the workload of `memra bench throughput` (1,000 requests,
-768 running) it runs 566 decode steps instead of 1,018 beside the same ~475 mixed ones, but on one H100 the run
-gained 0.4% (9,644 against 9,610 output tok/s): the long requests' contexts are then read in mixed steps, whose
-decode attention is slower (docs/PERFORMANCE.md, admission order). Served under steady load it can keep short
-requests waiting; off. Like the wait, the order changes no bit of any output: a request's tokens are the same
-whichever step it starts in and beside whom.
+least its own, so that the requests that will run longest start first; "auto" (the default) is lof in an
+engine that takes a whole run at once (EngineConfig.offline: memra.LLM, so `memra generate` and `memra bench
+throughput`) and fcfs in the server, where under steady load lof would keep short requests waiting behind
+long ones. Offline, where every request is known at once, lof shortens the tail a long request started late
+would leave (a run's last steps decoding a few rows, bound by reading the weights). On the workload of `memra
+bench throughput` (1,000 requests, 768 running) it runs 566 decode steps instead of 1,018 beside the same ~475
+mixed ones. Alone it gained 0.4% on one H100 (the long contexts were then decoded inside mixed steps, through
+the prompt piece's wide block table); with the decode rows on a table of their own (MEMRA_MIXED_DECODE_WIDTH)
+10,383 against 9,413 output tok/s in one call (docs/PERFORMANCE.md, admission order). Like the wait, the order
+changes no bit of any output: a request's tokens are the same whichever step it starts in and beside whom.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ class PrefillGrouping:
         ones, up to the free places); held: the steps they have already been held."""
         return (self.wait_steps > 0 and decoding and not prefilling and 0 < startable < self.group
                 and held < self.wait_steps)
+
+
+def longest_first(order: str, offline: bool) -> bool:
+    """Whether an engine queues its waiting requests longest output first: the setting's order (Settings
+    .admission_order), with "auto" resolved by whether the engine takes a whole run at once."""
+    return order == "lof" or (order == "auto" and offline)
 
 
 def enqueue(waiting: deque[str], rid: str, max_tokens_of: Callable[[str], int], longest_first: bool) -> None:

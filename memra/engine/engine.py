@@ -72,7 +72,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_running=cfg.max_batch, token_budget=cfg.token_budget, prefill_align=EXACT_PIECE, max_waiting=cfg.max_waiting,
             block_size=BLOCK_SIZE, total_blocks=self.backend.blocks, total_slots=self.backend.slots, preemption=self.backend.preemption,
-            max_pieces=self.backend.max_pieces, longest_first=model.settings.admission_order == "lof",
+            max_pieces=self.backend.max_pieces, longest_first=cfg.longest_first(model.settings.admission_order),
             grouping=cfg.grouping(self.backend.mixes_graphed), prefill_budget=cfg.split_budget(self.backend.mixed_tokens)))
         self.seqs: dict[str, SeqState] = {}
         # A step's token events wait here until its forwards are launched: the readers (the server's text

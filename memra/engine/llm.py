@@ -102,7 +102,7 @@ class LLM(Releasing):
                                                  prefill_wait_steps=prefill_wait_steps, prefill_group=prefill_group,
                                                  prefill_budget=prefill_budget,
                                                  speculative=args.speculative, prefix_caching=enable_prefix_caching,
-                                                 **budget))
+                                                 offline=True, **budget))
         if warm_up:  # as vLLM captures its graphs at start: the first generate() pays no capture or compile
             self.engine.warm_up()
 

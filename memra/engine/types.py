@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memra.cache import BLOCK_SIZE
-from memra.engine.admission import PrefillGrouping
+from memra.engine.admission import PrefillGrouping, longest_first
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
 from memra.spec import SpecConfig
@@ -40,6 +40,9 @@ class EngineConfig:
     # Prompt tokens a step may take apart from its decode rows (memra.engine.scheduler's split budget), so a wide
     # batch still prefills; 0: decode rows and prompt tokens share token_budget. None (the default): split_budget
     prefill_budget: int | None = None
+    # Every request of a run comes at once (memra.LLM), not as a server's stream: MEMRA_ADMISSION_ORDER=auto then
+    # starts the longest outputs first (memra.engine.admission)
+    offline: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_ctx", "token_budget", "max_waiting"):
@@ -57,6 +60,10 @@ class EngineConfig:
         group = self.prefill_group if self.prefill_group is not None else max(2, self.max_batch // 8)
         wait = self.prefill_wait_steps
         return PrefillGrouping((0 if mixed_graphed else 8) if wait is None else wait, group)
+
+    def longest_first(self, order: str) -> bool:
+        """Whether this engine's waiting queue is longest output first, under MEMRA_ADMISSION_ORDER=order."""
+        return longest_first(order, self.offline)
 
     def split_budget(self, mixed_tokens: int) -> int | None:
         """The scheduler's prompt tokens a step apart from its decode rows (None: shared); mixed_tokens: the
