@@ -56,6 +56,7 @@ from memra import counters
 from memra.capture import no_host_sync
 from memra.cache import BLOCK_SIZE, Cache, KvPool, RecurrentPool
 from memra.kernels.cuts import ATTN_SPLIT
+from memra.kernels.slots import INERT_SLOT
 from memra.model.ffn import Moe
 from memra.model.context import RowGroup, StackedStep
 from memra.upload import upload
@@ -141,7 +142,7 @@ class StaticDecode:
         # Only the table columns some row uses come from the host, so a wide table (a long max_ctx) costs
         # no copy per step; the rest are zeroed on the device (never a stale block of an earlier fill).
         b, used = len(caches), min(max(len(c.blocks) for c in caches), self.nb)
-        host = host_rows(caches, self.bucket, used, scratch)
+        host = host_rows(caches, self.bucket, used, scratch, self.model.settings.inert_padding)
         self.args[:, 1 : 3 + used].copy_(upload(torch.from_numpy(host), self.args.device))  # queued, no wait
         self.args[:, 3 + used :].zero_()
         self.args[:b, 0].copy_(ids)
@@ -224,11 +225,12 @@ def table_step(model, kv: KvPool, rec: RecurrentPool | None, rows: torch.Tensor,
 
 
 def host_rows(caches: list[Cache], height: int, width: int,
-              scratch: tuple[int, int | None] | None = None) -> np.ndarray:
+              scratch: tuple[int, int | None] | None = None, inert: bool = False) -> np.ndarray:
     """[height, 2 + width] int64: each cache's position, recurrent slot (0 without one) and block table
     (its first `width` blocks: those of the positions the step reads), zero beyond (block 0: a valid
     index for paths that gather a row's whole table and mask by length). Rows past the caches are
-    inert: position 0 of the pools' scratch block and slot (`scratch`).
+    inert: position 0 of the pools' scratch block and slot (`scratch`); with `inert` (MEMRA_INERT_PADDING)
+    the slot marked as a padding row's, INERT_SLOT past it, which the Triton step kernels leave alone.
     Built in numpy, whose element stores are cheap next to torch's: 64 rows of 20 blocks take 0.05-0.1
     ms against 1.7 ms on a 2-core CPU, host time spent before the step can launch."""
     host = np.zeros((height, 2 + width), dtype=np.int64)
@@ -241,7 +243,7 @@ def host_rows(caches: list[Cache], height: int, width: int,
         if scratch is None:
             raise RuntimeError(f"{height - len(caches)} padding rows need the pools' scratch block, and none was given")
         block, slot = scratch
-        host[len(caches) :, 1] = slot if slot is not None else 0
+        host[len(caches) :, 1] = (slot if slot is not None else 0) + (INERT_SLOT if inert else 0)
         host[len(caches) :, 2:] = block
     return host
 

@@ -139,7 +139,8 @@ class StaticMixed:
         host = np.zeros(self.buf.numel(), dtype=np.int64)
         view = lambda name: self._view(host, name)  # noqa: E731
         b = len(dec_caches)
-        view("rows")[:] = host_rows(dec_caches, bp, self.decode_nb, scratch).reshape(-1)  # then the inert decode rows
+        view("rows")[:] = host_rows(dec_caches, bp, self.decode_nb, scratch,  # then the inert decode rows
+                                    self.model.settings.inert_padding).reshape(-1)
         pos, write, out, tables = view("pos"), view("write"), view("out"), view("tables").reshape(p, nb)
         attn, rec = view("small")[: 4 * p].reshape(p, 4), view("small")[4 * p : 9 * p].reshape(p, 5)
         out[:bp] = np.arange(bp)

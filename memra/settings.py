@@ -89,6 +89,7 @@ class Settings:
     linear_shaped: bool = False  # the dense linears' tiles chosen from N and K as well as M (triton.linear_shaped)
     linear_cublas: bool = True  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
     mixed_decode_width: bool = True  # a captured mixed step's decode rows on a table width of their own
+    inert_padding: bool = False  # a captured step's padding rows name an inert recurrent slot (memra.kernels.slots)
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     admission_order: str = "auto"  # the order waiting requests start in: auto | fcfs | lof (memra.engine.admission)
@@ -137,6 +138,7 @@ class Settings:
             # on unless asked off, or MEMRA_LINEAR_SHAPED=1 asks for the Triton tiles it chooses
             linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", not flag(e, "MEMRA_LINEAR_SHAPED", False)),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", True),
+            inert_padding=flag(e, "MEMRA_INERT_PADDING", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
             admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "auto").strip().lower() or "auto",
@@ -182,6 +184,7 @@ class Settings:
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
                 "MEMRA_LINEAR_SHAPED": on(self.linear_shaped), "MEMRA_LINEAR_CUBLAS": on(self.linear_cublas),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
+                "MEMRA_INERT_PADDING": on(self.inert_padding),
                 "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs), "MEMRA_ADMISSION_ORDER": self.admission_order,
                 **self.pp_env}
 
@@ -246,6 +249,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "(one attention split's where every decode row fits in one), not the prompt pieces' (memra.mixed_graphs): a "
      "long prompt piece then no longer sends every decode row through the split attention and its combine; the "
      "same bits, a third table width of mixed graphs to capture; 0 = the pieces' width for every row"),
+    ("MEMRA_INERT_PADDING", "0", "1 = a captured step's padding rows (its batch bucket past the live rows) name an "
+     "inert recurrent slot, whose state the Triton GDN and conv step kernels neither read nor write, instead of the "
+     "pools' scratch slot, which every padding row read and wrote whole (memra.kernels.slots); no live row's bits "
+     "change; off until a GPU run shows it faster"),
     ("MEMRA_MIXED_TOKENS", "512", "the largest prompt-token bucket of a captured mixed step: 512, 1024 or 2048. "
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "

@@ -56,12 +56,14 @@ def _pieces(model, prompts, caches):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on the GPU the captured step is held to the two calls' bits below")
-@pytest.mark.parametrize("arch, nb, decode_nb", [("llama", 32, None), *((a, 32, None) for a in HYBRID_ARCHS),
-                                                 ("qwen3_5", 64, 8)])
-def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch, nb, decode_nb):
+@pytest.mark.parametrize("arch, nb, decode_nb, inert", [("llama", 32, None, "0"), *((a, 32, None, "0") for a in HYBRID_ARCHS),
+                                                        ("qwen3_5", 64, 8, "0"), ("qwen3_5", 32, None, "1")])
+def test_the_static_mixed_step_run_eagerly_is_the_mixed_step(load_model, arch, nb, decode_nb, inert):
     """decode_nb: the decode rows' table of a width of their own (MEMRA_MIXED_DECODE_WIDTH), narrower than the
-    pieces' (here 8 blocks, which hold every running row; the pieces' 64 reach past one attention split)."""
-    model = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP="1", MEMRA_CUDA_GRAPHS="0")
+    pieces' (here 8 blocks, which hold every running row; the pieces' 64 reach past one attention split).
+    inert: the padding decode row on an inert slot (MEMRA_INERT_PADDING), which the twins step as the scratch."""
+    model = load_model(hf_dir(arch)).with_doors(MEMRA_EXACT="0", MEMRA_MIXED_STEP="1", MEMRA_CUDA_GRAPHS="0",
+                                                MEMRA_INERT_PADDING=inert)
     running, new, prompts, ids = _ready(model)
     want_running, want_new, _, _ = _ready(model)
     want, want_lasts = step.mixed_step(model, ids, want_running, prompts, want_new)

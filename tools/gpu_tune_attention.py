@@ -2,6 +2,7 @@
 device tool, on one GPU):
 
     python tools/gpu_tune_attention.py [--cases 256x200,128x600,64x1500,16x4000]
+    python tools/gpu_tune_attention.py --mixed [--cases 258x170]
 
 A decode step's attention streams every row's K and V once (the KV of its whole prefix), so its floor is those
 bytes over the read bandwidth. For each case (rows x context) and each attention shape (Llama-3-8B: 32 query / 8
@@ -10,7 +11,9 @@ over one layer's paged pool (blocks handed out in a shuffled order, as a server'
 achieved bandwidth for the kernel as launched today (its default warps and stages) and for other warps and
 stages; then as a captured step launches it where its table is wider than one split (the splits of a
 2,048-position table, most of them past the rows' prefixes, and the combine), with its bits compared to the
-unsplit call's. Warps and stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
+unsplit call's. --mixed instead takes a case apart as a captured mixed step launches it: its rows alone, then with
+a graph bucket's padding rows (one position each, all on one scratch position), then told a table two splits
+wide (a decode row past 512 positions beside them), then both. Warps and stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
 reduce in another tree under another layout: each variant's output is compared bit for bit with today's, and
 the table says which differ (a variant with other bits would be a new reference, never a silent change).
 """
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from gpu_tune_linear import bench  # noqa: E402 - tools/, this script's folder
+from memra.graphs import BUCKETS  # noqa: E402
 from memra.kernels.cuts import ATTN_SPLIT  # noqa: E402
 from memra.kernels.triton import attention as A  # noqa: E402
 
@@ -77,14 +81,48 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None):
     return o
 
 
+def with_padding(rows: int, flat, starts, lens):
+    """The case's rows, then a graph bucket's padding rows (memra.graphs.BUCKETS), each one position long on one
+    scratch position (a block past the pool's others) -> (bucket, flat, starts, lens)."""
+    bucket = next(b for b in BUCKETS if b >= rows)
+    scratch = torch.tensor([0], device="cuda")
+    pad = bucket - rows
+    starts = torch.cat([starts, torch.full((pad,), flat.numel(), device="cuda", dtype=starts.dtype)])
+    return bucket, torch.cat([flat, scratch]), starts, torch.cat([lens, torch.ones(pad, device="cuda", dtype=lens.dtype)])
+
+
+def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
+    """Each case as a captured mixed step launches its decode rows: alone, padded, told two splits, both."""
+    print("case            shape        alone us | padded to bucket | told 2 splits | both | live rows' bits")
+    for rows, ctx in cases:
+        for name, (hq, hkv, d) in SHAPES.items():
+            k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
+            bucket, pflat, pstarts, plens = with_padding(rows, flat, starts, lens)
+            q = torch.randn(bucket, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            scale, wide = d ** -0.5, 2 * ATTN_SPLIT
+            ref = launch(q[:rows], k, v, flat, starts, lens, scale, ctx, None)
+            runs = [(q[:rows], flat, starts, lens, ctx), (q, pflat, pstarts, plens, ctx),
+                    (q[:rows], flat, starts, lens, wide), (q, pflat, pstarts, plens, wide)]
+            times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None)) for r in runs]
+            same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None)[:rows], ref) for r in runs)
+            print(f"{rows}x{ctx} (+{bucket - rows}) {name:11s} " + " | ".join(f"{t * 1e6:8.1f}" for t in times)
+                  + f" | {'equal' if same else 'DIFFER'}", flush=True)
+            del k, v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="256x200,128x600,64x1500,16x4000", help="rows x context, comma-separated")
+    ap.add_argument("--cases", default=None, help="rows x context, comma-separated (default 256x200,128x600,64x1500,"
+                                                  "16x4000; with --mixed 258x170,376x400)")
+    ap.add_argument("--mixed", action="store_true", help="the decode rows of a captured mixed step, taken apart")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}; Triton {triton.__version__}; ATTN_SPLIT {ATTN_SPLIT}")
+    cases = a.cases or ("258x170,376x400" if a.mixed else "256x200,128x600,64x1500,16x4000")
+    if a.mixed:
+        return mixed([tuple(int(x) for x in c.split("x")) for c in cases.split(",")], gen)
     print("case            shape        today: us  TB/s | best variant (warps, stages): us  TB/s | variants with other bits")
-    for case in a.cases.split(","):
+    for case in cases.split(","):
         rows, ctx = (int(x) for x in case.split("x"))
         for name, (hq, hkv, d) in SHAPES.items():
             k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)

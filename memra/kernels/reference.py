@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from memra.kernels.cuts import aligned_cuts, window_rows, window_start  # noqa: F401 (window_rows: the decode rows' cut)
+from memra.kernels.slots import state_slots
 
 # --- dense algebra ---------------------------------------------------------------------------
 
@@ -211,6 +212,7 @@ def causal_conv_step(u: torch.Tensor, states: torch.Tensor, w: torch.Tensor) -> 
 
 def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """causal_conv_step for rows whose states are pool[slots] ([slots, C, Kc-1]), stepped there -> out [B, C]."""
+    slots = state_slots(slots)  # an inert padding row's (memra.kernels.slots): the scratch slot it names
     out, new = causal_conv_step(u, pool[slots], w)
     pool[slots] = new
     return out
@@ -278,6 +280,7 @@ def delta_rule_step(q, k, v, beta, g, s):
 def delta_rule_step_into(q, k, v, beta, g, pool, slots):
     """delta_rule_step for B sequences whose states live in a pool: q, k [B, H, Dk], v [B, H, Dv], beta,
     g [B, H], pool [n_slots, H, Dk, Dv] fp32, slots [B] -> o [B, H, Dv]; pool[slots] is stepped in place."""
+    slots = state_slots(slots)  # an inert padding row's (memra.kernels.slots): the scratch slot it names
     o, s = delta_rule_step(q, k, v, beta, g, pool[slots])
     pool[slots] = s
     return o

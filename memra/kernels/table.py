@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memra.kernels import cpu_decode, cpu_flin, cpu_gdn, cpu_qdot, quant, reference, split
+from memra.kernels.slots import state_slots
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
@@ -281,7 +282,7 @@ class KernelTable:
     def delta_rule_step_into(self, q, k, v, beta, g, pool, slots):
         """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool."""
         if self._cpu_gdn(q, q.shape[-1]) and pool.dtype == torch.float32 and pool.is_contiguous():
-            return cpu_gdn.step_rows(q, k, v, beta, g, pool, slots)
+            return cpu_gdn.step_rows(q, k, v, beta, g, pool, state_slots(slots))  # inert rows: their scratch slot
         return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
 
     def delta_rule_scan(self, q, k, v, beta, g, s, every: bool = True):  # every=False: the C scan keeps the last

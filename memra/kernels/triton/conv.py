@@ -13,8 +13,9 @@ can differ from torch's) rounded to the dtype. Every kernel computes it with the
 (`_conv_out`; the prompt kernels also share `_conv_acc`), so a token convolved in a prompt, in a wave
 of several prompts, in a verify's run of tokens, or as a decode step has the same bits, whatever else
 shares the call; that is what the exact path needs of them.
-A graph's padding rows all name the pools' scratch slot: their read-modify-writes of it race, which
-touches no live row's state or output.
+A graph's padding rows name the pools' scratch slot: their read-modify-writes of it race, which touches no
+live row's state or output; or, under MEMRA_INERT_PADDING, an inert slot whose state the step leaves alone
+(memra.kernels.slots).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memra.kernels.slots import INERT_SLOT
 from memra.kernels.triton.common import both, round_to_dtype
 from memra.kernels.triton.launch import lean
 
@@ -39,17 +41,22 @@ def _conv_out(acc, ty: tl.constexpr):
 @lean
 @triton.jit
 def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, stride_slot, stride_out,
-                      KC: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (row, channel block): the window is the slot's Kc-1 saved inputs, then the row's new one.
+                      KC: tl.constexpr, BLOCK: tl.constexpr, INERT: tl.constexpr):
+    # Program (row, channel block): the window is the slot's Kc-1 saved inputs, then the row's new one. A slot
+    # of INERT or past it is a captured step's padding row (memra.kernels.slots): its saved inputs are neither
+    # read (zeros stand in) nor written; its output is never read.
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
-    state = pool_ptr + tl.load(slots_ptr + row).to(tl.int64) * stride_slot + c * (KC - 1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    live = slot < INERT
+    state = pool_ptr + tl.where(live, slot, 0) * stride_slot + c * (KC - 1)
+    saved = both(mask, live)
     u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(KC):
         if j < KC - 1:
-            x = tl.load(state + j, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(state + j, mask=saved, other=0.0).to(tl.float32)
         else:
             x = u.to(tl.float32)
         wj = tl.load(w_ptr + c * KC + j, mask=mask, other=0.0).to(tl.float32)
@@ -59,9 +66,9 @@ def _conv_step_kernel(u_ptr, pool_ptr, slots_ptr, w_ptr, out_ptr, C, stride_u, s
             acc = acc + x * wj
     for j in tl.static_range(KC - 1):  # the window moves on by one: every load above is done
         if j < KC - 2:
-            tl.store(state + j, tl.load(state + j + 1, mask=mask, other=0.0), mask=mask)
+            tl.store(state + j, tl.load(state + j + 1, mask=saved, other=0.0), mask=saved)
         else:
-            tl.store(state + j, u.to(pool_ptr.dtype.element_ty), mask=mask)
+            tl.store(state + j, u.to(pool_ptr.dtype.element_ty), mask=saved)
     tl.store(out_ptr + row * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -181,7 +188,8 @@ def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pie
 
 def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """One new token for each of B rows, whose states are pool[slots[b]] ([slots, C, Kc-1], stepped in
-    place): u [B, C] -> out [B, C]. reference.causal_conv_step's values."""
+    place): u [B, C] -> out [B, C]. reference.causal_conv_step's values. A slot of INERT_SLOT or more is a
+    padding row's, whose state the kernel leaves alone (memra.kernels.slots)."""
     b, c = u.shape
     u = u if u.stride(-1) == 1 else u.contiguous()
     assert pool.is_contiguous() and pool.dtype == u.dtype, "the pool's layout: [slots, C, Kc-1] of the model dtype"
@@ -190,7 +198,7 @@ def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tens
         slots = slots.contiguous()  # a graph's slots are a column of its argument table
         _conv_step_kernel[(b, triton.cdiv(c, CONV_BLOCK))](u, pool, slots, w.contiguous(), out, c, u.stride(0),
                                                            pool.stride(0), out.stride(0), KC=w.shape[1],
-                                                           BLOCK=CONV_BLOCK, enable_fp_fusion=False)
+                                                           BLOCK=CONV_BLOCK, INERT=INERT_SLOT, enable_fp_fusion=False)
     return out
 
 

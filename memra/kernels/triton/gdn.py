@@ -49,6 +49,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
+from memra.kernels.slots import INERT_SLOT
 from memra.kernels.triton.common import both
 from memra.kernels.triton.launch import lean
 from memra.upload import upload_parts
@@ -208,7 +209,7 @@ GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one progra
 @lean
 @triton.jit(do_not_specialize=["T", "INDEXED"])
 def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
-                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, INERT: tl.constexpr):
     # One program per (sequence x head, block of value columns): those columns of the state evolve
     # independently of every other column, head and sequence. The program walks its T tokens in order
     # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
@@ -218,15 +219,20 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
     # INDEXED (runtime too, for the same reason): sequence n's state is s[s_rows[n]] and its states go
     # to s_out[s_rows[n]], so a decode updates a pool's slots in place. That is safe because a program
     # reads its whole slice of the state before it writes that slice, and no other program touches it.
+    # A slot of INERT or past it is a captured step's padding row (memra.kernels.slots): its state is neither
+    # read nor written (m2 off), and its output, which nothing reads, comes from a zero state.
     r = tl.program_id(0)  # sequence * H + head
     n, h = r // H, r % H
     at = n.to(tl.int64)
     if INDEXED != 0:
         at = tl.load(s_rows_ptr + n)
+    live = at < INERT
+    at = tl.where(live, at, 0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     ck = tl.arange(0, BLOCK_DK)
     mk, mv = ck < DK, cv < DV
     m2 = mk[:, None] & mv[None, :]
+    m2 = both(m2, live)
     s = tl.load(s_ptr + (at * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
     for t in range(T):
         row = (n * T + t) * H + h  # token t of sequence n, head h
@@ -252,7 +258,7 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     if n * t * h:
         grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
         _delta_rule_scan_kernel[grid](*args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None),
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV)
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT)
     return o
 
 
@@ -280,7 +286,8 @@ def delta_rule_step(q, k, v, beta, g, s):
 def delta_rule_step_into(q, k, v, beta, g, pool, slots):
     """Same contract as reference.delta_rule_step_into: q, k [B, H, DK], v [B, H, DV], beta, g [B, H];
     pool [n_slots, H, DK, DV] fp32 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
-    stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist)."""
+    stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist). A slot
+    of INERT_SLOT or more is a padding row's, whose state the kernel leaves alone (memra.kernels.slots)."""
     b, h, dk = q.shape
     dv = v.shape[-1]
     assert pool.is_contiguous() and tuple(pool.shape[1:]) == (h, dk, dv), "the kernel addresses pool rows as [H, DK, DV]"
