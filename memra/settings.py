@@ -77,6 +77,7 @@ class Settings:
     sample_kernel: bool = True
     sample_split: bool = False  # the batch sampler's rows over several programs each (triton.sampling.split_span)
     rope_tile: bool = False  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
+    attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
@@ -125,6 +126,7 @@ class Settings:
             sample_kernel=flag(e, "MEMRA_SAMPLE_KERNEL", True),
             sample_split=flag(e, "MEMRA_SAMPLE_SPLIT", False),
             rope_tile=flag(e, "MEMRA_ROPE_TILE", False),
+            attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
@@ -178,7 +180,8 @@ class Settings:
         on = lambda b: "1" if b else "0"  # noqa: E731
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
-                "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
+                "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
+                "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
@@ -214,6 +217,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "second launch keeps each row's best (the same tokens; for few rows, which leave the GPU idle otherwise)"),
     ("MEMRA_ROPE_TILE", "0", "1 = the fused RoPE and K/V write (memra.kernels.triton.rope) with 8 heads a program "
      "instead of one, so a wave of many tokens launches fewer, larger programs (the same bits)"),
+    ("MEMRA_ATTN_SHORT_ROWS", "0", "1 = in a decode attention launch split at fixed positions (a row past 512 "
+     "positions, or a captured step's table that wide), a row whose prefix fits in the first split writes its output "
+     "there, as the unsplit launch does, and its other splits and the combine skip it (memra.kernels.triton.attention; "
+     "the same bits); off until a GPU run shows it faster"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "

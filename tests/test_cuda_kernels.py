@@ -94,3 +94,25 @@ def test_rope_tile_keeps_the_bits_at_model_shapes():
             outs.append((rope.rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows, heads), k_pool, v_pool,
                          rope.apply_rope(q, cos, sin, heads)))
         assert all(same_bits(a, b) for a, b in zip(*outs)), f"heads of {d}: the tiled launch moved bits"
+
+
+def test_short_rows_keep_the_bits_of_a_split_attention_launch():
+    """MEMRA_ATTN_SHORT_ROWS: 256 rows of 170 positions beside 2 of 600 in one launch told a 1,024-position table
+    (two splits), the Llama-3-8B and Qwen3.5 attention shapes: every row has the bits of the launch without the
+    door, and the short rows the bits of their own unsplit launch."""
+    from memra.kernels.triton import attention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for hq, hkv, d in ((32, 8, 128), (16, 4, 256)):
+        lens = torch.tensor([170] * 256 + [600] * 2, device="cuda")
+        blocks = int(lens.sum()) // 16 + 1
+        k_pool, v_pool = (torch.randn(blocks, 16, hkv, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        rows = torch.randperm(blocks * 16, device="cuda", generator=g)[: int(lens.sum())]
+        starts = torch.cumsum(lens, 0) - lens
+        q = torch.randn(len(lens), hq, d, device="cuda", generator=g).to(torch.bfloat16)
+        plain = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=1024)
+        short = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=1024,
+                                               short_rows=True)
+        alone = attention.paged_attention_rows(q[:256], k_pool, v_pool, rows, starts[:256], lens[:256], d ** -0.5,
+                                               max_len=170)
+        assert same_bits(short, plain) and same_bits(short[:256], alone), f"heads of {d}: short rows moved bits"

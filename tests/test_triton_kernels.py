@@ -416,6 +416,19 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     # A captured step tells the kernel its table's width, far past most rows: the splits past a row's
     # prefix are empty and pass through the combine, which must not move a bit.
     same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=256), out)  # 8 splits
+    # MEMRA_ATTN_SHORT_ROWS: the rows of one split write their output in the split launch and skip the combine
+    for bound in (70, 256):
+        same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=bound, short_rows=True),
+                  out)
+    # liveness: in the split launch itself, a one-split row (lens 17) writes its output and no partials; a
+    # longer one (70) writes partials and leaves its output to the combine
+    shape = attention.decode_shape(q, k_pool)
+    m = torch.full((5, hq, 3), float("nan"), device=DEVICE)
+    part, o = torch.full((5, hq, 3, d), float("nan"), device=DEVICE), torch.zeros_like(q)
+    attention._decode_attention_kernel[(5, hkv, 3)](q, k_pool, v_pool, rows, starts, lens, part, m, m.clone(), o, hq,
+                                                    0.17 * 1.4426950408889634, PARTIAL=True, DIRECT=True, **shape)
+    same_bits(o[1], out[1])
+    assert torch.isnan(m[1]).all() and not torch.isnan(m[4]).any() and not o[4].any()
 
 
 def _gdn_inputs(t, h=2, dk=32, dv=48, seed=60):

@@ -174,12 +174,13 @@ for _name, _value in list(vars(KernelTable).items()):
 
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
-                    sample_split: bool = False, rope_tile: bool = False) -> RecordingTable:
+                    sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
-    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; rope_tile: with MEMRA_ROPE_TILE=1."""
+    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; rope_tile: with MEMRA_ROPE_TILE=1;
+    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
-                           sample_split=sample_split, rope_tile=rope_tile)
+                           sample_split=sample_split, rope_tile=rope_tile, attn_short_rows=attn_short_rows)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -345,7 +346,8 @@ def drive_dense(table, dtype) -> None:
 def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
-    split walk and its combine), and the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads)."""
+    split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), and a
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's)."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
@@ -357,6 +359,9 @@ def drive_doors(table) -> None:
     pool = lambda: torch.zeros(2, 16, hkv, d, dtype=torch.bfloat16)  # noqa: E731
     table.rope_write_kv(q, k, v, cos, sin, pool(), pool(), torch.arange(t))
     table.apply_rope(q, cos, sin)
+    kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
+    lens = torch.tensor([3, 600])
+    table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
 
 
 def tiny_models(dtype) -> list:

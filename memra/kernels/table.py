@@ -93,6 +93,7 @@ class KernelTable:
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     sample_split: bool = False  # its rows' vocabularies in parts, then a combine launch (MEMRA_SAMPLE_SPLIT)
     rope_tile: bool = False  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
+    attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -117,6 +118,7 @@ class KernelTable:
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, rope_tile=settings.rope_tile,
+                   attn_short_rows=settings.attn_short_rows,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -318,7 +320,7 @@ class KernelTable:
         impl = triton_ops() if fast_cuda else self._impl(q)
         if impl is reference:  # the definition: row by row, no splits
             return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
-        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len)
+        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows)
 
     def fused_decode_attention(self, q, k_pool, cos) -> bool:
         """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.kernels.pieces import ATTENTION_TILE
-from memra.kernels.triton.common import _interpreting
+from memra.kernels.triton.common import _interpreting, both
 from memra.kernels.triton.launch import lean
 
 
@@ -25,10 +25,10 @@ def _decode_block_s(block_d: int) -> int:
 
 @lean
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, Hq, qk_scale,
-                             GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, out_ptr, Hq,
+                             qk_scale, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                             PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+                             PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
     # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
     # own, whatever its tile-mates). Query row r attends over its own prefix: positions 0..S-1 whose
@@ -37,7 +37,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position, visited
     # in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
     # a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output) for
-    # _combine_splits_kernel; otherwise (one split covers every row) write the output itself.
+    # _combine_splits_kernel; otherwise (one split covers every row) write the output itself. DIRECT
+    # (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row whose prefix fits in split 0 writes its output to out_ptr
+    # there, as the unsplit launch does, and no partials (its other splits are empty); the combine skips it.
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -77,9 +79,16 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
         m_run = m_new
     if PARTIAL:
         at = (r * Hq + heads) * tl.num_programs(2) + sp  # [G]
-        tl.store(m_ptr + at, m_run, mask=mg)
-        tl.store(l_ptr + at, l_run, mask=mg)
-        tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=mg[:, None] & md[None, :])
+        keep = mg
+        if DIRECT:
+            fits = S <= SPLIT
+            out = acc / l_run[:, None]  # the unsplit launch's output (a row of other splits: masked off)
+            tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
+            keep = both(mg, S > SPLIT)
+        tl.store(m_ptr + at, m_run, mask=keep)
+        tl.store(l_ptr + at, l_run, mask=keep)
+        tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
     else:
         out = acc / l_run[:, None]
         tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
@@ -88,16 +97,20 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
 
 @lean
 @triton.jit
-def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, lens_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = False):
     # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
     # in split 0 gets exactly the unsplit kernel's bits: its weight is exp2(0) = 1, the empty splits'
     # are exp2(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
-    # the split be chosen per call (from the longest row) without changing any row's bits.
+    # the split be chosen per call (from the longest row) without changing any row's bits. DIRECT: a row
+    # whose prefix fits in split 0 has its output already (_decode_attention_kernel); its program reads
+    # and writes nothing.
     r = tl.program_id(0)
     h = tl.program_id(1)
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
+    if DIRECT:
+        md = both(md, tl.load(lens_ptr + r) > SPLIT)
     base = (r * Hq + h) * N_SPLITS
     m_all = tl.full((), float("-inf"), tl.float32)
     for sp in tl.static_range(N_SPLITS):
@@ -121,7 +134,8 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
 
 
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
-                         starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
+                         starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
+                         short_rows: bool = False) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
@@ -129,7 +143,8 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 
     Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
     32k context would otherwise stream its prefix through just Hkv programs); a row's bits depend only
-    on its own prefix either way (see _combine_splits_kernel)."""
+    on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
+    split launch, the rows that fit in one split skip the partials and the combine (the same bits)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = torch.empty_like(q)
@@ -141,15 +156,16 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     block_d = shape["BLOCK_D"]
     qk_scale = scale * 1.4426950408889634  # exp2 in the kernel
     if n_splits <= 1:
-        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, hq, qk_scale,
+        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, o, hq, qk_scale,
                                               PARTIAL=False, **shape)
         return o
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
-    _decode_attention_kernel[(n, hkv, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, hq, qk_scale,
-                                                 PARTIAL=True, **shape)
-    _combine_splits_kernel[(n, hq)](m, l, part, o, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
+    _decode_attention_kernel[(n, hkv, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o, hq, qk_scale,
+                                                 PARTIAL=True, DIRECT=short_rows, **shape)
+    _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
+                                    SPLIT=shape["SPLIT"], DIRECT=short_rows)
     return o
 
 
