@@ -346,8 +346,9 @@ def drive_dense(table, dtype) -> None:
 def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
-    split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), and a
-    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's)."""
+    split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), and GDN's chunked
+    prefill with the prep's late loads (triton.gdn.GDN_PREP_LATE_LOADS, a launch option the tools time)."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
@@ -362,6 +363,15 @@ def drive_doors(table) -> None:
     kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
+    from memra.kernels.triton import gdn
+
+    late, gdn.GDN_PREP_LATE_LOADS = gdn.GDN_PREP_LATE_LOADS, True
+    try:  # the Qwen3.5 head sizes (128), over two chunks
+        qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
+        table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
+                          torch.zeros(2, 128, 128), 0)
+    finally:
+        gdn.GDN_PREP_LATE_LOADS = late
 
 
 def tiny_models(dtype) -> list:
