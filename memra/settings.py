@@ -78,6 +78,7 @@ class Settings:
     sample_split: bool = False  # the batch sampler's rows over several programs each (triton.sampling.split_span)
     rope_tile: bool = False  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
+    moe_fused_act: bool = False  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
@@ -127,6 +128,7 @@ class Settings:
             sample_split=flag(e, "MEMRA_SAMPLE_SPLIT", False),
             rope_tile=flag(e, "MEMRA_ROPE_TILE", False),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
+            moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", False),
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
@@ -181,6 +183,7 @@ class Settings:
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
+                "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
@@ -221,6 +224,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "positions, or a captured step's table that wide), a row whose prefix fits in the first split writes its output "
      "there, as the unsplit launch does, and its other splits and the combine skip it (memra.kernels.triton.attention; "
      "the same bits); off until a GPU run shows it faster"),
+    ("MEMRA_MOE_FUSED_ACT", "0", "1 = the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
+     "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
+     "2F] product in memory; the same bits; off until a GPU run shows it faster"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "

@@ -116,3 +116,20 @@ def test_short_rows_keep_the_bits_of_a_split_attention_launch():
         alone = attention.paged_attention_rows(q[:256], k_pool, v_pool, rows, starts[:256], lens[:256], d ** -0.5,
                                                max_len=170)
         assert same_bits(short, plain) and same_bits(short[:256], alone), f"heads of {d}: short rows moved bits"
+
+
+def test_the_experts_activation_in_their_gate_up_launch_keeps_the_bits():
+    """MEMRA_MOE_FUSED_ACT at the Qwen3.5-35B-A3B expert shapes (256 experts of 2 x 512 by 2,048, top 8): the
+    activation in the grouped gate/up launch's epilogue against the launch then silu_mul, bit for bit, for a
+    decode step's rows (a tile per pair) and a prefill's (tiles per expert)."""
+    from memra.kernels.triton import moe
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w_gate_up = (torch.randn(256, 1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w_down = (torch.randn(256, 2048, 512, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    for rows in (1, 16, 512):
+        x = torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        weights, ids = moe.moe_route(torch.randn(rows, 256, device="cuda", generator=g), 8, True, torch.bfloat16)
+        want = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True)
+        got = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, fused_act=True)
+        assert same_bits(got, want), f"{rows} rows: the fused activation moved bits"

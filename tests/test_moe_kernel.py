@@ -85,6 +85,24 @@ def test_a_token_does_not_depend_on_its_batchmates(dtype):
             same_bits(mk.moe_experts(x[rows], weights[rows], ids[rows], w_gate_up, w_down, per_pair), full[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_in_the_gate_up_launch_keeps_the_bits(dtype):
+    """MEMRA_MOE_FUSED_ACT: SwiGLU's activation in the grouped gate/up launch's epilogue, against the launch then
+    silu_mul, bit for bit: per expert's pairs and per pair, with the combine's two adds; and the fused launch
+    alone against the two (liveness: its output is [P, F], the activation's)."""
+    w_gate_up, w_down, router = layer(dtype, n_experts=5, seed=20)
+    x, shared, residual = (rnd(13, 64, dtype=dtype, seed=s) for s in (21, 22, 23))
+    weights, ids = route(x, router, 2)
+    for per_pair in (False, True):
+        want = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
+        same_bits(mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual,
+                                 fused_act=True), want)
+    plan = mk.plan_groups(ids, 5, mk.tile_config(26, 5, x.element_size()))
+    fused = mk.grouped_linear(x, w_gate_up, plan, gather=True, swiglu=True)
+    assert fused.shape == (26, 48)
+    same_bits(fused, silu_mul(mk.grouped_linear(x, w_gate_up, plan, gather=True)))
+
+
 def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
     """The default for a decode step of a 256-expert layer: no sort, no tile table; still the loop's bits,
     with two rows sharing an expert."""

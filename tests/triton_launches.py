@@ -174,13 +174,15 @@ for _name, _value in list(vars(KernelTable).items()):
 
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
-                    sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False) -> RecordingTable:
+                    sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False,
+                    moe_fused_act: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
     MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; rope_tile: with MEMRA_ROPE_TILE=1;
-    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1."""
+    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with MEMRA_MOE_FUSED_ACT=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
-                           sample_split=sample_split, rope_tile=rope_tile, attn_short_rows=attn_short_rows)
+                           sample_split=sample_split, rope_tile=rope_tile, attn_short_rows=attn_short_rows,
+                           moe_fused_act=moe_fused_act)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -347,8 +349,10 @@ def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
-    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), and GDN's chunked
-    prefill with the prep's late loads (triton.gdn.GDN_PREP_LATE_LOADS, a launch option the tools time)."""
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
+    prefill with the prep's late loads (triton.gdn.GDN_PREP_LATE_LOADS, a launch option the tools time), and
+    the grouped experts with their activation fused (MEMRA_MOE_FUSED_ACT=1's), a decode step's pairs and a
+    prefill's, in both dtypes."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
@@ -372,6 +376,12 @@ def drive_doors(table) -> None:
                           torch.zeros(2, 128, 128), 0)
     finally:
         gdn.GDN_PREP_LATE_LOADS = late
+    for dtype in (torch.bfloat16, torch.float32):
+        w_gate_up, w_down = torch.randn(16, 64, 64).to(dtype), torch.randn(16, 64, 32).to(dtype)
+        for rows in (1, 40):  # a tile per pair; tiles per expert
+            x = torch.randn(rows, 64).to(dtype)
+            weights, ids = table.moe_route(torch.randn(rows, 16), 2, True, dtype)
+            table.moe_experts(x, weights, ids, w_gate_up, w_down, shared=x, residual=x)
 
 
 def tiny_models(dtype) -> list:

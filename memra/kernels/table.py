@@ -94,6 +94,7 @@ class KernelTable:
     sample_split: bool = False  # its rows' vocabularies in parts, then a combine launch (MEMRA_SAMPLE_SPLIT)
     rope_tile: bool = False  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
+    moe_fused_act: bool = False  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -118,7 +119,7 @@ class KernelTable:
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, rope_tile=settings.rope_tile,
-                   attn_short_rows=settings.attn_short_rows,
+                   attn_short_rows=settings.attn_short_rows, moe_fused_act=settings.moe_fused_act,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -372,7 +373,7 @@ class KernelTable:
         if self.grouped_moe_weights(w_gate_up) and self._gpu(x):
             if act is None and scale == 1.0:
                 return triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared,
-                                                        residual=residual, ascending=True)
+                                                        residual=residual, ascending=True, fused_act=self.moe_fused_act)
             out = triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, act=act)
         else:
             out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,

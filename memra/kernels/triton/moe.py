@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.activation import silu_mul
+from memra.kernels.triton.activation import silu_mul, silu_mul_values
 from memra.kernels.triton.common import _interpreting, round_to_dtype
-from memra.kernels.triton.linear import linear_config
+from memra.kernels.triton.linear import _fit_stages, _mma, linear_config
 
 
 @triton.jit
@@ -43,9 +43,13 @@ def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_
                            N, K, stride_xm, stride_we, stride_wn, stride_ym,
                            GATHER: tl.constexpr, IEEE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PER_PAIR: tl.constexpr = False, TOP_K: tl.constexpr = 1):
+                           PER_PAIR: tl.constexpr = False, TOP_K: tl.constexpr = 1,
+                           SWIGLU: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # Program (tile, N block): BLOCK_M sorted pairs of one expert times BLOCK_N of its output rows.
     # PER_PAIR: tile p is pair p alone (token p // TOP_K, expert ids[p] at tile_expert_ptr): no table.
+    # SWIGLU (MEMRA_MOE_FUSED_ACT): the expert's rows [0, N) are the gate's and [N, 2N) the up's; the
+    # program sums both for its columns as the plain kernel sums each, and stores silu(gate) * up from the
+    # two rounded products, as triton.linear's fused SwiGLU does: grouped_linear then silu_mul, in one launch.
     tile = tl.program_id(0)
     if PER_PAIR:
         start = tile
@@ -67,16 +71,22 @@ def _grouped_linear_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_
         rk = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SWIGLU only (otherwise never computed)
         for k0 in range(0, K, BLOCK_K):  # the linear kernel's K order: same bits per row
             kk = k0 + rk
             a = tl.load(x_ptr + rx[:, None] * stride_xm + kk[None, :], mask=in_tile[:, None] & (kk[None, :] < K), other=0.0)
-            b = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            if IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        tl.store(y_ptr + rp[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=in_tile[:, None] & (rn[None, :] < N))
+            mask_w = (rn[None, :] < N) & (kk[:, None] < K)
+            b = tl.load(w_base + rn[None, :] * stride_wn + kk[:, None], mask=mask_w, other=0.0)
+            acc = _mma(a, b, acc, IEEE)
+            if SWIGLU:
+                b = tl.load(w_base + (N + rn)[None, :] * stride_wn + kk[:, None], mask=mask_w, other=0.0)
+                up = _mma(a, b, up, IEEE)
+        ty = y_ptr.dtype.element_ty
+        if SWIGLU:
+            y = silu_mul_values(acc.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty, LIBDEVICE)
+        else:
+            y = acc.to(ty)
+        tl.store(y_ptr + rp[:, None] * stride_ym + rn[None, :], y, mask=in_tile[:, None] & (rn[None, :] < N))
 
 
 @triton.jit
@@ -208,21 +218,26 @@ def plan_pairs(ids: torch.Tensor, config: tuple[int, int, int, int, int]) -> Gro
     return GroupPlan(t_rows * top_k, top_k, ids.reshape(-1), None, None, None, None, config)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bool) -> torch.Tensor:
-    """Pair p's row (x[token_of[p]] if gather, else x[p]) times its expert's w[e] [N, K]^T -> [P, N]."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bool, swiglu: bool = False) -> torch.Tensor:
+    """Pair p's row (x[token_of[p]] if gather, else x[p]) times its expert's w[e] [N, K]^T -> [P, N]; swiglu:
+    w[e] [2F, K] gate rows then up rows -> silu(gate) * up [P, F], with the bits of this call then silu_mul (a
+    program's columns are half the tile's, as triton.linear.linear_silu_mul's: the same bytes a K step)."""
     w = w if w.stride(-1) == 1 else w.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    p, n, k = plan.pairs, w.shape[1], w.shape[2]
+    p, n, k = plan.pairs, w.shape[1] // (2 if swiglu else 1), w.shape[2]
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p:
         bm, bn, bk, warps, stages = plan.config
+        if swiglu and not _interpreting():
+            bn = max(16, bn // 2)
+            stages = _fit_stages(bm, 2 * bn, bk, x.element_size(), stages)
         table = (plan.tile_expert,) * 3 if plan.per_pair else (plan.token_of, plan.tile_start, plan.tile_stop)  # unread
         _grouped_linear_kernel[(plan.tile_expert.numel(), triton.cdiv(n, bn))](
             x, table[0], w, y, plan.tile_expert, table[1], table[2],
             n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
             GATHER=gather, IEEE=x.dtype == torch.float32 or _interpreting(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PER_PAIR=plan.per_pair, TOP_K=plan.top_k,
-            num_warps=warps, num_stages=stages)
+            SWIGLU=swiglu, LIBDEVICE=swiglu and not _interpreting(), num_warps=warps, num_stages=stages)
     return y
 
 
@@ -234,14 +249,16 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, per_pair: bool | None = None, shared: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, ascending: bool = False, act=None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, ascending: bool = False, act=None,
+                fused_act: bool = False) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
     x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
     (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4. shared,
     residual [T, E]: residual + (that + shared) in the combine, with the bits of torch's two adds.
     ascending: each row's ids are in ascending order already (moe_route's), so no sort. act: the experts'
     activation in place of silu_mul (Step's clamped SwiGLU: torch's elementwise ops over every pair at once,
-    the bits they give each expert's rows alone, since an elementwise op on a GPU is a function of its element)."""
+    the bits they give each expert's rows alone, since an elementwise op on a GPU is a function of its element).
+    fused_act (MEMRA_MOE_FUSED_ACT): SwiGLU's activation in the gate/up launch, one launch fewer a layer."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
     if not ascending:
@@ -252,7 +269,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if per_pair is None:
         per_pair = 4 * t_rows * top_k <= n_experts
     plan = plan_pairs(ids, config) if per_pair else plan_groups(ids, n_experts, config)
-    h = (act or silu_mul)(grouped_linear(x, w_gate_up, plan, gather=True))  # [P, F], torch's bits
+    if fused_act and act is None:  # MEMRA_MOE_FUSED_ACT: the activation in the gate/up launch's epilogue
+        h = grouped_linear(x, w_gate_up, plan, gather=True, swiglu=True)  # [P, F], torch's bits
+    else:
+        h = (act or silu_mul)(grouped_linear(x, w_gate_up, plan, gather=True))
     y = grouped_linear(h, w_down, plan, gather=False)  # [P, E], expert-sorted
     out = torch.empty_like(x)
     if t_rows:
