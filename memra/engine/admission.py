@@ -79,12 +79,6 @@ class PrefillGrouping:
                 and held < self.wait_steps)
 
 
-def longest_first(order: str, offline: bool) -> bool:
-    """Whether an engine queues its waiting requests longest output first: the setting's order (Settings
-    .admission_order), with "auto" resolved by whether the engine takes a whole run at once."""
-    return order == "lof" or (order == "auto" and offline)
-
-
 def enqueue(waiting: deque[str], rid: str, max_tokens_of: Callable[[str], int], longest_first: bool) -> None:
     """Put `rid` in the waiting queue (rids, front first): at its end; or, longest_first, behind every request
     that asks for at least as many tokens as it (equal ones stay in arrival order). Under longest_first the

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memra.cache import BLOCK_SIZE
-from memra.engine.admission import PrefillGrouping, longest_first
+from memra.engine.admission import PrefillGrouping
 from memra.errors import ContextOverflowError, MemraError
 from memra.sampling import SamplingParams
 from memra.spec import SpecConfig
@@ -62,8 +62,9 @@ class EngineConfig:
         return PrefillGrouping((0 if mixed_graphed else 8) if wait is None else wait, group)
 
     def longest_first(self, order: str) -> bool:
-        """Whether this engine's waiting queue is longest output first, under MEMRA_ADMISSION_ORDER=order."""
-        return longest_first(order, self.offline)
+        """Whether this engine's waiting queue is longest output first under MEMRA_ADMISSION_ORDER=order: lof, or
+        auto in an engine that takes a whole run at once (memra.engine.admission)."""
+        return order == "lof" or (order == "auto" and self.offline)
 
     def split_budget(self, mixed_tokens: int) -> int | None:
         """The scheduler's prompt tokens a step apart from its decode rows (None: shared); mixed_tokens: the

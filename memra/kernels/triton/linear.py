@@ -132,6 +132,16 @@ def _tile(m: int, elem_bytes: int, config: tuple | None) -> tuple[int, int, int,
     return bm, bn, bk, warps, _fit_stages(bm, bn, bk, elem_bytes, stages)
 
 
+def swiglu_tile(bm: int, bn: int, bk: int, elem_bytes: int, stages: int) -> tuple[int, int]:
+    """(BLOCK_N, stages) of a fused SwiGLU launch from its plain tile's: a program reads a gate tile and an up
+    tile each K step, so its columns are half the plain tile's (the same weight bytes a step), its stages
+    fitted to that. The interpreter keeps the plain width (its numpy dot sums in an order set by the shape)."""
+    if _interpreting():
+        return bn, stages
+    bn = max(16, bn // 2)
+    return bn, _fit_stages(bm, 2 * bn, bk, elem_bytes, stages)
+
+
 def _fit_stages(bm: int, weight_cols: int, bk: int, elem_bytes: int, stages: int) -> int:
     while stages > 2 and (bm + weight_cols) * bk * elem_bytes * stages > SHARED_MEMORY_BUDGET:
         stages -= 1
@@ -172,9 +182,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, config: tuple | None = Non
     y = torch.empty(m, f, dtype=x.dtype, device=x.device)
     if m:
         bm, bn, bk, warps, stages = _tile(m, x.element_size(), config)
-        if not _interpreting():
-            bn = max(16, bn // 2)
-            stages = _fit_stages(bm, 2 * bn, bk, x.element_size(), stages)
+        bn, stages = swiglu_tile(bm, bn, bk, x.element_size(), stages)
         _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(f, bn))](
             x2, w, w, y, y, m, f, k, x2.stride(0), w.stride(0), y.stride(0), y.stride(0),
             HAS_BIAS=False, HAS_RESIDUAL=False, IEEE=x.dtype == torch.float32 or _interpreting(),

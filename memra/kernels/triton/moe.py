@@ -35,7 +35,7 @@ import triton.language as tl
 
 from memra.kernels.triton.activation import silu_mul, silu_mul_values
 from memra.kernels.triton.common import _interpreting, round_to_dtype
-from memra.kernels.triton.linear import _fit_stages, _mma, linear_config
+from memra.kernels.triton.linear import _mma, linear_config, swiglu_tile
 
 
 @triton.jit
@@ -228,9 +228,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, plan: GroupPlan, gather: bo
     y = torch.empty(p, n, dtype=x.dtype, device=x.device)
     if p:
         bm, bn, bk, warps, stages = plan.config
-        if swiglu and not _interpreting():
-            bn = max(16, bn // 2)
-            stages = _fit_stages(bm, 2 * bn, bk, x.element_size(), stages)
+        if swiglu:
+            bn, stages = swiglu_tile(bm, bn, bk, x.element_size(), stages)
         table = (plan.tile_expert,) * 3 if plan.per_pair else (plan.token_of, plan.tile_start, plan.tile_stop)  # unread
         _grouped_linear_kernel[(plan.tile_expert.numel(), triton.cdiv(n, bn))](
             x, table[0], w, y, plan.tile_expert, table[1], table[2],
