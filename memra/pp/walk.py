@@ -18,6 +18,7 @@ Bodies:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -220,8 +221,14 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
         counters.bump(f"dual_pp_slot_uses_{sl}")
 
     timing = rt.doors.dual_pp_timing
+    # Both stage threads start their first section only once both are running. Without it a busy host could
+    # run stage 0 through both waves (its boundary has two slots) before stage 1's thread was even scheduled:
+    # the same bits, but the waves not in flight together, and DUAL_PP_OVERLAPS not advanced. A stage that
+    # never arrives breaks the barrier after the timeout: an error run_concurrent raises, never a hang.
+    started = threading.Barrier(2, timeout=60.0)
 
     def stage0():
+        started.wait()
         for w, (w_ids, w_caches) in enumerate(waves):
             with rt.section("dual_pp_overlaps"), st0.scope(), _timed(timing, st0, f"wave_{'ab'[w]}_stage0"):
                 h = _stage_rows(model, rt, 0, model.embed_tokens(w_ids.to(st0.device)), w_caches, plan)
@@ -229,6 +236,7 @@ def decode_waves(model, rt: PpRuntime, ids: torch.Tensor, caches, plan: str) -> 
 
     def stage1():
         outs = []
+        started.wait()
         for w, (_, w_caches) in enumerate(waves):
             with rt.section("dual_pp_overlaps"), st1.scope(), _timed(timing, st1, f"wave_{'ab'[w]}_stage1"):
                 h = _stage_rows(model, rt, 1, rt.rx(0, slots[w]), w_caches, plan)
