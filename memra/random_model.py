@@ -135,4 +135,6 @@ def random_model(name: str, device: str | torch.device = "cuda", dtype: torch.dt
         raise MemraError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
     cfg = SHAPES[name](n_layers)
     weights = random_weights(cfg, device, dtype, seed, quant)
-    return HybridModel(cfg, weights, torch.device(device), dtype, source=f"random:{name}", settings=settings)
+    # the recipe memra.load takes back: with a layer count where it is not the shape's own
+    source = f"random:{name}" if n_layers is None else f"random:{name}:{n_layers}"
+    return HybridModel(cfg, weights, torch.device(device), dtype, source=source, settings=settings)

@@ -32,3 +32,17 @@ def test_a_random_model_loads_with_a_tokenizer_that_covers_its_vocabulary(monkey
     assert isinstance(m.tokenizer.decode([tok]), str)
     with pytest.raises(MemraError, match="unknown model shape"):
         memra.load("random:no-such-shape", device="cpu")
+
+
+def test_a_random_model_takes_a_layer_count_after_its_name(monkeypatch):
+    """random:NAME:LAYERS: the shape with its first LAYERS layers (the 35B-A3B on an 80 GB card), its source the
+    same recipe, so a worker rebuilds it (memra.pp.dist.worker_source passes it through); a bad count is refused."""
+    monkeypatch.setitem(SHAPES, "tiny-llama", lambda layers=None: _llama(layers or 2, 64, 4, 2, 128, 300))
+    m = memra.load("random:tiny-llama:3", device="cpu", dtype="float32", tokenizer=False)
+    assert m.cfg.n_layers == 3 and m.source == "random:tiny-llama:3"
+    from memra.pp.dist import worker_source
+
+    assert worker_source(m) == "random:tiny-llama:3"
+    for bad in ("0", "x", "-1"):
+        with pytest.raises(MemraError, match="positive integer"):
+            memra.load(f"random:tiny-llama:{bad}", device="cpu")

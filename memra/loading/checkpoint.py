@@ -259,7 +259,10 @@ def load(path: str | Path, device: str | torch.device | None = None, dtype: str 
                        settings=settings)
 
 
-RANDOM_PREFIX = "random:"  # random:llama-3-8b -- a named real shape with random weights, no file (memra.random_model)
+# random:llama-3-8b -- a named real shape with random weights, no file (memra.random_model); random:NAME:LAYERS
+# builds it with its first LAYERS layers (a model too large for the card at full depth, such as the 35B-A3B's
+# 40 layers on an 80 GB H100)
+RANDOM_PREFIX = "random:"
 
 
 def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool, kv_budget: KvBudget,
@@ -269,7 +272,10 @@ def _random(name: str, device: torch.device, dtype: torch.dtype, tokenizer: bool
     from memra.random_model import random_model
     from memra.tokenizer.synthetic import byte_level_tokenizer
 
-    model = random_model(name, device, dtype, settings=settings)
+    name, _, layers = name.partition(":")
+    if layers and not (layers.isdigit() and int(layers) > 0):
+        raise MemraError(f"random:{name}:{layers}: the layer count after the shape's name must be a positive integer")
+    model = random_model(name, device, dtype, n_layers=int(layers) if layers else None, settings=settings)
     model.kv_budget = kv_budget
     if tokenizer:
         model.tokenizer = byte_level_tokenizer(model.cfg.vocab_size, source=RANDOM_PREFIX + name)
