@@ -90,7 +90,10 @@ def test_rope_tile_keeps_the_bits_at_model_shapes():
         rows = torch.randperm(2 * t, device="cuda", generator=g)[:t]
         outs = []
         for heads in (1, rope.ROPE_TILE_HEADS):
-            k_pool, v_pool = (torch.zeros(2 * t // 16, 16, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            # every row of 2t must be in the pool: cdiv(2t, 16) blocks (2t // 16 left 4 rows past its end,
+            # written out of bounds by whichever launch, so the two launches' neighbours differed)
+            k_pool, v_pool = (torch.zeros(-(-2 * t // 16), 16, hkv, d, device="cuda", dtype=torch.bfloat16)
+                              for _ in range(2))
             outs.append((rope.rope_write_kv(q, k, v, cos, sin, k_pool, v_pool, rows, heads), k_pool, v_pool,
                          rope.apply_rope(q, cos, sin, heads)))
         assert all(same_bits(a, b) for a, b in zip(*outs)), f"heads of {d}: the tiled launch moved bits"
