@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The throughput issue's acceptance table on one GPU, in parts that each fit one device call (ten minutes):
+#
+#     bash tools/gpu_acceptance.sh PART [LIMIT_S]       # PART: suite | throughput | models | serve | all
+#
+# suite       the `cuda` suite (tools/gpu_suite.sh), which the first call of a device session runs
+# throughput  `memra bench throughput` for both dense shapes, then one decode and one mixed step profiled each
+# models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
+#             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
+# serve       `memra bench serve` at concurrency 64 on Llama-3-8B
+#
+# Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
+# cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
+# and is stopped at the time it was given. Wheels the machine lacks: a .whl folder beside (tools/offline_wheels.sh)
+# is installed first.
+set -u
+part=${1:?"PART: suite | throughput | models | serve | all"}; limit=${2:-580}
+out=${OUT:-/tmp/acceptance}; mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+t0=$(date +%s); cells=""
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+
+# step NAME SECONDS PATTERN CMD...: run CMD with at most SECONDS (less where the limit is nearer), keep the lines
+# of its log matching PATTERN (grep -E) as its cells
+step() {
+  local name=$1 secs=$2 pattern=$3; shift 3
+  local left=$(( limit - ($(date +%s) - t0) - 5 ))
+  (( secs > left )) && secs=$left
+  if (( secs < 20 )); then cells+="$name: not run (no time left)"$'\n'; return; fi
+  local start=$(date +%s)
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  cells+="$name (rc $rc, $(( $(date +%s) - start )) s):"$'\n'"$(grep -E "$pattern" "$out/$name.log" | head -12)"$'\n'
+}
+
+tp="python3 -m memra bench throughput --num-prompts 1000 --check 1"
+tp_cells="output tokens/s|decode steps  |mixed steps  |exactness|floor on"
+prof_cells="step: |linears"
+run_part() {
+  case $1 in
+    suite) step suite 300 "^(graphs|shard)|FAILED|cuda suite" bash tools/gpu_suite.sh 7 280 ;;
+    throughput)
+      step throughput_llama 110 "$tp_cells" $tp random:llama-3-8b
+      step throughput_qwen 130 "$tp_cells" $tp random:qwen3.5-9b
+      step profile_llama 80 "$prof_cells" python3 tools/gpu_profile_steps.py --model random:llama-3-8b --rows 256 --steps 4
+      step profile_qwen 90 "$prof_cells" python3 tools/gpu_profile_steps.py --model random:qwen3.5-9b --rows 256 --steps 4 ;;
+    models)
+      step model_dense 330 "^(llama|qwen)|probes" python3 -m memra bench model --models llama-3-8b,qwen3.5-9b \
+        --batches 1,64 --modes exact,engine --peer hf-static --steps 32
+      step model_moe 200 "^qwen|probes" python3 -m memra bench model --models qwen3.5-35b-a3b --layers 36 \
+        --batches 1,16 --modes exact,engine --no-hf --steps 32 ;;
+    serve)
+      step serve_llama 300 "tok/s|TTFT|steady|lost|requests" python3 -m memra bench serve --launch random:llama-3-8b \
+        --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
+        --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
+    *) echo "unknown part $1: suite | throughput | models | serve | all"; exit 2 ;;
+  esac
+}
+if [ "$part" = all ]; then for p in suite throughput models serve; do run_part $p; done; else run_part "$part"; fi
+echo "=== acceptance: $part, $(( $(date +%s) - t0 )) s (logs in $out)"
+echo -n "$cells"
