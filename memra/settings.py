@@ -79,6 +79,7 @@ class Settings:
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
+    moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
@@ -129,6 +130,7 @@ class Settings:
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
+            moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
@@ -183,7 +185,7 @@ class Settings:
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
-                "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act),
+                "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
@@ -228,6 +230,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),
+    ("MEMRA_MOE_FUSED_GATE", "0", "1 = the shared expert's sigmoid gate (Qwen3.5 / Qwen3-Next MoE) in the grouped "
+     "experts' combine launch, with torch's steps (memra.kernels.triton.moe): two launches fewer a MoE layer (the "
+     "sigmoid and the product); off until a GPU run shows its bits equal to torch's and the step faster"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "

@@ -136,3 +136,45 @@ def test_the_experts_activation_in_their_gate_up_launch_keeps_the_bits():
         want = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True)
         got = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, fused_act=True)
         assert same_bits(got, want), f"{rows} rows: the fused activation moved bits"
+
+
+def test_the_shared_experts_gate_in_the_combine_keeps_torchs_bits():
+    """MEMRA_MOE_FUSED_GATE at the Qwen3.5-35B-A3B shapes (256 experts of 2 x 512 by 2,048, top 8): the shared
+    expert scaled by sigmoid(its gate logit) in the combine, against torch's `torch.sigmoid(g) * shared`
+    handed to the combine, bit for bit in bf16 and fp32, for a decode step's rows and a prefill's."""
+    from memra.kernels.triton import moe
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        w_gate_up = (torch.randn(256, 1024, 2048, device="cuda", generator=g) * 0.02).to(dtype)
+        w_down = (torch.randn(256, 2048, 512, device="cuda", generator=g) * 0.02).to(dtype)
+        for rows in (1, 16, 512):
+            x, shared, residual = (torch.randn(rows, 2048, device="cuda", generator=g).to(dtype) for _ in range(3))
+            gate = (torch.randn(rows, 1, device="cuda", generator=g) * 3).to(dtype)
+            weights, ids = moe.moe_route(torch.randn(rows, 256, device="cuda", generator=g), 8, True, dtype)
+            want = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True,
+                                   shared=torch.sigmoid(gate) * shared, residual=residual)
+            got = moe.moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, shared=shared,
+                                  residual=residual, shared_gate=gate)
+            assert same_bits(got, want), f"{dtype}, {rows} rows: the gate in the combine moved bits"
+        del w_gate_up, w_down
+
+
+def test_a_moe_models_logits_keep_their_bits_with_the_gate_in_the_combine(load_model):
+    """MEMRA_MOE_FUSED_GATE through a model (the qwen3_5_moe fixture, bf16, a shared expert with its gate): a
+    4-row prime and two decode steps give the same logits with the door open and shut."""
+    from conftest import hf_dir
+
+    base = load_model(hf_dir("qwen3_5_moe"), dtype="bfloat16")
+    got = []
+    for door in ("0", "1"):
+        model = base.with_doors(MEMRA_MOE_FUSED_GATE=door)
+        caches = [model.new_cache(64) for _ in range(4)]
+        logits = list(model.prime_batch([[3 + i, 9, 27, 5, 11][: 2 + i] for i in range(4)], caches))
+        for step in range(2):
+            logits.append(model.decode_step_batch([20 + step + i for i in range(4)], caches))
+        got.append(torch.cat([x.float().reshape(-1) for x in logits]))
+        for c in caches:
+            c.free()
+    assert same_bits(got[0], got[1]), "the shared expert's gate in the combine moved a model's logits"
+

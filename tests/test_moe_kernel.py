@@ -103,6 +103,31 @@ def test_the_activation_in_the_gate_up_launch_keeps_the_bits(dtype):
     same_bits(fused, silu_mul(mk.grouped_linear(x, w_gate_up, plan, gather=True)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_experts_gate_in_the_combine_keeps_torchs_bits(dtype):
+    """MEMRA_MOE_FUSED_GATE: the shared expert scaled by sigmoid(its gate logit) in the combine, against torch's
+    `torch.sigmoid(g) * shared` handed to the combine, per expert's pairs and per pair, with the residual add.
+    bf16: the same bits here (the sigmoid's fp32 value rounds to bf16 the same way whichever exp computed it).
+    fp32: the interpreter's exp is numpy's, torch's CPU sigmoid another, so up to one ulp of the gate apart;
+    on the GPU both take CUDA's expf, and tests/test_cuda_kernels.py holds the bits in both dtypes.
+    Liveness: the gate moves the output (logits of both signs, up to about 6)."""
+    w_gate_up, w_down, router = layer(dtype, n_experts=5, seed=40)
+    x, shared, residual = (rnd(13, 64, dtype=dtype, seed=s) for s in (41, 42, 43))
+    gate = rnd(13, 1, dtype=dtype, seed=44, scale=3.0)
+    weights, ids = route(x, router, 2)
+    for per_pair in (False, True):
+        want = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=torch.sigmoid(gate) * shared,
+                              residual=residual)
+        got = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual,
+                             shared_gate=gate)
+        if dtype == torch.bfloat16:
+            same_bits(got, want)
+        else:
+            assert (got - want).abs().max() <= 4 * torch.finfo(dtype).eps * want.abs().max()
+        ungated = mk.moe_experts(x, weights, ids, w_gate_up, w_down, per_pair, shared=shared, residual=residual)
+        assert not torch.equal(got, ungated)
+
+
 def test_a_few_rows_take_a_tile_per_pair_with_the_loops_bits():
     """The default for a decode step of a 256-expert layer: no sort, no tile table; still the loop's bits,
     with two rows sharing an expert."""

@@ -175,14 +175,15 @@ for _name, _value in list(vars(KernelTable).items()):
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
                     sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False,
-                    moe_fused_act: bool = False) -> RecordingTable:
+                    moe_fused_act: bool = False, moe_fused_gate: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
     MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; rope_tile: with MEMRA_ROPE_TILE=1;
-    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with MEMRA_MOE_FUSED_ACT=1."""
+    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with
+    MEMRA_MOE_FUSED_GATE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
                            sample_split=sample_split, rope_tile=rope_tile, attn_short_rows=attn_short_rows,
-                           moe_fused_act=moe_fused_act)
+                           moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -351,7 +352,8 @@ def drive_doors(table) -> None:
     split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
     split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
     prefill at the model's head sizes, and the grouped experts with their activation fused
-    (MEMRA_MOE_FUSED_ACT=1's), a decode step's pairs and a prefill's, in both dtypes."""
+    (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
+    step's pairs and a prefill's, in both dtypes."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
@@ -375,7 +377,7 @@ def drive_doors(table) -> None:
         for rows in (1, 40):  # a tile per pair; tiles per expert
             x = torch.randn(rows, 64).to(dtype)
             weights, ids = table.moe_route(torch.randn(rows, 16), 2, True, dtype)
-            table.moe_experts(x, weights, ids, w_gate_up, w_down, shared=x, residual=x)
+            table.moe_experts(x, weights, ids, w_gate_up, w_down, shared=x, residual=x, shared_gate=x[:, :1])
 
 
 def tiny_models(dtype) -> list:

@@ -95,6 +95,7 @@ class KernelTable:
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
+    moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -120,6 +121,7 @@ class KernelTable:
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, rope_tile=settings.rope_tile,
                    attn_short_rows=settings.attn_short_rows, moe_fused_act=settings.moe_fused_act,
+                   moe_fused_gate=settings.moe_fused_gate,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -364,16 +366,22 @@ class KernelTable:
             return triton_module("moe").moe_route(router_logits, top_k, normalize, dtype)
         return reference.moe_route(router_logits, top_k, normalize, dtype)
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None, act=None, scale=1.0):
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, shared=None, residual=None, act=None, scale=1.0,
+                    shared_gate=None):
         """residual + (the routed experts' weighted sum (times `scale`) + shared), each add where given: in
         the grouped kernels' combine where they run (the adds' bits; ids from moe_route above, ascending),
-        else torch's adds. `act` (Step's clamped SwiGLU) in place of SwiGLU; with it or a `scale`, the grouped
+        else torch's adds. shared_gate [T, 1]: the shared expert's gate logits, `shared` taken as
+        torch.sigmoid(shared_gate) * shared (in the combine with MEMRA_MOE_FUSED_GATE, with those bits). `act` (Step's clamped SwiGLU) in place of SwiGLU; with it or a `scale`, the grouped
         kernels give the routed sum and torch makes the adds, in the reference's order (no host sync either way,
         so a Step step is captured as a Qwen MoE step is)."""
-        if self.grouped_moe_weights(w_gate_up) and self._gpu(x):
+        grouped = self.grouped_moe_weights(w_gate_up) and self._gpu(x)
+        if shared_gate is not None and not (grouped and self.moe_fused_gate and act is None and scale == 1.0):
+            shared, shared_gate = torch.sigmoid(shared_gate) * shared, None  # torch's two launches
+        if grouped:
             if act is None and scale == 1.0:
                 return triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared,
-                                                        residual=residual, ascending=True, fused_act=self.moe_fused_act)
+                                                        residual=residual, ascending=True, fused_act=self.moe_fused_act,
+                                                        shared_gate=shared_gate)
             out = triton_module("moe").moe_experts(x, weights, ids, w_gate_up, w_down, ascending=True, act=act)
         else:
             out = reference.moe_experts(x, weights, ids, w_gate_up, w_down, linear_fn=self.linear,

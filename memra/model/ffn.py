@@ -50,10 +50,10 @@ class Moe:
         where it runs as a kernel (ops.moe_experts), with the bits of the adds apart."""
         weights, ids = self.ops.moe_route(self.ops.linear(x, self.router), self.top_k, self.normalize, x.dtype,
                                           self.bias)
-        s = None
+        s = gate = None
         if self.shared is not None:
             s = self.shared.forward(x)
-            if self.shared_gate is not None:
-                s = torch.sigmoid(self.ops.linear(x, self.shared_gate)) * s
+            if self.shared_gate is not None:  # scaled by sigmoid(gate) in moe_experts (its combine, where it can)
+                gate = self.ops.linear(x, self.shared_gate)  # [T, 1]
         return self.ops.moe_experts(x, weights, ids, self.w_gate_up, self.w_down, shared=s, residual=residual,
-                                    act=self.act, scale=self.scale)
+                                    act=self.act, scale=self.scale, shared_gate=gate)

@@ -32,6 +32,15 @@ def silu_mul_values(g, u, ty: tl.constexpr, LIBDEVICE: tl.constexpr):
     return round_to_dtype(s * u, ty).to(ty)
 
 
+@triton.jit
+def sigmoid_values(g, ty: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """torch.sigmoid of g (a block, fp32 holding values of `ty`) in dtype `ty`, with torch's steps: 1 / (1 +
+    exp(-g)) in fp32 with CUDA's expf and an IEEE division, rounded once (the MoE shared expert's gate,
+    triton.moe)."""
+    e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    return round_to_dtype(tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e), ty)
+
+
 @lean
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):

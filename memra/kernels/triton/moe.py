@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra.kernels.triton.activation import silu_mul, silu_mul_values
+from memra.kernels.triton.activation import sigmoid_values, silu_mul, silu_mul_values
 from memra.kernels.triton.common import _interpreting, round_to_dtype
 from memra.kernels.triton.linear import _mma, linear_config, swiglu_tile
 
@@ -96,14 +96,17 @@ def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                    PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, g_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False, GATE: tl.constexpr = False,
+                    RESIDUAL: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
     # ascending expert id, each product and each partial sum rounded to the dtype as torch rounds
     # `out += y * w` -- the reference's order and roundings. The sum is held in fp32 registers but only
     # ever holds values of the dtype. Launched with fp fusion off: in fp32 a multiply-add contracted
     # into one FMA rounds once where torch rounds twice (seen on the H200). SHARED, RESIDUAL: then
-    # `out + shared` and `residual + out`, the MoE block's two adds, each rounded as torch's.
+    # `out + shared` and `residual + out`, the MoE block's two adds, each rounded as torch's. GATE
+    # (MEMRA_MOE_FUSED_GATE): the shared expert's output scaled by sigmoid(its gate logit g_ptr[t]) first,
+    # as torch's `torch.sigmoid(g) * shared` rounds: the sigmoid to the dtype, then the product.
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < E
@@ -118,7 +121,12 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, r_ptr, E, TOP_K: tl.c
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         acc = round_to_dtype(acc + round_to_dtype(y * w, dt), dt)
     if SHARED:
-        acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt)
+        if GATE:
+            gate = sigmoid_values(tl.load(g_ptr + t + 0 * cols).to(tl.float32), dt, LIBDEVICE)  # [BLOCK], one value
+            shared = round_to_dtype(gate * tl.load(s_ptr + t * E + cols, mask=mask, other=0.0).to(tl.float32), dt)
+            acc = round_to_dtype(acc + shared, dt)
+        else:
+            acc = _add_rounded(acc, s_ptr, t * E + cols, mask, dt)
     if RESIDUAL:
         acc = _add_rounded(acc, r_ptr, t * E + cols, mask, dt)
     tl.store(out_ptr + t * E + cols, acc.to(dt), mask=mask)
@@ -249,7 +257,7 @@ def tile_config(pairs: int, n_experts: int, elem_bytes: int) -> tuple[int, int, 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, per_pair: bool | None = None, shared: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, ascending: bool = False, act=None,
-                fused_act: bool = False) -> torch.Tensor:
+                fused_act: bool = False, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """reference.moe_experts' meaning and bits, in four launches and no sync.
     x [T, E], weights/ids [T, k], w_gate_up [X, 2F, E], w_down [X, E, F] -> [T, E]. per_pair: a tile per
     (token, slot) pair (plan_pairs) instead of per expert; by default while T * k <= X / 4. shared,
@@ -257,7 +265,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     ascending: each row's ids are in ascending order already (moe_route's), so no sort. act: the experts'
     activation in place of silu_mul (Step's clamped SwiGLU: torch's elementwise ops over every pair at once,
     the bits they give each expert's rows alone, since an elementwise op on a GPU is a function of its element).
-    fused_act (MEMRA_MOE_FUSED_ACT): SwiGLU's activation in the gate/up launch, one launch fewer a layer."""
+    fused_act (MEMRA_MOE_FUSED_ACT): SwiGLU's activation in the gate/up launch, one launch fewer a layer.
+    shared_gate [T, 1] (MEMRA_MOE_FUSED_GATE; with shared): the shared expert's gate logits, `shared` scaled by
+    their sigmoid in the combine with the bits of torch's `torch.sigmoid(shared_gate) * shared`, two launches
+    fewer a layer."""
     t_rows, top_k = ids.shape
     e = x.shape[-1]
     if not ascending:
@@ -277,9 +288,12 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if t_rows:
         block = min(1024, triton.next_power_of_2(e))
         pos = plan.tile_expert if plan.per_pair else plan.sorted_pos  # unread per pair
-        s, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, residual))
+        s, g, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, shared_gate, residual))
+        gate = s is not None and g is not None
         _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, s if s is not None else out,
-                                                          r if r is not None else out, e, TOP_K=top_k, BLOCK=block,
-                                                          PER_PAIR=plan.per_pair, SHARED=s is not None,
-                                                          RESIDUAL=r is not None, enable_fp_fusion=False)
+                                                          g if gate else out, r if r is not None else out, e,
+                                                          TOP_K=top_k, BLOCK=block, PER_PAIR=plan.per_pair,
+                                                          SHARED=s is not None, GATE=gate, RESIDUAL=r is not None,
+                                                          LIBDEVICE=gate and not _interpreting(),
+                                                          enable_fp_fusion=False)
     return out
