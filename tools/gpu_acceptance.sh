@@ -47,8 +47,9 @@ run_part() {
     throughput)
       step throughput_llama 110 "$tp_cells" $tp random:llama-3-8b
       step throughput_qwen 130 "$tp_cells" $tp random:qwen3.5-9b
-      step profile_llama 80 "$prof_cells" python3 tools/gpu_profile_steps.py --model random:llama-3-8b --rows 256 --steps 4
-      step profile_qwen 90 "$prof_cells" python3 tools/gpu_profile_steps.py --model random:qwen3.5-9b --rows 256 --steps 4 ;;
+      prof="python3 tools/gpu_profile_steps.py --rows 256 --steps 4 --model"
+      step profile_llama 80 "$prof_cells" $prof random:llama-3-8b
+      step profile_qwen 90 "$prof_cells" $prof random:qwen3.5-9b ;;
     models)
       step model_dense 330 "^(llama|qwen)|probes" python3 -m memra bench model --models llama-3-8b,qwen3.5-9b \
         --batches 1,64 --modes exact,engine --peer hf-static --steps 32

@@ -371,9 +371,10 @@ class KernelTable:
         """residual + (the routed experts' weighted sum (times `scale`) + shared), each add where given: in
         the grouped kernels' combine where they run (the adds' bits; ids from moe_route above, ascending),
         else torch's adds. shared_gate [T, 1]: the shared expert's gate logits, `shared` taken as
-        torch.sigmoid(shared_gate) * shared (in the combine with MEMRA_MOE_FUSED_GATE, with those bits). `act` (Step's clamped SwiGLU) in place of SwiGLU; with it or a `scale`, the grouped
-        kernels give the routed sum and torch makes the adds, in the reference's order (no host sync either way,
-        so a Step step is captured as a Qwen MoE step is)."""
+        torch.sigmoid(shared_gate) * shared (in the combine with MEMRA_MOE_FUSED_GATE, with those bits). `act`
+        (Step's clamped SwiGLU) in place of SwiGLU; with it or a `scale`, the grouped kernels give the routed
+        sum and torch makes the adds, in the reference's order (no host sync either way, so a Step step is
+        captured as a Qwen MoE step is)."""
         grouped = self.grouped_moe_weights(w_gate_up) and self._gpu(x)
         if shared_gate is not None and not (grouped and self.moe_fused_gate and act is None and scale == 1.0):
             shared, shared_gate = torch.sigmoid(shared_gate) * shared, None  # torch's two launches
