@@ -160,14 +160,21 @@ def test_the_shared_experts_gate_in_the_combine_keeps_torchs_bits():
         del w_gate_up, w_down
 
 
-def test_a_moe_models_logits_keep_their_bits_with_the_gate_in_the_combine(load_model):
+def test_a_moe_models_logits_keep_their_bits_with_the_gate_in_the_combine(load_model, monkeypatch):
     """MEMRA_MOE_FUSED_GATE through a model (the qwen3_5_moe fixture, bf16, a shared expert with its gate): a
-    4-row prime and two decode steps give the same logits with the door open and shut."""
+    4-row prime and two decode steps give the same logits with the door open and shut. Liveness: the grouped
+    experts were handed the gate logits only with the door open (a spy around triton.moe.moe_experts)."""
     from conftest import hf_dir
+    from memra.kernels.triton import moe
 
+    gated = []
+    real = moe.moe_experts
+    monkeypatch.setattr(moe, "moe_experts", lambda *a, **k: gated.append(k.get("shared_gate") is not None)
+                        or real(*a, **k))
     base = load_model(hf_dir("qwen3_5_moe"), dtype="bfloat16")
     got = []
     for door in ("0", "1"):
+        gated.clear()
         model = base.with_doors(MEMRA_MOE_FUSED_GATE=door)
         caches = [model.new_cache(64) for _ in range(4)]
         logits = list(model.prime_batch([[3 + i, 9, 27, 5, 11][: 2 + i] for i in range(4)], caches))
@@ -176,5 +183,6 @@ def test_a_moe_models_logits_keep_their_bits_with_the_gate_in_the_combine(load_m
         got.append(torch.cat([x.float().reshape(-1) for x in logits]))
         for c in caches:
             c.free()
+        assert gated and all(gated) == (door == "1") and any(gated) == (door == "1"), f"door {door}: {gated}"
     assert same_bits(got[0], got[1]), "the shared expert's gate in the combine moved a model's logits"
 
