@@ -24,6 +24,7 @@ _counts = {
     "graph_captures": 0,  # decode steps recorded as CUDA graphs (memra.graphs)
     "graph_replays": 0,  # decode steps replayed from them
     "kernel_compiles": 0,
+    "moe_front_merged": 0,  # MoE forwards that read router, shared gate and shared gate/up in one launch (model.ffn)
     "cpu_gdn_steps": 0,  # GDN delta-rule steps run in C, one call a layer for all rows and heads (memra.kernels.cpu_gdn)
     "cpu_layer_steps": 0,  # one-token layer steps run as one C call (memra.kernels.cpu_layer)
     "min_tokens_masked_rows": 0,  # sampled rows whose stop ids min_tokens masked (engine.sampler, sampling)

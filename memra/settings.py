@@ -80,6 +80,7 @@ class Settings:
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
+    moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
     cuda_graphs: bool = True
     decode_plan: str = "auto"
     mixed_step: str = "auto"
@@ -131,6 +132,7 @@ class Settings:
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
+            moe_front=flag(e, "MEMRA_MOE_FRONT", False),
             cuda_graphs=flag(e, "MEMRA_CUDA_GRAPHS", True),
             decode_plan=(e.get("MEMRA_DECODE_PLAN") or "auto").strip().lower() or "auto",
             mixed_step=_auto_flag(e, "MEMRA_MIXED_STEP"),
@@ -186,6 +188,7 @@ class Settings:
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
                 "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
+                "MEMRA_MOE_FRONT": on(self.moe_front),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
                 "MEMRA_DECODE_PLAN": self.decode_plan, "MEMRA_MIXED_STEP": self.mixed_step,
                 "MEMRA_GATE_SEED": str(self.gate_seed), "MEMRA_GATE_CANARY": on(self.gate_canary), "MEMRA_CPU_QDOT": on(self.cpu_qdot),
@@ -233,6 +236,11 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_MOE_FUSED_GATE", "0", "1 = the shared expert's sigmoid gate (Qwen3.5 / Qwen3-Next MoE) in the grouped "
      "experts' combine launch, with torch's steps (memra.kernels.triton.moe): two launches fewer a MoE layer (the "
      "sigmoid and the product); off until a GPU run shows its bits equal to torch's and the step faster"),
+    ("MEMRA_MOE_FRONT", "0", "1 = a MoE layer with a gated shared expert reads its router, its shared expert's gate "
+     "and its shared gate/up as one weight in one launch at decode (up to 16 rows, the Triton kernel's GEMV bucket, "
+     "where a column's bits do not depend on the weight's other rows; memra.model.ffn.merge_moe_fronts lays the "
+     "three out as one tensor at load on the exact CUDA path): two launches fewer a layer; off until a GPU run "
+     "shows the step faster"),
     ("MEMRA_CUDA_GRAPHS", "1", "replay decode steps from captured CUDA graphs; 0 = eager"),
     ("MEMRA_DECODE_PLAN", "auto", "how a decode batch groups its rows: auto | row | stacked | bucket"),
     ("MEMRA_MIXED_STEP", "auto", "a step's decode rows and prefill chunks in one forward: auto = a captured graph "

@@ -353,7 +353,7 @@ def drive_doors(table) -> None:
     split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
     prefill at the model's head sizes, and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
-    step's pairs and a prefill's, in both dtypes."""
+    step's pairs and a prefill's, in both dtypes, and MEMRA_MOE_FRONT's decode rows (one product, read in parts)."""
     from memra.sampling import DevSamp
 
     logits = torch.randn(3, 20_000)
@@ -378,6 +378,12 @@ def drive_doors(table) -> None:
             x = torch.randn(rows, 64).to(dtype)
             weights, ids = table.moe_route(torch.randn(rows, 16), 2, True, dtype)
             table.moe_experts(x, weights, ids, w_gate_up, w_down, shared=x, residual=x, shared_gate=x[:, :1])
+        for rows in (1, 16):  # MEMRA_MOE_FRONT's decode rows: router, gate and gate/up in one product, then its parts
+            x = torch.randn(rows, 64).to(dtype)
+            y = table.linear(x, torch.randn(16 + 1 + 48, 64).to(dtype))  # [rows, 65]: rows of an odd stride
+            weights, ids = table.moe_route(y[:, :16], 2, True, dtype)
+            shared = table.linear(table.silu_mul(y[:, 17:]), torch.randn(64, 24).to(dtype))
+            table.moe_experts(x, weights, ids, w_gate_up, w_down, shared=shared, residual=x, shared_gate=y[:, 16:17])
 
 
 def tiny_models(dtype) -> list:

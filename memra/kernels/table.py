@@ -96,6 +96,7 @@ class KernelTable:
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
+    moe_front: bool = False  # router, shared gate and shared gate/up in one decode launch (MEMRA_MOE_FRONT)
     qdot: bool = False  # packed CPU linears as integer block dot products (MEMRA_CPU_QDOT; cpu_qdot)
     cpu_ops: bool = False  # CPU fp32 norms, SwiGLU and decode attention in C (MEMRA_CPU_DECODE; cpu_decode)
     flin: bool = False  # CPU fp32 dense linears on the row-invariant C kernel (MEMRA_CPU_FLIN; cpu_flin)
@@ -121,7 +122,7 @@ class KernelTable:
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, rope_tile=settings.rope_tile,
                    attn_short_rows=settings.attn_short_rows, moe_fused_act=settings.moe_fused_act,
-                   moe_fused_gate=settings.moe_fused_gate,
+                   moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
                    cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
                             and cpu_qdot.library() is not None),
@@ -140,6 +141,10 @@ class KernelTable:
 
     def _impl(self, x: torch.Tensor):
         return triton_ops() if self.invariant and self._gpu(x) else reference
+
+    def triton_path(self, x: torch.Tensor) -> bool:
+        """Do the invariant Triton kernels take x here? (for a model's own layout choices, memra.model.ffn)"""
+        return self._impl(x) is not reference
 
     def _cpu_ops(self, x) -> bool:
         """The C kernels of memra.kernels.cpu_decode run here (CPU, MEMRA_CPU_DECODE, the library built)."""

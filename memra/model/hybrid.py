@@ -21,6 +21,7 @@ from memra.errors import MemraError
 from memra.kernels.table import KernelTable, linear_module
 from memra.model.block import Block
 from memra.model.context import Segments, StackedStep, StepContext
+from memra.model.ffn import merge_moe_fronts
 from memra.model.mtp import MtpBlock
 from memra import step
 from memra.runner.choose import choose_executor
@@ -89,6 +90,8 @@ class HybridModel:
         self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
         if self.ops.cublas_linear:  # cuBLAS's rows held to this model's shapes now; others keep Triton (linear_cublas)
             linear_module("cublas").hold_rows(dense_linear_shapes(weights, dtype), dtype, device)
+        if self.ops.invariant and not view:  # one tensor for each MoE layer's three front weights, whatever the
+            merge_moe_fronts(weights)  # door: a view may open MEMRA_MOE_FRONT (the values stay as they were)
         self._weights = weights  # what a view with other settings is built from (with_settings)
         self.is_view = view  # built by with_settings: the weights belong to the model it views
         self.embed = weights["embed"]  # [V, E]

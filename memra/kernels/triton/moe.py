@@ -96,7 +96,8 @@ def _add_rounded(acc, x_ptr, at, mask, dt: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, g_ptr, r_ptr, E, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, g_ptr, r_ptr, E, stride_g, TOP_K: tl.constexpr,
+                    BLOCK: tl.constexpr,
                     PER_PAIR: tl.constexpr = False, SHARED: tl.constexpr = False, GATE: tl.constexpr = False,
                     RESIDUAL: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     # Program (token, E block): the running sum of the token's weighted expert outputs, slot by slot in
@@ -105,8 +106,8 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, g_ptr, r_ptr, E, TOP_
     # ever holds values of the dtype. Launched with fp fusion off: in fp32 a multiply-add contracted
     # into one FMA rounds once where torch rounds twice (seen on the H200). SHARED, RESIDUAL: then
     # `out + shared` and `residual + out`, the MoE block's two adds, each rounded as torch's. GATE
-    # (MEMRA_MOE_FUSED_GATE): the shared expert's output scaled by sigmoid(its gate logit g_ptr[t]) first,
-    # as torch's `torch.sigmoid(g) * shared` rounds: the sigmoid to the dtype, then the product.
+    # (MEMRA_MOE_FUSED_GATE): the shared expert's output scaled by sigmoid(its gate logit, g_ptr[t * stride_g])
+    # first, as torch's `torch.sigmoid(g) * shared` rounds: the sigmoid to the dtype, then the product.
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < E
@@ -122,7 +123,8 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, s_ptr, g_ptr, r_ptr, E, TOP_
         acc = round_to_dtype(acc + round_to_dtype(y * w, dt), dt)
     if SHARED:
         if GATE:
-            gate = sigmoid_values(tl.load(g_ptr + t + 0 * cols).to(tl.float32), dt, LIBDEVICE)  # [BLOCK], one value
+            g = tl.load(g_ptr + t * stride_g + 0 * cols).to(tl.float32)  # [BLOCK], one value
+            gate = sigmoid_values(g, dt, LIBDEVICE)
             shared = round_to_dtype(gate * tl.load(s_ptr + t * E + cols, mask=mask, other=0.0).to(tl.float32), dt)
             acc = round_to_dtype(acc + shared, dt)
         else:
@@ -288,12 +290,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     if t_rows:
         block = min(1024, triton.next_power_of_2(e))
         pos = plan.tile_expert if plan.per_pair else plan.sorted_pos  # unread per pair
-        s, g, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, shared_gate, residual))
+        s, r = (v if v is None or v.is_contiguous() else v.contiguous() for v in (shared, residual))
+        g = shared_gate  # [T, 1], any row stride (a column of MEMRA_MOE_FRONT's one product)
         gate = s is not None and g is not None
         _combine_kernel[(t_rows, triton.cdiv(e, block))](y, pos, weights, out, s if s is not None else out,
                                                           g if gate else out, r if r is not None else out, e,
-                                                          TOP_K=top_k, BLOCK=block, PER_PAIR=plan.per_pair,
-                                                          SHARED=s is not None, GATE=gate, RESIDUAL=r is not None,
+                                                          g.stride(0) if gate else 0, TOP_K=top_k, BLOCK=block,
+                                                          PER_PAIR=plan.per_pair, SHARED=s is not None, GATE=gate,
+                                                          RESIDUAL=r is not None,
                                                           LIBDEVICE=gate and not _interpreting(),
                                                           enable_fp_fusion=False)
     return out
