@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The throughput issue's acceptance table on one GPU, in parts that each fit one device call (ten minutes):
 #
-#     bash tools/gpu_acceptance.sh PART [LIMIT_S]       # PART: suite | throughput | models | serve | all
+#     bash tools/gpu_acceptance.sh PART [LIMIT_S]       # PART: suite | throughput | models | serve | doors | all
 #
 # suite       the `cuda` suite (tools/gpu_suite.sh), which the first call of a device session runs
 # throughput  `memra bench throughput` for both dense shapes, then one decode and one mixed step profiled each
 # models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
+# doors       the doors that wait for a GPU run, each beside its shut arm in the same call: the 35B-A3B's
+#             MEMRA_MOE_FUSED_GATE and MEMRA_MOE_FRONT (B=1, B=16), and MEMRA_SAMPLE_SPLIT at one sampled row
+#             (Qwen3.5-9B, `bench throughput` of one request); not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
 # and is stopped at the time it was given. Wheels the machine lacks: a .whl folder beside (tools/offline_wheels.sh)
 # is installed first.
 set -u
-part=${1:?"PART: suite | throughput | models | serve | all"}; limit=${2:-580}
+part=${1:?"PART: suite | throughput | models | serve | doors | all"}; limit=${2:-580}
 out=${OUT:-/tmp/acceptance}; mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -59,7 +62,16 @@ run_part() {
       step serve_llama 300 "tok/s|TTFT|steady|lost|requests" python3 -m memra bench serve --launch random:llama-3-8b \
         --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
-    *) echo "unknown part $1: suite | throughput | models | serve | all"; exit 2 ;;
+    doors)
+      moe="python3 -m memra bench model --models qwen3.5-35b-a3b --layers 36 --batches 1,16 --modes exact,engine --no-hf"
+      step moe_shut 90 "^qwen" $moe
+      step moe_gate 90 "^qwen" env MEMRA_MOE_FUSED_GATE=1 $moe
+      step moe_front 90 "^qwen" env MEMRA_MOE_FRONT=1 $moe
+      step moe_both 90 "^qwen" env MEMRA_MOE_FUSED_GATE=1 MEMRA_MOE_FRONT=1 $moe
+      one="python3 -m memra bench throughput random:qwen3.5-9b --num-prompts 1 --input-len 16 --output-len 512"
+      step sample_split0 80 "output tokens/s|exactness" env MEMRA_SAMPLE_SPLIT=0 $one
+      step sample_split1 80 "output tokens/s|exactness" $one ;;
+    *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }
 if [ "$part" = all ]; then for p in suite throughput models serve; do run_part $p; done; else run_part "$part"; fi
