@@ -11,7 +11,10 @@ graphs and exact kernels, the default doors), run through the device tool:
 For each kind it prints the wall time per step (under the profiler), the GPU kernel time per step, and the
 top kernels by time with their share of the step. The matmul kernels (the linears) are summed into one line
 with their achieved TFLOP/s and share of the dense bf16 peak: 2 x the trunk's linear weights x the step's
-tokens, plus the lm_head's rows. A profiler, not a benchmark: `memra bench throughput` gives the rates.
+tokens, plus the lm_head's rows. The two kernels whose bytes are known from the step's rows (`read_bytes`) get
+their achieved read rate and share of the probed read bandwidth: GDN's state step (each live row's fp32 state
+read and written, every GDN layer) and decode attention with its combine (each decode row's K and V over its
+context, every attention layer). A profiler, not a benchmark: `memra bench throughput` gives the rates.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memra  # noqa: E402
 from gpu_tune_linear import dense_peak  # noqa: E402 - tools/, this script's folder
+from memra.bench.probes import measure_read_bandwidth  # noqa: E402
 from memra.sampling import SamplingParams  # noqa: E402
 
 LINEAR_NAMES = ("linear", "gemm", "matmul", "_mm", "persistent", "nvjet", "xmma", "cutlass")  # Triton, and cuBLAS on Hopper
@@ -37,6 +41,25 @@ def linear_weights(model) -> tuple[int, int]:
     w = model._weights
     trunk = sum(v.numel() for k, v in w.items() if k.startswith("layers.") and v.dim() == 2 and min(v.shape) >= 64)
     return trunk, w["lm_head"].numel()
+
+
+def read_bytes(cfg, rows: float, contexts: float) -> dict[str, float]:
+    """Bytes a step's memory-bound kernels must move, by kernel name: GDN's state step reads and writes each
+    row's fp32 state [Hv, Dk, Dv] in every GDN layer; decode attention reads each decode row's K and V (bf16)
+    over its context in every attention layer (`contexts`: the decode rows' positions summed)."""
+    kinds = cfg.mixers
+    out = {}
+    if cfg.gdn is not None:
+        g = cfg.gdn
+        out["_delta_rule_scan_kernel"] = rows * kinds.count("gdn") * g.n_v_heads * g.k_head_dim * g.v_head_dim * 4 * 2
+    a = cfg.attn
+    out["_decode_attention_kernel"] = contexts * kinds.count("attention") * a.n_kv_heads * a.head_dim * 2 * 2
+    return out
+
+
+def decoding_contexts(engine) -> float:
+    """The decoding sequences' positions, summed (their prompts and outputs so far)."""
+    return float(sum(len(s.prompt) + len(s.out) for s in engine.seqs.values() if s.out and not s.done))
 
 
 def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float, float, float, int]:
@@ -68,7 +91,8 @@ def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float
             (kinds[want].prompt_tokens - tok0) / ran, ran)
 
 
-def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak) -> list[str]:
+def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak,
+           moved: dict[str, float] | None = None, bandwidth: float | None = None) -> list[str]:
     # kernels and copies only: a CPU op (aten::copy_, aten::cat) also carries the device time it launched
     cuda = [e for e in events if e.device_type.name == "CUDA" and getattr(e, "self_device_time_total", 0) > 0]
     total_us = max(sum(e.self_device_time_total for e in cuda) / steps, 1e-9)
@@ -83,10 +107,14 @@ def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: 
         share = f", {100 * tf / peak:.0f}% of the bf16 peak" if peak else ""
         lines.append(f"  linears (matmul kernels, {len(lin)} names): {lin_us / 1e3:.2f} ms/step, "
                      f"{100 * lin_us / total_us:.0f}% of the kernels, {tf:.0f} TFLOP/s{share}")
-    lines.append(f"  {'kernel':<70} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
+    lines.append(f"  {'kernel':<70} {'ms/step':>8} {'share':>6} {'calls/step':>10}  read rate")
     for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:12]:
         us = e.self_device_time_total / steps
-        lines.append(f"  {e.key[:70]:<70} {us / 1e3:>8.3f} {100 * us / total_us:>5.1f}% {e.count / steps:>10.1f}")
+        rate = ""
+        if moved and bandwidth and e.key in moved:
+            gbs = moved[e.key] / (us * 1e-6) / 1e9
+            rate = f"  {gbs:,.0f} GB/s, {100 * gbs * 1e9 / bandwidth:.0f}% of {bandwidth / 1e12:.2f} TB/s"
+        lines.append(f"  {e.key[:70]:<70} {us / 1e3:>8.3f} {100 * us / total_us:>5.1f}% {e.count / steps:>10.1f}{rate}")
     return lines
 
 
@@ -98,6 +126,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
+    bandwidth = measure_read_bandwidth("cuda")  # first: its 4 GiB tensor before the model and its pools
+    torch.cuda.empty_cache()
     model = memra.load(args.model, device="cuda")
     llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=1024 + 64)
     engine, vocab = llm.engine, model.cfg.vocab_size
@@ -106,13 +136,20 @@ def main() -> None:
     for i in range(args.rows):
         engine.submit([(i * 7 + j) % vocab for j in range(args.prompt)], params, sink)
     peak, weights = dense_peak(torch.cuda.get_device_name())[0], linear_weights(model)
-    out = [f"{args.model} on {torch.cuda.get_device_name()}; doors as loaded; peak {peak} TFLOP/s"]
-    events, wall, rows, tokens, ran = drive(engine, "decode", args.steps)
-    out += report("decode", events, wall, rows, tokens, ran, weights, peak)
+    out = [f"{args.model} on {torch.cuda.get_device_name()}; doors as loaded; peak {peak} TFLOP/s; read "
+           f"bandwidth probed {bandwidth / 1e12:.2f} TB/s"]
+
+    def profiled(kind: str) -> list[str]:
+        before = decoding_contexts(engine)
+        events, wall, rows, tokens, ran = drive(engine, kind, args.steps)
+        contexts = (before + decoding_contexts(engine)) / 2  # the window's middle, near enough
+        moved = read_bytes(model.cfg, rows, contexts)
+        return report(kind, events, wall, rows, tokens, ran, weights, peak, moved, bandwidth)
+
+    out += profiled("decode")
     for i in range(args.new):
         engine.submit([(i * 11 + j) % vocab for j in range(512)], params, sink)
-    events, wall, rows, tokens, ran = drive(engine, "mixed", args.steps)
-    out += report("mixed", events, wall, rows, tokens, ran, weights, peak)
+    out += profiled("mixed")
     print("\n".join(out))
     llm.close()
 
