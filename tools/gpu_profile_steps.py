@@ -62,10 +62,11 @@ def decoding_contexts(engine) -> float:
     return float(sum(len(s.prompt) + len(s.out) for s in engine.seqs.values() if s.out and not s.done))
 
 
-def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float, float, float, int]:
+def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float, float, float, int, float]:
     """Step the engine until a step of kind `want` runs, then profile until `steps` more of them ran (at most
     4x that many steps). -> (the profiler's key averages, and per step of that kind: wall seconds, decode
-    rows, prompt tokens; how many ran)."""
+    rows, prompt tokens; how many ran; the decoding contexts at the window's middle, near enough: the mean of
+    its ends, both taken once rows decode)."""
     kinds = engine.step_mix.kinds
     for _ in range(limit):
         before = kinds[want].steps
@@ -75,6 +76,7 @@ def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float
     else:
         raise SystemExit(f"no {want} step in {limit} steps")
     rows0, tok0, n0, all0 = kinds[want].decode_rows, kinds[want].prompt_tokens, kinds[want].steps, engine.steps
+    contexts0 = decoding_contexts(engine)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -88,7 +90,7 @@ def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float
     if others:
         print(f"note: {others} steps of another kind ran inside the {want} window; its kernels are counted too")
     return (prof.key_averages(), wall / ran, (kinds[want].decode_rows - rows0) / ran,
-            (kinds[want].prompt_tokens - tok0) / ran, ran)
+            (kinds[want].prompt_tokens - tok0) / ran, ran, (contexts0 + decoding_contexts(engine)) / 2)
 
 
 def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak,
@@ -129,7 +131,7 @@ def main() -> None:
     bandwidth = measure_read_bandwidth("cuda")  # first: its 4 GiB tensor before the model and its pools
     torch.cuda.empty_cache()
     model = memra.load(args.model, device="cuda")
-    llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=1024 + 64)
+    llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=max(args.prompt, 512) + 512 + 64)  # room for each prompt and its 512 tokens
     engine, vocab = llm.engine, model.cfg.vocab_size
     params = SamplingParams(max_tokens=512, temperature=1.0, seed=0, ignore_eos=True)
     sink = lambda event: None  # noqa: E731 - the tokens are not the point here
@@ -140,9 +142,9 @@ def main() -> None:
            f"bandwidth probed {bandwidth / 1e12:.2f} TB/s"]
 
     def profiled(kind: str) -> list[str]:
-        before = decoding_contexts(engine)
-        events, wall, rows, tokens, ran = drive(engine, kind, args.steps)
-        contexts = (before + decoding_contexts(engine)) / 2  # the window's middle, near enough
+        # the contexts are taken inside the window: before its first step of this kind the rows may not decode
+        # yet (no output), which counted them as none and halved the attention's bytes
+        events, wall, rows, tokens, ran, contexts = drive(engine, kind, args.steps)
         moved = read_bytes(model.cfg, rows, contexts)
         return report(kind, events, wall, rows, tokens, ran, weights, peak, moved, bandwidth)
 
