@@ -58,6 +58,23 @@ def test_gdn_prefill_kernel_at_the_9b_layer_shape():
 
 
 @torch.inference_mode()
+def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch):
+    """GDN_PREP_SPLIT (the prep in two launches, T through memory) and GDN_SCAN_LATE_LOADS (the scan's tiles
+    loaded just before their products): the same values through the same products, so the output and the
+    final state keep the frozen launch's bits, at the 9B layer's head sizes over a piece that starts and ends
+    inside a chunk (the padding rows' paths too)."""
+    from memra.kernels.triton import gdn as gdn_triton
+
+    q, k, v, beta, decay, s0 = gdn_prefill_inputs(1000, 32, 128, 128)
+    want = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40)
+    for option in ("GDN_PREP_SPLIT", "GDN_SCAN_LATE_LOADS"):
+        monkeypatch.setattr(gdn_triton, option, True)
+        got = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40)
+        assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), f"{option} changed the bits"
+        monkeypatch.setattr(gdn_triton, option, False)
+
+
+@torch.inference_mode()
 def test_batch_sampler_at_full_vocabulary():
     ops = table()
     assert ops.sample_kernel, "the kernel table did not pick the one-launch sampler on CUDA"

@@ -487,6 +487,20 @@ def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     same_bits(s2, s)
 
 
+@pytest.mark.parametrize("option", ["GDN_PREP_SPLIT", "GDN_SCAN_LATE_LOADS"])
+def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch, option):
+    """GDN_PREP_SPLIT (T in its own launch, through memory, then U, W and P) and GDN_SCAN_LATE_LOADS (the scan's
+    tiles loaded just before their products): launch options tools/gpu_gdn_prefill.py times, with the frozen
+    launch's bits (tests/test_cuda_kernels.py checks them again on the GPU's tensor cores)."""
+    from memra.kernels.triton import gdn as gdn_triton
+
+    q, k, v, beta, g, s0 = _gdn_inputs(150)
+    want = gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40)
+    monkeypatch.setattr(gdn_triton, option, True)
+    for got, ref in zip(gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40), want):
+        same_bits(got, ref)
+
+
 def test_kernel_compiles_are_counted_through_tritons_hook_after_any_hook_already_there():
     """memra.kernels.triton.common.count_compiles: Triton calls its post-compile hook once per kernel it
     compiles (or loads from its disk cache); memra's hook bumps `kernel_compiles` and then calls the hook

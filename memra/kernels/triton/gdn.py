@@ -63,6 +63,11 @@ GDN_PREP_WARPS = 4  # 2.81 ms a layer at 4096 tokens x 32 heads on the H200, aga
 # fp32 products: "tf32x3" (three TF32 tensor-core products, fp32-level error); "ieee" (CUDA-core FMAs) is
 # 14x slower here
 GDN_DOT_PRECISION = "tf32x3"
+# Launch options the tools time (same bits either way; both False until a GPU run shows them faster): the prep
+# in two launches, T's nine chained products apart from U, W and P (each kernel then fits in fewer registers
+# and half the shared memory: two programs an SM, not one); the scan's tiles loaded just before their products.
+GDN_PREP_SPLIT = False
+GDN_SCAN_LATE_LOADS = False
 
 
 @triton.jit
@@ -70,59 +75,123 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+@triton.jit
+def _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK: tl.constexpr, BLOCK_DK: tl.constexpr, CHUNK: tl.constexpr):
+    """A chunk's k [C, DK], beta [C] and G [C] (padding rows: k = 0, beta = 0, g = 0, so G stays at G_last)."""
+    rc, ck = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK)
+    t = a + rc
+    mt = rc < n
+    kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=mt[:, None] & (ck < DK)[None, :], other=0.0)
+    beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)
+    gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)
+    return kc, beta, gcum
+
+
+@triton.jit
+def _decays(gcum, CHUNK: tl.constexpr):
+    """Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above. [C, C]"""
+    rc = tl.arange(0, CHUNK)
+    return tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
+
+
+@triton.jit
+def _inverse(kc, beta, gamma, CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + A)^-1 [C, C] for A = strict_lower(diag(beta) K K^T * Gamma), as (I - A) times (I + A^(2^i))."""
+    rc = tl.arange(0, CHUNK)
+    amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc), PREC) * gamma, 0.0)
+    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    inv = eye - amat
+    power = _dot(amat, amat, PREC)
+    for i in tl.static_range(5):
+        inv = _dot(inv, eye + power, PREC)
+        if i < 4:
+            power = _dot(power, power, PREC)
+    return inv
+
+
+@triton.jit
+def _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """U, W and P from the chunk's T, stored with G. q and v are loaded here, each just before its product:
+    loaded with k, three [64, 128] fp32 tiles (~200 registers a thread at 4 warps) stayed live across the
+    inverse's nine products (1.51 ms a layer at 4,096 tokens x 32 heads on the H100 against 1.67; same bits)."""
+    rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
+    t = a + rc
+    mt = rc < n
+    k_mask = mt[:, None] & (ck < DK)[None, :]
+    v_mask = mt[:, None] & (cv < DV)[None, :]
+    vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
+    u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
+    tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)  # each stored as made: fewer live tiles
+    w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
+    tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
+    qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
+    p = _dot(qc, tl.trans(kc), PREC) * _decays(gcum, CHUNK)  # [C, C]; Gamma made again, not kept live
+    tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
+    tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
+
+
 @lean
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                     CHUNK: tl.constexpr, PREC: tl.constexpr):
-    """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk.
-
-    q and v are loaded after the inverse's products, each just before its product: loaded with k, three
-    [64, 128] fp32 tiles (~200 registers a thread at 4 warps) stayed live across the inverse's nine products.
-    The same values through the same products, so the same bits; the prep took 1.51 ms a layer at 4,096 tokens
-    x 32 heads on the H100 against 1.67 (tools/gpu_gdn_prefill.py)."""
+    """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
     n = tl.load(cuts_ptr + c + 1) - a
     if n > 0:  # a captured step launches a bound on the chunk count: the rest are empty (no P either)
-        rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-        t = a + rc
-        mt = rc < n
-        k_mask = mt[:, None] & (ck < DK)[None, :]
-        v_mask = mt[:, None] & (cv < DV)[None, :]
-        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
-        beta = tl.load(beta_ptr + t * H + h, mask=mt, other=0.0)  # [C]; padding rows: beta = 0, g = 0
-        gcum = tl.cumsum(tl.load(g_ptr + t * H + h, mask=mt, other=0.0), axis=0)  # G
-        # Gamma_ij = exp(G_i - G_j) on and below the diagonal (<= 1: the decays are <= 0), zero above
-        gamma = tl.where(rc[:, None] >= rc[None, :], tl.exp(gcum[:, None] - gcum[None, :]), 0.0)
-        amat = tl.where(rc[:, None] > rc[None, :], beta[:, None] * _dot(kc, tl.trans(kc), PREC) * gamma, 0.0)
-        eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-        inv = eye - amat  # (I + A)^-1 as (I - A) times (I + A^(2^i)), i = 1..5
-        power = _dot(amat, amat, PREC)
-        for i in tl.static_range(5):
-            inv = _dot(inv, eye + power, PREC)
-            if i < 4:
-                power = _dot(power, power, PREC)
-        vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
-        u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
-        w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
-        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
-        p = _dot(qc, tl.trans(kc), PREC) * gamma  # [C, C]
-        tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)
-        tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
-        tl.store(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], p)
-        tl.store(gcum_ptr + t * H + h, gcum, mask=mt)
+        kc, beta, gcum = _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK, BLOCK_DK, CHUNK)
+        inv = _inverse(kc, beta, _decays(gcum, CHUNK), CHUNK, PREC)
+        _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
+                  DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC)
+
+
+@lean
+@triton.jit
+def _gdn_chunk_inverse(k_ptr, beta_ptr, g_ptr, cuts_ptr, inv_ptr, H, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
+                       CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """GDN_PREP_SPLIT's first launch: one (chunk, head)'s T [C, C], stored whole (fp32: an exact round trip)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    a = tl.load(cuts_ptr + c)
+    n = tl.load(cuts_ptr + c + 1) - a
+    if n > 0:
+        kc, beta, gcum = _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK, BLOCK_DK, CHUNK)
+        inv = _inverse(kc, beta, _decays(gcum, CHUNK), CHUNK, PREC)
+        rc = tl.arange(0, CHUNK)
+        tl.store(inv_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :], inv)
+
+
+@lean
+@triton.jit
+def _gdn_chunk_products(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, inv_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
+                        DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        CHUNK: tl.constexpr, PREC: tl.constexpr):
+    """GDN_PREP_SPLIT's second launch: U, W, P and G from the stored T; k, beta and G are read again as the
+    fused prep reads them (the same loads and cumsum: the same bits)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    a = tl.load(cuts_ptr + c)
+    n = tl.load(cuts_ptr + c + 1) - a
+    if n > 0:
+        rc = tl.arange(0, CHUNK)
+        inv = tl.load(inv_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])
+        kc, beta, gcum = _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK, BLOCK_DK, CHUNK)
+        _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a,
+                  n, h, H, DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC)
 
 
 @lean
 @triton.jit(do_not_specialize=["stride_slot"])
 def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, pieces_ptr,
                     stride_slot, H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, LATE_LOADS: tl.constexpr):
     """One (value head, block of value columns, piece): the piece's state columns through its chunks in
     order. A piece is a row of pieces_ptr (first row, tokens, slot, first chunk, end chunk); its state
     is read at s_ptr + slot * stride_slot and written at s_out_ptr + slot * stride_slot (a pool's slot,
-    in place; or a lone state, slot 0)."""
+    in place; or a lone state, slot 0). LATE_LOADS (GDN_SCAN_LATE_LOADS): each [C, DK] tile is loaded just
+    before its product, not all five at the chunk's top, where they and their TF32 halves spill; the same
+    values through the same products."""
     h = tl.program_id(0)
     cv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     piece = tl.program_id(2)
@@ -139,15 +208,26 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         mt = rc < n
         k_mask = mt[:, None] & mk[None, :]
         v_mask = mt[:, None] & mv[None, :]
-        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
-        qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
-        wc = tl.load(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)
-        uc = tl.load(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, BLOCK_DV]
-        pc = tl.load(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])  # [C, C]
-        gcum = tl.load(gcum_ptr + t * H + h, mask=mt, other=0.0)
-        v_new = uc - _dot(wc, s, PREC)
-        out = _dot(tl.exp(gcum)[:, None] * qc, s, PREC) + _dot(pc, v_new, PREC)
-        tl.store(o_ptr + (t[:, None] * H + h) * DV + cv[None, :], out, mask=v_mask)
+        k_at = (t[:, None] * H + h) * DK + ck[None, :]  # [C, DK] tiles of this chunk: k, q, w
+        v_at = (t[:, None] * H + h) * DV + cv[None, :]  # [C, BLOCK_DV]
+        if LATE_LOADS:
+            gcum = tl.load(gcum_ptr + t * H + h, mask=mt, other=0.0)
+            wc = tl.load(w_ptr + k_at, mask=k_mask, other=0.0)
+            v_new = tl.load(u_ptr + v_at, mask=v_mask, other=0.0) - _dot(wc, s, PREC)
+            qc = tl.load(q_ptr + k_at, mask=k_mask, other=0.0)
+            pc = tl.load(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])  # [C, C]
+            out = _dot(tl.exp(gcum)[:, None] * qc, s, PREC) + _dot(pc, v_new, PREC)
+            kc = tl.load(k_ptr + k_at, mask=k_mask, other=0.0)
+        else:
+            kc = tl.load(k_ptr + k_at, mask=k_mask, other=0.0)
+            qc = tl.load(q_ptr + k_at, mask=k_mask, other=0.0)
+            wc = tl.load(w_ptr + k_at, mask=k_mask, other=0.0)
+            uc = tl.load(u_ptr + v_at, mask=v_mask, other=0.0)
+            pc = tl.load(p_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])  # [C, C]
+            gcum = tl.load(gcum_ptr + t * H + h, mask=mt, other=0.0)
+            v_new = uc - _dot(wc, s, PREC)
+            out = _dot(tl.exp(gcum)[:, None] * qc, s, PREC) + _dot(pc, v_new, PREC)
+        tl.store(o_ptr + v_at, out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
     tl.store(s_out_ptr + at, s, mask=both(mk[:, None] & mv[None, :], live))
@@ -188,13 +268,20 @@ def _prefill(q, k, v, beta, g, cuts, pieces, s_in, s_out, stride_slot) -> torch.
 
 
 def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
-    """First launch: every chunk's U, W, P and G at once (reads no state)."""
+    """First launch: every chunk's U, W, P and G at once (reads no state). GDN_PREP_SPLIT: two launches, T
+    first (through an fp32 scratch [chunks, H, C, C]), then the products."""
     _, h, dk = q.shape
     dv = v.shape[-1]
-    _gdn_chunk_prep[(bounds.numel() - 1, h)](
-        q, k, v, beta, g, bounds, u, w, p, gcum, h, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk),
-        BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
-        num_warps=GDN_PREP_WARPS)
+    grid, bdk = (bounds.numel() - 1, h), triton.next_power_of_2(dk)
+    sizes = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
+                 num_warps=GDN_PREP_WARPS)
+    if not GDN_PREP_SPLIT:
+        _gdn_chunk_prep[grid](q, k, v, beta, g, bounds, u, w, p, gcum, h, **sizes)
+        return
+    inv = torch.empty_like(p)
+    _gdn_chunk_inverse[grid](k, beta, g, bounds, inv, h, DK=dk, BLOCK_DK=bdk, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
+                             num_warps=GDN_PREP_WARPS)
+    _gdn_chunk_products[grid](q, k, v, beta, g, bounds, inv, u, w, p, gcum, h, **sizes)
 
 
 def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot) -> None:
@@ -204,7 +291,7 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
     _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV), pieces.shape[0])](
         q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot, h, DK=dk, DV=dv,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
-        num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
+        LATE_LOADS=GDN_SCAN_LATE_LOADS, num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
 
 
 # --- the recurrent step (decode, verify) -------------------------------------------------------
