@@ -8,9 +8,9 @@
 # models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
-# doors       the doors that wait for a GPU run, each beside its shut arm in the same call: the 35B-A3B's
-#             MEMRA_MOE_FUSED_GATE and MEMRA_MOE_FRONT (B=1, B=16), and MEMRA_SAMPLE_SPLIT at one sampled row
-#             (Qwen3.5-9B, `bench throughput` of one request); not part of `all`
+# doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch options
+#             (tools/gpu_gdn_prefill.py --variants at 4,096 and 512 tokens, then Qwen3.5-9B's `bench throughput`
+#             with both on and both off); not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -63,14 +63,13 @@ run_part() {
         --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
     doors)
-      moe="python3 -m memra bench model --models qwen3.5-35b-a3b --layers 36 --batches 1,16 --modes exact,engine --no-hf"
-      step moe_shut 90 "^qwen" $moe
-      step moe_gate 90 "^qwen" env MEMRA_MOE_FUSED_GATE=1 $moe
-      step moe_front 90 "^qwen" env MEMRA_MOE_FRONT=1 $moe
-      step moe_both 90 "^qwen" env MEMRA_MOE_FUSED_GATE=1 MEMRA_MOE_FRONT=1 $moe
-      one="python3 -m memra bench throughput random:qwen3.5-9b --num-prompts 1 --input-len 16 --output-len 512"
-      step sample_split0 80 "output tokens/s|exactness" env MEMRA_SAMPLE_SPLIT=0 $one
-      step sample_split1 80 "output tokens/s|exactness" $one ;;
+      gdn="python3 tools/gpu_gdn_prefill.py --variants"
+      step gdn_4096 100 "tf32x3|Triton kernel" $gdn
+      step gdn_512 60 "tf32x3|Triton kernel" $gdn --tokens 512
+      # the user's path with both options on, then off (launch options are module constants, not doors)
+      opt='import sys, runpy, memra.kernels.triton.gdn as g; g.GDN_PREP_SPLIT = g.GDN_SCAN_LATE_LOADS = sys.argv.pop(1) == "1"; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
+      for on in 1 0; do step gdn_options$on 130 "$tp_cells" python3 -c "$opt" $on bench throughput random:qwen3.5-9b \
+        --num-prompts 1000 --check 1; done ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }
