@@ -62,15 +62,24 @@ def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch):
     """GDN_PREP_SPLIT (the prep in two launches, T through memory) and GDN_SCAN_LATE_LOADS (the scan's tiles
     loaded just before their products): the same values through the same products, so the output and the
     final state keep the frozen launch's bits, at the 9B layer's head sizes over a piece that starts and ends
-    inside a chunk (the padding rows' paths too)."""
+    inside a chunk (the padding rows' paths too), and in a wave of three sequences' pieces stepped in a pool."""
+    from memra.kernels.pieces import RecurrentPieces
     from memra.kernels.triton import gdn as gdn_triton
 
     q, k, v, beta, decay, s0 = gdn_prefill_inputs(1000, 32, 128, 128)
-    want = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40)
+    pieces = RecurrentPieces.of([0, 1, 300], [1, 299, 700], [7, 40, 0], [3, 0, 2], q.device)  # a wave's pieces
+    pool = torch.stack([s0 * (0.5 + i) for i in range(5)])  # [slots, Hv, Dk, Dv]
+
+    def both_paths():
+        stepped = pool.clone()
+        return (*gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40),
+                gdn_triton.gdn_prefill_pieces(q, k, v, beta, decay, stepped, pieces), stepped)
+
+    want = both_paths()
     for option in ("GDN_PREP_SPLIT", "GDN_SCAN_LATE_LOADS"):
         monkeypatch.setattr(gdn_triton, option, True)
-        got = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40)
-        assert same_bits(got[0], want[0]) and same_bits(got[1], want[1]), f"{option} changed the bits"
+        got = both_paths()
+        assert all(same_bits(a, b) for a, b in zip(got, want)), f"{option} changed the bits"
         monkeypatch.setattr(gdn_triton, option, False)
 
 
