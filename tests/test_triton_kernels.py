@@ -493,9 +493,8 @@ def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch, option):
     tiles loaded just before their products): launch options tools/gpu_gdn_prefill.py times, with the frozen
     launch's bits for one piece and for a wave of three sequences' pieces stepped in a pool
     (tests/test_cuda_kernels.py checks them again on the GPU's tensor cores)."""
-    from memra.kernels.triton import gdn as gdn_triton
-
     from memra.kernels.pieces import RecurrentPieces
+    from memra.kernels.triton import gdn as gdn_triton
 
     q, k, v, beta, g, s0 = _gdn_inputs(150)
     pieces = RecurrentPieces.of([0, 1, 51], [1, 50, 99], [7, 40, 0], [3, 0, 2], q.device)  # one wave's pieces
