@@ -59,8 +59,9 @@ def test_gdn_prefill_kernel_at_the_9b_layer_shape():
 
 @torch.inference_mode()
 def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch):
-    """GDN_PREP_SPLIT (the prep in two launches, T through memory) and GDN_SCAN_LATE_LOADS (the scan's tiles
-    loaded just before their products): the same values through the same products, so the output and the
+    """GDN_PREP_SPLIT (the prep in two launches, T through memory), GDN_PREP_RELOAD_K (the one-launch prep reading
+    k again for W and P) and GDN_SCAN_LATE_LOADS (the scan's tiles loaded just before their products): the same
+    values through the same products, so the output and the
     final state keep the frozen launch's bits, at the 9B layer's head sizes over a piece that starts and ends
     inside a chunk (the padding rows' paths too), and in a wave of three sequences' pieces stepped in a pool."""
     from memra.kernels.pieces import RecurrentPieces
@@ -76,7 +77,7 @@ def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch):
                 gdn_triton.gdn_prefill_pieces(q, k, v, beta, decay, stepped, pieces), stepped)
 
     want = both_paths()
-    for option in ("GDN_PREP_SPLIT", "GDN_SCAN_LATE_LOADS"):
+    for option in ("GDN_PREP_SPLIT", "GDN_PREP_RELOAD_K", "GDN_SCAN_LATE_LOADS"):
         monkeypatch.setattr(gdn_triton, option, True)
         got = both_paths()
         assert all(same_bits(a, b) for a, b in zip(got, want)), f"{option} changed the bits"

@@ -487,10 +487,11 @@ def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     same_bits(s2, s)
 
 
-@pytest.mark.parametrize("option", ["GDN_PREP_SPLIT", "GDN_SCAN_LATE_LOADS"])
+@pytest.mark.parametrize("option", ["GDN_PREP_SPLIT", "GDN_PREP_RELOAD_K", "GDN_SCAN_LATE_LOADS"])
 def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch, option):
-    """GDN_PREP_SPLIT (T in its own launch, through memory, then U, W and P) and GDN_SCAN_LATE_LOADS (the scan's
-    tiles loaded just before their products): launch options tools/gpu_gdn_prefill.py times, with the frozen
+    """GDN_PREP_SPLIT (T in its own launch, through memory, then U, W and P), GDN_PREP_RELOAD_K (the one-launch
+    prep reading k again for W and P) and GDN_SCAN_LATE_LOADS (the scan's tiles loaded just before their
+    products): launch options tools/gpu_gdn_prefill.py times, with the frozen
     launch's bits for one piece and for a wave of three sequences' pieces stepped in a pool
     (tests/test_cuda_kernels.py checks them again on the GPU's tensor cores)."""
     from memra.kernels.pieces import RecurrentPieces

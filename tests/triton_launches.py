@@ -369,18 +369,22 @@ def drive_doors(table) -> None:
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
     # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size;
-    # then with the launch options the tools time (triton.gdn.GDN_PREP_SPLIT, GDN_SCAN_LATE_LOADS)
+    # then with the launch options the tools time (triton.gdn's GDN_PREP_SPLIT; GDN_PREP_RELOAD_K, which only the
+    # one-launch prep reads, with GDN_SCAN_LATE_LOADS)
     from memra.kernels.triton import gdn
 
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
-    options = gdn.GDN_PREP_SPLIT, gdn.GDN_SCAN_LATE_LOADS
+    names = ("GDN_PREP_SPLIT", "GDN_PREP_RELOAD_K", "GDN_SCAN_LATE_LOADS")
+    saved = [getattr(gdn, n) for n in names]
     try:
-        for on in (False, True):
-            gdn.GDN_PREP_SPLIT = gdn.GDN_SCAN_LATE_LOADS = on
+        for values in ((False, False, False), (True, False, False), (False, True, True)):
+            for n, x in zip(names, values):
+                setattr(gdn, n, x)
             table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
                               torch.zeros(2, 128, 128), 0)
     finally:
-        gdn.GDN_PREP_SPLIT, gdn.GDN_SCAN_LATE_LOADS = options
+        for n, x in zip(names, saved):
+            setattr(gdn, n, x)
     for dtype in (torch.bfloat16, torch.float32):
         w_gate_up, w_down = torch.randn(16, 64, 64).to(dtype), torch.randn(16, 64, 32).to(dtype)
         for rows in (1, 40):  # a tile per pair; tiles per expert

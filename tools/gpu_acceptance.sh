@@ -10,7 +10,7 @@
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
 # doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch options
 #             (tools/gpu_gdn_prefill.py --variants at 4,096 and 512 tokens, then Qwen3.5-9B's `bench throughput`
-#             with both on and both off); not part of `all`
+#             with the split prep, with the one-launch prep reading k again, and with neither); not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -66,10 +66,13 @@ run_part() {
       gdn="python3 tools/gpu_gdn_prefill.py --variants"
       step gdn_4096 100 "tf32x3|Triton kernel" $gdn
       step gdn_512 60 "tf32x3|Triton kernel" $gdn --tokens 512
-      # the user's path with both options on, then off (launch options are module constants, not doors)
-      opt='import sys, runpy, memra.kernels.triton.gdn as g; g.GDN_PREP_SPLIT = g.GDN_SCAN_LATE_LOADS = sys.argv.pop(1) == "1"; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
-      for on in 1 0; do step gdn_options$on 130 "$tp_cells" python3 -c "$opt" $on bench throughput random:qwen3.5-9b \
-        --num-prompts 1000 --check 1; done ;;
+      # the user's path with each prep option and the scan's late loads, then none (launch options are module
+      # constants, not doors: the first argument names those set True, comma-separated)
+      opt='import sys, runpy, memra.kernels.triton.gdn as g; [setattr(g, n, True) for n in sys.argv.pop(1).split(",") if n]; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
+      for on in GDN_PREP_SPLIT,GDN_SCAN_LATE_LOADS GDN_PREP_RELOAD_K,GDN_SCAN_LATE_LOADS ""; do
+        name=${on//,/_}; step "gdn_${name:-none}" 120 "$tp_cells" python3 -c "$opt" "$on" bench throughput random:qwen3.5-9b \
+          --num-prompts 1000 --check 1
+      done ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }

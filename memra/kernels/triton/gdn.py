@@ -63,10 +63,12 @@ GDN_PREP_WARPS = 4  # 2.81 ms a layer at 4096 tokens x 32 heads on the H200, aga
 # fp32 products: "tf32x3" (three TF32 tensor-core products, fp32-level error); "ieee" (CUDA-core FMAs) is
 # 14x slower here
 GDN_DOT_PRECISION = "tf32x3"
-# Launch options the tools time (same bits either way; both False until a GPU run shows them faster): the prep
-# in two launches, T's nine chained products apart from U, W and P (each kernel then fits in fewer registers
-# and half the shared memory: two programs an SM, not one); the scan's tiles loaded just before their products.
+# Launch options the tools time (same bits either way; False until a GPU run shows them faster): the prep in two
+# launches, T's nine chained products apart from U, W and P (each kernel then fits in fewer registers and half
+# the shared memory: two programs an SM, not one); the one-launch prep reading k again for W and P (half the
+# shared memory too); the scan's tiles loaded just before their products.
 GDN_PREP_SPLIT = False
+GDN_PREP_RELOAD_K = False
 GDN_SCAN_LATE_LOADS = False
 
 
@@ -110,12 +112,14 @@ def _inverse(kc, beta, gamma, CHUNK: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
+def _products(inv, kc, beta, gcum, q_ptr, k_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
               DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-              CHUNK: tl.constexpr, PREC: tl.constexpr):
+              CHUNK: tl.constexpr, PREC: tl.constexpr, RELOAD_K: tl.constexpr):
     """U, W and P from the chunk's T, stored with G. q and v are loaded here, each just before its product:
     loaded with k, three [64, 128] fp32 tiles (~200 registers a thread at 4 warps) stayed live across the
-    inverse's nine products (1.51 ms a layer at 4,096 tokens x 32 heads on the H100 against 1.67; same bits)."""
+    inverse's nine products (1.51 ms a layer at 4,096 tokens x 32 heads on the H100 against 1.67; same bits).
+    RELOAD_K: k is loaded again from memory for W and P rather than kept from K K^T (the same values): its
+    shared-memory copy then dies with the inverse (the prep's 128 KB become 64 KB, its ~1 KB spill ~0.45 KB)."""
     rc, ck, cv = tl.arange(0, CHUNK), tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
     t = a + rc
     mt = rc < n
@@ -124,6 +128,8 @@ def _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, 
     vc = tl.load(v_ptr + (t[:, None] * H + h) * DV + cv[None, :], mask=v_mask, other=0.0)  # [C, DV]
     u = _dot(inv, beta[:, None] * vc, PREC)  # [C, DV]; zero rows at padding
     tl.store(u_ptr + (t[:, None] * H + h) * DV + cv[None, :], u, mask=v_mask)  # each stored as made: fewer live tiles
+    if RELOAD_K:
+        kc = tl.load(k_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
     w = _dot(inv, (beta * tl.exp(gcum))[:, None] * kc, PREC)  # [C, DK]
     tl.store(w_ptr + (t[:, None] * H + h) * DK + ck[None, :], w, mask=k_mask)
     qc = tl.load(q_ptr + (t[:, None] * H + h) * DK + ck[None, :], mask=k_mask, other=0.0)  # [C, DK]
@@ -136,7 +142,7 @@ def _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, 
 @triton.jit
 def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, H,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, PREC: tl.constexpr):
+                    CHUNK: tl.constexpr, PREC: tl.constexpr, RELOAD_K: tl.constexpr):
     """One (chunk, head): U [n, Dv], W [n, Dk] and G [n] at the chunk's tokens, P [C, C] at the chunk."""
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
@@ -144,8 +150,8 @@ def _gdn_chunk_prep(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, u_ptr, w_ptr
     if n > 0:  # a captured step launches a bound on the chunk count: the rest are empty (no P either)
         kc, beta, gcum = _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK, BLOCK_DK, CHUNK)
         inv = _inverse(kc, beta, _decays(gcum, CHUNK), CHUNK, PREC)
-        _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
-                  DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC)
+        _products(inv, kc, beta, gcum, q_ptr, k_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a, n, h, H,
+                  DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC, RELOAD_K)
 
 
 @lean
@@ -169,7 +175,7 @@ def _gdn_chunk_products(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, inv_ptr,
                         DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                         CHUNK: tl.constexpr, PREC: tl.constexpr):
     """GDN_PREP_SPLIT's second launch: U, W, P and G from the stored T; k, beta and G are read again as the
-    fused prep reads them (the same loads and cumsum: the same bits)."""
+    fused prep reads them (the same loads and cumsum: the same bits), k just before W (no spill then)."""
     c, h = tl.program_id(0), tl.program_id(1)
     a = tl.load(cuts_ptr + c)
     n = tl.load(cuts_ptr + c + 1) - a
@@ -177,8 +183,8 @@ def _gdn_chunk_products(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, inv_ptr,
         rc = tl.arange(0, CHUNK)
         inv = tl.load(inv_ptr + ((c * H + h) * CHUNK + rc[:, None]) * CHUNK + rc[None, :])
         kc, beta, gcum = _chunk_head(k_ptr, beta_ptr, g_ptr, a, n, h, H, DK, BLOCK_DK, CHUNK)
-        _products(inv, kc, beta, gcum, q_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a,
-                  n, h, H, DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC)
+        _products(inv, kc, beta, gcum, q_ptr, k_ptr, v_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, c, a,
+                  n, h, H, DK, DV, BLOCK_DK, BLOCK_DV, CHUNK, PREC, True)
 
 
 @lean
@@ -276,7 +282,7 @@ def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
     sizes = dict(DK=dk, DV=dv, BLOCK_DK=bdk, BLOCK_DV=triton.next_power_of_2(dv), CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
                  num_warps=GDN_PREP_WARPS)
     if not GDN_PREP_SPLIT:
-        _gdn_chunk_prep[grid](q, k, v, beta, g, bounds, u, w, p, gcum, h, **sizes)
+        _gdn_chunk_prep[grid](q, k, v, beta, g, bounds, u, w, p, gcum, h, RELOAD_K=GDN_PREP_RELOAD_K, **sizes)
         return
     inv = torch.empty_like(p)
     _gdn_chunk_inverse[grid](k, beta, g, bounds, inv, h, DK=dk, BLOCK_DK=bdk, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
