@@ -487,29 +487,6 @@ def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     same_bits(s2, s)
 
 
-@pytest.mark.parametrize("option", ["GDN_PREP_SPLIT", "GDN_PREP_RELOAD_K", "GDN_SCAN_LATE_LOADS"])
-def test_gdn_prefill_launch_options_keep_the_bits(monkeypatch, option):
-    """GDN_PREP_SPLIT (T in its own launch, through memory, then U, W and P), GDN_PREP_RELOAD_K (the one-launch
-    prep reading k again for W and P) and GDN_SCAN_LATE_LOADS (the scan's tiles loaded just before their
-    products): launch options tools/gpu_gdn_prefill.py times, with the frozen
-    launch's bits for one piece and for a wave of three sequences' pieces stepped in a pool
-    (tests/test_cuda_kernels.py checks them again on the GPU's tensor cores)."""
-    from memra.kernels.pieces import RecurrentPieces
-    from memra.kernels.triton import gdn as gdn_triton
-
-    q, k, v, beta, g, s0 = _gdn_inputs(150)
-    pieces = RecurrentPieces.of([0, 1, 51], [1, 50, 99], [7, 40, 0], [3, 0, 2], q.device)  # one wave's pieces
-    pool = rnd(5, *s0.shape, seed=77) * 0.1
-    want = gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40)
-    want_pool = pool.clone()
-    want_wave = gdn_triton.gdn_prefill_pieces(q, k, v, beta, g, want_pool, pieces)
-    monkeypatch.setattr(gdn_triton, option, True)
-    for got, ref in zip(gdn_triton.gdn_prefill(q, k, v, beta, g, s0, 40), want):
-        same_bits(got, ref)
-    same_bits(gdn_triton.gdn_prefill_pieces(q, k, v, beta, g, pool, pieces), want_wave)
-    same_bits(pool, want_pool)
-
-
 def test_kernel_compiles_are_counted_through_tritons_hook_after_any_hook_already_there():
     """memra.kernels.triton.common.count_compiles: Triton calls its post-compile hook once per kernel it
     compiles (or loads from its disk cache); memra's hook bumps `kernel_compiles` and then calls the hook

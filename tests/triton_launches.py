@@ -351,7 +351,7 @@ def drive_doors(table) -> None:
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
     split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
-    prefill at the model's head sizes (with its launch options), and the grouped experts with their activation fused
+    prefill at the model's head sizes, and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
     step's pairs and a prefill's, in both dtypes, and MEMRA_MOE_FRONT's decode rows (one product, read in parts)."""
     from memra.sampling import DevSamp
@@ -368,23 +368,10 @@ def drive_doors(table) -> None:
     kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
-    # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size;
-    # then with the launch options the tools time (triton.gdn's GDN_PREP_SPLIT; GDN_PREP_RELOAD_K, which only the
-    # one-launch prep reads, with GDN_SCAN_LATE_LOADS)
-    from memra.kernels.triton import gdn
-
+    # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
-    names = ("GDN_PREP_SPLIT", "GDN_PREP_RELOAD_K", "GDN_SCAN_LATE_LOADS")
-    saved = [getattr(gdn, n) for n in names]
-    try:
-        for values in ((False, False, False), (True, False, False), (False, True, True)):
-            for n, x in zip(names, values):
-                setattr(gdn, n, x)
-            table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
-                              torch.zeros(2, 128, 128), 0)
-    finally:
-        for n, x in zip(names, saved):
-            setattr(gdn, n, x)
+    table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
+                      torch.zeros(2, 128, 128), 0)
     for dtype in (torch.bfloat16, torch.float32):
         w_gate_up, w_down = torch.randn(16, 64, 64).to(dtype), torch.randn(16, 64, 32).to(dtype)
         for rows in (1, 40):  # a tile per pair; tiles per expert

@@ -6,7 +6,7 @@ at once; attention over each piece's own prefix is per sequence. Launched piece 
 launch per piece per layer, and on a GPU that host time, not the arithmetic, was most of a prefilling
 engine step. AttentionPieces and RecurrentPieces describe the pieces once per wave (one upload each),
 so one launch per layer serves them all (attention; GDN's conv, its state step, and the chunked delta
-rule's two launches), each piece's programs computing what its solo launch's programs compute.
+rule's three launches), each piece's programs computing what its solo launch's programs compute.
 """
 
 from __future__ import annotations
