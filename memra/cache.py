@@ -118,8 +118,8 @@ class RecurrentPool:
         self.layers = cfg.gdn_layers
         dev = lambda i: (layer_devices or {}).get(i, device)
         self.conv = {i: torch.empty(n_slots, g.conv_dim, g.conv_kernel - 1, dtype=dtype, device=dev(i)) for i in self.layers}
-        self.ssm = {i: torch.empty(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32, device=dev(i))
-                    for i in self.layers}
+        self.ssm = {i: torch.empty(n_slots, g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=g.state_torch_dtype,
+                                   device=dev(i)) for i in self.layers}
         self.n_slots = n_slots
         self.max_slots = max(n_slots, max_slots or n_slots)
         self.free: list[int] = list(range(n_slots))
@@ -165,7 +165,7 @@ class StateTrail:
     """The recurrent state after each token of a T-token verify forward, so a rejected suffix can be
     dropped by copying column n-1 back (no replay). Grow-only buffers, reused round after round.
 
-        conv[layer]: [T, conv_dim, Kc-1]    ssm[layer]: [T, Hv, Dk, Dv] fp32
+        conv[layer]: [T, conv_dim, Kc-1]    ssm[layer]: [T, Hv, Dk, Dv] in the state's dtype (GdnConfig.state_dtype)
     """
 
     def __init__(self) -> None:
@@ -199,7 +199,7 @@ class StateTrail:
         self._put(self.conv, layer, column, conv)  # [C, Kc-1] after token `column`
 
     def record_ssm(self, layer: int, column: int, ssm: torch.Tensor) -> None:
-        self._put(self.ssm, layer, column, ssm)  # [Hv, Dk, Dv] fp32 after token `column`
+        self._put(self.ssm, layer, column, ssm)  # [Hv, Dk, Dv] after token `column`
 
     def record(self, layer: int, column: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         self.record_conv(layer, column, conv)

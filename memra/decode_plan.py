@@ -97,7 +97,9 @@ def _flin_block(block) -> bool:
         return (mixer.head_dim % 8 == 0 and mixer.bqkv is None and not mixer.shared_kv
                 and all(_fp32_weight(w) for w in (mixer.wqkv, mixer.wo)))
     if isinstance(mixer, GatedDeltaNet):
-        return all(_fp32_weight(w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
+        # the C delta-rule step takes an fp32 state only (a bf16 one steps on torch's ops, not held to rows)
+        return (all(_fp32_weight(w) for w in (mixer.w_in, mixer.wo)) and mixer.g.k_head_dim % 8 == 0
+                and mixer.g.state_dtype == "float32")
     return False
 
 

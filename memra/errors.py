@@ -23,3 +23,8 @@ class TokenizerError(MemraError):
 
 class ContextOverflowError(MemraError):
     """A prompt or generation does not fit in the cache's context."""
+
+
+class CaptureMemoryError(MemraError):
+    """A max_batch whose captured steps did not fit in device memory beside the cache pools (memra.engine.warmup):
+    the engine gave its memory back before taking any request, so a smaller max_batch may be tried."""

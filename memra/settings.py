@@ -27,6 +27,15 @@ _FALSE = {"0", "false", "no", "off"}
 DECODE_PLANS = ("auto", "row", "stacked", "bucket")
 ADMISSION_ORDERS = ("auto", "fcfs", "lof")  # MEMRA_ADMISSION_ORDER's values: the waiting queue's order (memra.engine.admission)
 MIXED_TOKEN_LIMITS = (512, 1024, 2048)  # MEMRA_MIXED_TOKENS's values: the largest captured prompt bucket
+GDN_STATE_CHOICES = ("auto", "float32", "bfloat16")  # MEMRA_GDN_STATE_DTYPE's values (config.model.GDN_STATE_DTYPES)
+
+
+def gdn_state_choice(value, name: str) -> str:
+    """vLLM's mamba_ssm_cache_dtype (`name` as the caller spells it) as Settings.gdn_state_dtype, or one line."""
+    if value not in GDN_STATE_CHOICES:
+        raise MemraError(f"{name} {value!r} is not supported: memra stores the GDN state in float32 or bfloat16 "
+                         "(auto: the checkpoint's mamba_ssm_dtype, else float32)")
+    return value
 
 
 def process_env() -> Mapping[str, str]:
@@ -97,6 +106,7 @@ class Settings:
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     admission_order: str = "auto"  # the order waiting requests start in: auto | fcfs | lof (memra.engine.admission)
+    gdn_state_dtype: str = "auto"  # what a GDN state is stored in: auto (the checkpoint's) | float32 | bfloat16
     # The pipeline doors as set at load (MEMRA_PP_*, MEMRA_*_PP, MEMRA_PEER_PROBE, ...): memra.pp.fence
     # parses them, with the reference system's rules, when a placement is planned.
     pp_doors: tuple[tuple[str, str], ...] = ()
@@ -117,6 +127,8 @@ class Settings:
         if self.mixed_tokens not in MIXED_TOKEN_LIMITS:
             raise MemraError(f"MEMRA_MIXED_TOKENS={self.mixed_tokens} is not one of "
                              f"{', '.join(map(str, MIXED_TOKEN_LIMITS))}")
+        if self.gdn_state_dtype not in GDN_STATE_CHOICES:
+            raise MemraError(f"MEMRA_GDN_STATE_DTYPE={self.gdn_state_dtype!r} is not one of {', '.join(GDN_STATE_CHOICES)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -150,6 +162,7 @@ class Settings:
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
             admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "auto").strip().lower() or "auto",
+            gdn_state_dtype=(e.get("MEMRA_GDN_STATE_DTYPE") or "auto").strip().lower() or "auto",
             pp_doors=tuple(sorted((k, v) for k, v in e.items() if _is_pp_door(k))),
         )
 
@@ -197,7 +210,7 @@ class Settings:
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
                 "MEMRA_INERT_PADDING": on(self.inert_padding),
                 "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs), "MEMRA_ADMISSION_ORDER": self.admission_order,
-                **self.pp_env}
+                "MEMRA_GDN_STATE_DTYPE": self.gdn_state_dtype, **self.pp_env}
 
     def with_doors(self, **doors: str | None) -> "Settings":
         """These settings with some doors set (a value, parsed as from the environment) or unset (None):
@@ -294,6 +307,12 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "throughput`), fcfs in the server: offline the long requests no longer start late and leave a tail of few-row "
      "steps, served under load short requests would wait behind long ones; changes no output bit "
      "(memra.engine.admission)"),
+    ("MEMRA_GDN_STATE_DTYPE", "auto", "what a GDN layer's delta-rule state is stored in between steps (cache slots, "
+     "prefix snapshots, a verify's trail): auto = the checkpoint's `mamba_ssm_dtype` (float32 where it names none: "
+     "Qwen3.5 names float32), float32, or bfloat16 = half the bytes every decode token reads and writes (vLLM's "
+     "--mamba-ssm-cache-dtype bfloat16). The kernels compute in fp32 and round the state wherever a path stores it "
+     "(after every token, after every 64-token chunk), so every exactness promise holds within the dtype chosen; "
+     "the two dtypes give different tokens"),
     ("MEMRA_GATE_SEED", "0", "`memra gate`: the prompts' seed"),
     ("MEMRA_GATE_CANARY", "0", "`memra gate`: 1 corrupts one arm on purpose; the gate must then fail"),
     ("MEMRA_API_KEY", "unset", "`memra serve`: the API key when neither --api-key nor --api-key-file gives one"),

@@ -147,3 +147,28 @@ def test_logprobs_runs_ask_for_every_token_and_a_bad_count_is_refused(capsys):
     assert report.output_tokens == 18 and report.check_failures == [] and "logprobs (top 2)" in report.workload
     assert main(["bench", "throughput", "demo", "--logprobs", "21"]) == 2
     assert "--logprobs must be in 0..20" in capsys.readouterr().err
+
+
+def test_auto_steps_down_a_bucket_where_its_captured_steps_do_not_fit(monkeypatch):
+    """--max-batch auto sizes the pools only; where the captured steps of its bucket then run out of device memory
+    (the 9B with a bf16 GDN state: 1,024 rows on an H100), the run tries the next bucket down and says so. A
+    max_batch the user named is refused in one line instead."""
+    from memra.engine import batch_size, warmup
+
+    real = warmup.warm_up
+
+    def tight(model, backend, max_batch, *args, **kwargs):
+        if max_batch > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(model, backend, max_batch, *args, **kwargs)
+
+    monkeypatch.setattr(warmup, "warm_up", tight)
+    monkeypatch.setattr(batch_size, "auto_max_batch", lambda model, tokens: (16, "max_batch auto: 16 (the pools)"))
+    lines: list[str] = []
+    cfg = ThroughputConfig(model="demo", num_prompts=3, output_len=4, device=DEVICE, check=0)
+    report = run_throughput(cfg, log=lines.append)
+    assert report.max_batch == 8 and report.output_tokens == 12
+    assert "max_batch auto: 16's captured steps did not fit beside the pools, so 8" in lines
+    with pytest.raises(MemraError, match="max_batch 16: its captured steps ran out of device memory"):
+        run_throughput(ThroughputConfig(model="demo", num_prompts=3, output_len=4, max_batch=16, device=DEVICE,
+                                        check=0), log=lambda line: None)

@@ -110,3 +110,13 @@ def test_gate_9b_shape_bf16(shape_9b, batch):
     ok = run_battery(shape_9b, steps=2, batch=batch, mode="config", plen=8, out=lines.append)
     assert ok, "\n".join(lines)
     assert "decode plan: stacked" in "\n".join(lines)  # all rows in one forward on the invariant kernels
+
+
+def test_gate_9b_shape_with_a_bf16_gdn_state(shape_9b):
+    """MEMRA_GDN_STATE_DTYPE=bfloat16 (vLLM's --mamba-ssm-cache-dtype bfloat16): every arm at B=16 on the
+    stacked plan, the state stored in bf16 and carried as stored."""
+    model = shape_9b.with_doors(MEMRA_GDN_STATE_DTYPE="bfloat16")
+    lines: list[str] = []
+    ok = run_battery(model, steps=2, batch=16, mode="config", plen=8, out=lines.append)
+    assert ok, "\n".join(lines)
+    assert "GDN state bfloat16" in lines[0] and "decode plan: stacked" in "\n".join(lines)

@@ -4,7 +4,8 @@ their pure-torch twins.
 
 - GDN's three-launch chunked prefill, one layer of the Qwen3.5-9B shape (4096 tokens, 32 heads,
   Dk = Dv = 128): close to the reference's chunk loop (fp32: a product replaces the triangular solve),
-  and the same bits when the prompt comes in two 64-aligned pieces;
+  and the same bits when the prompt comes in two 64-aligned pieces; with the state in bf16 too
+  (MEMRA_GDN_STATE_DTYPE), a wave of pieces and the verify's scan against decode steps;
 - the one-launch batch sampler at B=128 over a 248k vocabulary: device_sample's token in every row
   (greedy, plain, top-k, top-p, min-p).
 
@@ -55,6 +56,42 @@ def test_gdn_prefill_kernel_at_the_9b_layer_shape():
     o2, s2 = ops.gdn_prefill(q[cut:], k[cut:], v[cut:], beta[cut:], decay[cut:], s1, cut)
     assert same_bits(torch.cat((o1, o2)), o), "the output's bits depend on the 64-aligned piece"
     assert same_bits(s2, s), "the final state's bits depend on the 64-aligned piece"
+
+
+@torch.inference_mode()
+def test_a_bf16_gdn_state_keeps_its_bits_at_the_9b_layer_shape():
+    """MEMRA_GDN_STATE_DTYPE=bfloat16 on the GPU: the chunked prefill rounds its carry at every chunk, so a
+    prompt in 64-aligned pieces and a wave of pieces in a pool keep the one-shot bits; the verify's scan keeps
+    decode's (the state rounded after every token either way); the twins agree within one rounding of the
+    state (2^-7 of the largest value, tests/test_gdn_state_dtype.py says why)."""
+    from memra.kernels.pieces import RecurrentPieces
+    from memra.kernels.triton import gdn as gdn_triton
+
+    q, k, v, beta, decay, s0 = gdn_prefill_inputs(1000, 32, 128, 128)
+    s0 = s0.bfloat16()
+    o, s = gdn_triton.gdn_prefill(q, k, v, beta, decay, s0, 40)
+    assert s.dtype == torch.bfloat16
+    o_ref, s_ref = reference.gdn_prefill(q, k, v, beta, decay, s0, 40)
+    assert rel(o, o_ref) < 2 ** -7 and rel(s, s_ref) < 2 ** -7, f"output {rel(o, o_ref):.2e}, state {rel(s, s_ref):.2e}"
+    cut = 472  # position 512
+    o1, s1 = gdn_triton.gdn_prefill(q[:cut], k[:cut], v[:cut], beta[:cut], decay[:cut], s0, 40)
+    o2, s2 = gdn_triton.gdn_prefill(q[cut:], k[cut:], v[cut:], beta[cut:], decay[cut:], s1, 40 + cut)
+    assert same_bits(torch.cat((o1, o2)), o) and same_bits(s2, s), "the bits depend on the 64-aligned piece"
+    pool = torch.stack([s0 * (0.5 + i) for i in range(4)])
+    before = pool.clone()
+    sizes, pos0s, slots = [1, 299, 700], [7, 40, 0], [3, 0, 2]
+    o_wave = gdn_triton.gdn_prefill_pieces(q, k, v, beta, decay, pool, RecurrentPieces.of([0, 1, 300], sizes, pos0s,
+                                                                                          slots, q.device))
+    for first, t, pos0, slot in zip([0, 1, 300], sizes, pos0s, slots):
+        rows = slice(first, first + t)
+        o_solo, s_solo = gdn_triton.gdn_prefill(q[rows], k[rows], v[rows], beta[rows], decay[rows], before[slot], pos0)
+        assert same_bits(o_wave[rows], o_solo) and same_bits(pool[slot], s_solo), f"the wave's piece {slot}"
+    scan_o, states = gdn_triton.delta_rule_scan(q[None, :4], k[None, :4], v[None, :4], beta[None, :4],
+                                                decay[None, :4], s0[None])
+    state = s0
+    for j in range(4):
+        oj, state = gdn_triton.delta_rule_step(q[j], k[j], v[j], beta[j], decay[j], state)
+        assert same_bits(oj, scan_o[0, j]) and same_bits(state, states[0, j]), f"the verify's token {j}"
 
 
 @torch.inference_mode()

@@ -71,6 +71,10 @@ def test_llm_arguments_that_name_memra_things(llm, tmp_path):
         LLM("demo", speculative_config={"method": "ngram", "model": "x"})
     with pytest.raises(MemraError, match=r"LLM\(enforce_eager=\.\.\.\) applies when LLM loads"):
         LLM(llm.model, enforce_eager=True)
+    with pytest.raises(MemraError, match=r"LLM\(mamba_ssm_cache_dtype=\.\.\.\) applies when LLM loads"):
+        LLM(llm.model, mamba_ssm_cache_dtype="bfloat16")
+    with pytest.raises(MemraError, match=r"LLM\(mamba_ssm_cache_dtype=\.\.\.\) 'float16' is not supported"):
+        LLM("demo", mamba_ssm_cache_dtype="float16")
     with pytest.raises(MemraError, match=r"LLM\(generation_config="):
         LLM("demo", generation_config=str(tmp_path))
 

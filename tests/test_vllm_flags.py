@@ -36,6 +36,12 @@ def test_vllm_names_and_memra_aliases_set_the_same_settings():
     apply_vllm_flags(plain)
     assert plain.model == "tests/fixtures/hf/qwen3" and plain.settings.cuda_graphs is False
     assert (plain.speculative, plain.draft_k, plain.disable_log_requests) == ("ngram", 3, True)
+    state = _serve_args("demo", "--mamba-ssm-cache-dtype", "bfloat16", "--enforce-eager")
+    apply_vllm_flags(state)
+    assert (state.settings.gdn_state_dtype, state.settings.cuda_graphs) == ("bfloat16", False)
+    auto = _serve_args("demo", "--mamba-ssm-cache-dtype", "auto")
+    apply_vllm_flags(auto)
+    assert getattr(auto, "settings", None) is None  # nothing to change: the doors are read at load as ever
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -44,6 +50,7 @@ def test_vllm_names_and_memra_aliases_set_the_same_settings():
     (["--quantization", "fp8"], "--quantization is not supported"),
     (["--tokenizer", "other/tok"], "--tokenizer is not supported"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 is not supported"),
+    (["--mamba-ssm-cache-dtype", "float16"], "--mamba-ssm-cache-dtype 'float16' is not supported"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
     (["--enable-lora"], "--enable-lora is not supported"),
     (["--speculative-config", '{"method": "eagle", "model": "x"}'], "method 'eagle' is not supported"),

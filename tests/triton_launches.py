@@ -351,7 +351,8 @@ def drive_doors(table) -> None:
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
     split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
-    prefill at the model's head sizes, and the grouped experts with their activation fused
+    prefill at the model's head sizes and its state in bf16 (MEMRA_GDN_STATE_DTYPE's
+    scan and recurrent step), and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
     step's pairs and a prefill's, in both dtypes, and MEMRA_MOE_FRONT's decode rows (one product, read in parts)."""
     from memra.sampling import DevSamp
@@ -372,6 +373,11 @@ def drive_doors(table) -> None:
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
     table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
                       torch.zeros(2, 128, 128), 0)
+    # MEMRA_GDN_STATE_DTYPE=bfloat16: the scan and the recurrent step with the state stored in bf16
+    state = torch.zeros(2, 128, 128, dtype=torch.bfloat16)
+    table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2), state, 0)
+    table.delta_rule_step(qk[0, :3], qk[1, :3], torch.randn(3, 2, 128), torch.rand(3, 2), -torch.rand(3, 2),
+                          state.expand(3, -1, -1, -1).contiguous())
     for dtype in (torch.bfloat16, torch.float32):
         w_gate_up, w_down = torch.randn(16, 64, 64).to(dtype), torch.randn(16, 64, 32).to(dtype)
         for rows in (1, 40):  # a tile per pair; tiles per expert

@@ -8,9 +8,10 @@
 # models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
-# doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch options
-#             (tools/gpu_gdn_prefill.py --variants at 4,096 and 512 tokens, then Qwen3.5-9B's `bench throughput`
-#             with the split prep, with the one-launch prep reading k again, and with neither); not part of `all`
+# doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch configs
+#             (tools/gpu_gdn_prefill.py --variants at 4,096 tokens), then Qwen3.5-9B's `bench throughput` as it is,
+#             with the GDN scan at 2 stages, and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16); not
+#             part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -63,16 +64,14 @@ run_part() {
         --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
     doors)
-      gdn="python3 tools/gpu_gdn_prefill.py --variants"
-      step gdn_4096 100 "tf32x3|Triton kernel" $gdn
-      step gdn_512 60 "tf32x3|Triton kernel" $gdn --tokens 512
-      # the user's path with each prep option and the scan's late loads, then none (launch options are module
-      # constants, not doors: the first argument names those set True, comma-separated)
-      opt='import sys, runpy, memra.kernels.triton.gdn as g; [setattr(g, n, True) for n in sys.argv.pop(1).split(",") if n]; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
-      for on in GDN_PREP_SPLIT,GDN_SCAN_LATE_LOADS GDN_PREP_RELOAD_K,GDN_SCAN_LATE_LOADS ""; do
-        name=${on//,/_}; step "gdn_${name:-none}" 120 "$tp_cells" python3 -c "$opt" "$on" bench throughput random:qwen3.5-9b \
-          --num-prompts 1000 --check 1
-      done ;;
+      step gdn_4096 90 "tf32x3|Triton kernel" python3 tools/gpu_gdn_prefill.py --variants
+      # Qwen3.5-9B's throughput as it is, with the scan at 2 stages (a launch constant, not a door: set through
+      # the first argument, NAME=VALUE), and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16)
+      opt='import sys, runpy, memra.kernels.triton.gdn as g; [setattr(g, n, int(v)) for n, v in (a.split("=") for a in sys.argv.pop(1).split(",") if a)]; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
+      qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
+      step gdn_defaults 115 "$tp_cells" python3 -c "$opt" "" $qwen
+      step gdn_scan_stages_2 115 "$tp_cells" python3 -c "$opt" GDN_SCAN_STAGES=2 $qwen
+      MEMRA_GDN_STATE_DTYPE=bfloat16 step gdn_state_bf16 115 "$tp_cells" python3 -m memra $qwen ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }

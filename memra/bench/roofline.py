@@ -87,13 +87,14 @@ def weight_bytes(model, tokens: int) -> float:
 
 def cache_parts(cfg: ModelConfig, dtype: torch.dtype, context: int) -> tuple[int, int]:
     """One sequence's cache (memra.cache layout): (K and V of `context` positions over the attention
-    layers, the recurrent state of the GDN layers: fp32 delta-rule state + conv window) in bytes."""
+    layers, the recurrent state of the GDN layers: the delta-rule state in its dtype + conv window) in bytes."""
     item = torch.empty((), dtype=dtype).element_size()
     kv = len(cfg.attention_layers) * context * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim * item
     rec = 0
     if cfg.gdn is not None:
         g = cfg.gdn
-        per_layer = g.n_v_heads * g.k_head_dim * g.v_head_dim * 4 + g.conv_dim * (g.conv_kernel - 1) * item
+        state_item = g.state_torch_dtype.itemsize  # fp32 or bf16 (GdnConfig.state_dtype)
+        per_layer = g.n_v_heads * g.k_head_dim * g.v_head_dim * state_item + g.conv_dim * (g.conv_kernel - 1) * item
         rec = len(cfg.gdn_layers) * per_layer
     return kv, rec
 

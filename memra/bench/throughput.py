@@ -34,7 +34,7 @@ import torch
 from memra import counters
 from memra.bench.probes import Probes
 from memra.bench.workload_floor import WorkloadFloor, workload_floor
-from memra.errors import MemraError
+from memra.errors import CaptureMemoryError, MemraError
 from memra.pools import KvBudget
 from memra.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -241,6 +241,7 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
     the engine is closed after, its pools and graphs given back. -> the report."""
     from memra.engine.batch_size import auto_max_batch
     from memra.engine.llm import LLM
+    from memra.graphs import BUCKETS
     from memra.loading.checkpoint import progress
 
     held = cfg.constraint()
@@ -250,7 +251,17 @@ def run_on(model, reqs: list[Request], workload: str, cfg: ThroughputConfig, log
         max_batch, sizing = auto_max_batch(model, -(-sum(len(r.prompt) + r.output_len for r in reqs) // len(reqs)))
         log(sizing)
     log(f"{len(reqs)} requests, longest {context} tokens; building the engine (max_batch {max_batch}) ...")
-    llm = LLM(model, max_batch=max_batch, max_ctx=context, prefill_budget=cfg.prefill_budget)
+    while True:
+        try:
+            llm = LLM(model, max_batch=max_batch, max_ctx=context, prefill_budget=cfg.prefill_budget)
+            break
+        except CaptureMemoryError:  # auto sized the pools only: its captured steps did not fit beside them
+            smaller = [b for b in BUCKETS if b < max_batch]
+            if cfg.max_batch != "auto" or not smaller:
+                raise
+            sizing += f"; {max_batch}'s captured steps did not fit beside the pools, so {smaller[-1]}"
+            max_batch = smaller[-1]
+            log(f"max_batch auto: {sizing.rsplit('; ', 1)[-1]}")
     params = [SamplingParams(max_tokens=r.output_len, temperature=cfg.temperature, seed=cfg.seed + i, ignore_eos=True,
                              structured_outputs=held, logprobs=cfg.logprobs) for i, r in enumerate(reqs)]
     before, counted = llm.engine.step_mix.copy(), counters.snapshot()

@@ -12,7 +12,7 @@ from memra.config.fields import (
 )
 from memra.config.from_hf_gemma4 import gemma4_fields
 from memra.config.from_hf_step import step_fields
-from memra.config.model import HYBRID, AttentionConfig, GdnConfig, ModelConfig, MoeConfig, RopeConfig
+from memra.config.model import GDN_STATE_DTYPES, HYBRID, AttentionConfig, GdnConfig, ModelConfig, MoeConfig, RopeConfig
 from memra.errors import ConfigError
 
 _HF_MODEL_TYPES = {
@@ -102,10 +102,14 @@ def from_hf_config(raw: dict[str, Any], source: str = "config.json") -> ModelCon
     if "gdn" in mixers:
         nk, nv = f.int("linear_num_key_heads"), f.int("linear_num_value_heads")
         f.require(nv % nk == 0, f"linear_num_value_heads = {nv} must be a multiple of linear_num_key_heads = {nk}")
+        state = f.str("mamba_ssm_dtype", "float32")
+        f.require(state in GDN_STATE_DTYPES, f"mamba_ssm_dtype = {state!r}: memra stores the GDN state in "
+                                             f"{' or '.join(GDN_STATE_DTYPES)}")
         gdn = built(source, GdnConfig, n_k_heads=nk, n_v_heads=nv,
                     k_head_dim=f.int("linear_key_head_dim", hi=MAX_DIM),
                     v_head_dim=f.int("linear_value_head_dim", hi=MAX_DIM),
-                    conv_kernel=f.int("linear_conv_kernel_dim", 4))
+                    conv_kernel=f.int("linear_conv_kernel_dim", 4),
+                    state_dtype=state)
 
     partial = rp.float("partial_rotary_factor", 1.0, within=FRACTION)
     scaling_type = rp.str("rope_type", None, "type")

@@ -9,14 +9,18 @@ few knobs (per-layer mixer and FFN kind, head geometry, norm style, RoPE), so th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from memra.errors import ConfigError
 
 # Canonical architecture names (HF model_type spelling) and what each one is made of.
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4",
                  "step3p5")
+
+GDN_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # GdnConfig.state_dtype's values
 
 HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})  # GDN + gated attention, (1+w) norms
 
@@ -80,10 +84,21 @@ class GdnConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    # What the delta-rule state is stored in between calls (cache slots, snapshots, a verify's trail): fp32, or
+    # bf16 at half the bytes each decode step reads and writes. Every kernel computes in fp32 and rounds the
+    # state to this dtype wherever one path would store it (after each token, after each 64-token chunk), so
+    # every path keeps one another's bits. The checkpoint's `mamba_ssm_dtype`, unless the setting overrides it.
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.n_v_heads % self.n_k_heads:
             raise ConfigError(f"GDN value heads ({self.n_v_heads}) must be a multiple of key heads ({self.n_k_heads})")
+        if self.state_dtype not in GDN_STATE_DTYPES:
+            raise ConfigError(f"GDN state dtype {self.state_dtype!r} is not one of {', '.join(GDN_STATE_DTYPES)}")
+
+    @property
+    def state_torch_dtype(self) -> torch.dtype:
+        return GDN_STATE_DTYPES[self.state_dtype]
 
     @property
     def key_dim(self) -> int:
@@ -217,6 +232,13 @@ class ModelConfig:
     def gdn_layers(self) -> tuple[int, ...]:
         return tuple(i for i, m in enumerate(self.mixers) if m == "gdn")
 
+    def with_gdn_state(self, dtype: str) -> "ModelConfig":
+        """This config with its GDN state stored in `dtype` (Settings.gdn_state_dtype; "auto" keeps the
+        checkpoint's choice, and a model without GDN layers has no state to store)."""
+        if dtype == "auto" or self.gdn is None or dtype == self.gdn.state_dtype:
+            return self
+        return replace(self, gdn=replace(self.gdn, state_dtype=dtype))
+
     def describe(self) -> str:
         kinds = "".join("A" if m == "attention" else "G" for m in self.mixers)
         windows = sorted({w for w in self.windows if w is not None})
@@ -238,7 +260,7 @@ class ModelConfig:
             g = self.gdn
             lines.append(
                 f"gated deltanet {g.n_k_heads} key heads x {g.k_head_dim} / {g.n_v_heads} value heads x {g.v_head_dim}"
-                f"  conv {g.conv_kernel}"
+                f"  conv {g.conv_kernel}  state {g.state_dtype}"
             )
         if self.moe:
             m = self.moe

@@ -12,6 +12,7 @@ from pathlib import Path
 from memra.cache import BLOCK_SIZE
 from memra.errors import MemraError
 from memra.sampling import MAX_LOGPROBS
+from memra.settings import Settings, gdn_state_choice
 from memra.spec import SpecConfig
 
 # memra.load()'s own options, which LLM passes on when it loads the model
@@ -71,16 +72,23 @@ class LLMArgs:
 def read_args(options: dict, *, dtype, tokenizer, model, enforce_eager: bool, max_num_batched_tokens,
               speculative, speculative_config, max_logprobs, generation_config) -> LLMArgs:
     """Sort LLM's keyword arguments (`options`: those LLM does not name itself) and check vLLM's."""
-    load = {}
+    load, state = {}, "auto"
     for name, value in options.items():
         if name in LOAD_OPTIONS:
             load[name] = value
+        elif name == "mamba_ssm_cache_dtype":
+            state = gdn_state_choice(value, "LLM(mamba_ssm_cache_dtype=...)")
         elif name in REFUSED:
             noop, instead = REFUSED[name]
             if not any(value is v or (type(value) is type(v) and value == v) for v in noop):
                 raise MemraError(f"LLM({name}={value!r}) is not supported: {instead}")
         elif name not in NO_EFFECT:
             raise MemraError(f"LLM got an unknown argument {name!r}; docs/VLLM.md lists what memra.LLM takes")
+    if state != "auto":  # vLLM's --mamba-ssm-cache-dtype: how the GDN state is stored, fixed when LLM loads the model
+        if not isinstance(model, (str, Path)):
+            raise MemraError("LLM(mamba_ssm_cache_dtype=...) applies when LLM loads the model; load it with "
+                             f"memra.load(..., settings=Settings(gdn_state_dtype={state!r})) instead")
+        load["settings"] = (load.get("settings") or Settings.from_env()).replace(gdn_state_dtype=state)
     load["dtype"] = {"auto": None, "half": "float16", "float": "float32"}.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if enforce_eager not in (True, False):
         raise MemraError(f"LLM(enforce_eager=...) must be True or False, got {enforce_eager!r}")

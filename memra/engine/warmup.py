@@ -19,7 +19,7 @@ import torch
 from memra.cache import BLOCK_SIZE
 from memra.graphs import BUCKETS, bucket_for, full_width_pass, long_tables
 from memra.engine.release import release_memory
-from memra.errors import MemraError
+from memra.errors import CaptureMemoryError
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.mixed_graphs import captures_mixed, token_bucket, token_buckets
 from memra.sampling import DevSamp
@@ -78,7 +78,7 @@ def warm_engine(engine) -> None:
         held = pools.capacity_bytes / (1 << 30) if pools is not None else 0.0
         engine.shutdown(drain_timeout=0.0)
         release_memory(engine.model.device)
-        raise MemraError(f"max_batch {engine.cfg.max_batch}: its captured steps ran out of device memory beside the "
+        raise CaptureMemoryError(f"max_batch {engine.cfg.max_batch}: its captured steps ran out of device memory beside the "
                          f"cache pools ({held:.1f} GiB); lower --max-batch, or the pools' share (--kv-fraction, "
                          "--gpu-memory-utilization, --kv-memory)") from None
 

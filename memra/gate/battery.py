@@ -119,7 +119,8 @@ def run_battery(model, steps: int = 32, batch: int = 4, mode: str = "config", pl
     ctx = plen + 5 * len(prompts) + steps + 8
     led = Ledger(out)
     live_before = counters.snapshot()
-    out(f"memra gate --mode {mode}: {model.cfg.arch} {model.dtype} on {model.device}, B={b_n}, {steps} steps, "
+    state = f", GDN state {model.cfg.gdn.state_dtype}" if model.cfg.gdn is not None else ""
+    out(f"memra gate --mode {mode}: {model.cfg.arch} {model.dtype}{state} on {model.device}, B={b_n}, {steps} steps, "
         f"plen {plen}, seed {seed}{', CANARY (must FAIL)' if canary else ''}")
     from memra.decode_plan import decode_plan
 

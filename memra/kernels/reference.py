@@ -252,13 +252,11 @@ def gdn_recurrent(q, k, v, beta, g, state, step=None):
     """The delta rule, one token at a time (decode, and the definition of the op).
 
     q, k [T, Hv, Dk] (l2-normalised, q scaled), v [T, Hv, Dv], beta, g [T, Hv], all fp32;
-    state [Hv, Dk, Dv] fp32. For each token: decay S, predict m = S^T k, correct
-    S += k (beta (v - m))^T, read o = S^T q. Returns (o [T, Hv, Dv], final state).
+    state [Hv, Dk, Dv] in the state's dtype (fp32 or bf16). For each token: decay S, predict m = S^T k,
+    correct S += k (beta (v - m))^T, read o = S^T q. Returns (o [T, Hv, Dv], final state).
     `step` replaces delta_rule_step (the op table passes its fast twin).
     """
-    step = step or delta_rule_step
-    s = state
-    outs = []
+    step, s, outs = step or delta_rule_step, state, []
     for t in range(q.shape[0]):
         o, s = step(q[t], k[t], v[t], beta[t], g[t], s)
         outs.append(o)
@@ -268,18 +266,19 @@ def gdn_recurrent(q, k, v, beta, g, state, step=None):
 def delta_rule_step(q, k, v, beta, g, s):
     """One token of the delta rule; any leading dims broadcast (heads, or batch x heads).
 
-    q, k [..., Dk], v [..., Dv], beta, g [...], s [..., Dk, Dv] -> (o [..., Dv], new s).
+    q, k [..., Dk], v [..., Dv], beta, g [...], s [..., Dk, Dv] -> (o [..., Dv], new s). In fp32; o from
+    the fp32 state, the new state returned in s's dtype (bf16: rounded, as every path stores and carries it).
     """
-    s = s * g.exp()[..., None, None]
+    store, s = s.dtype, s.float() * g.exp()[..., None, None]
     predicted = (s * k[..., :, None]).sum(-2)  # [..., Dv]
     delta = (v - predicted) * beta[..., None]
     s = s + k[..., :, None] * delta[..., None, :]
-    return (s * q[..., :, None]).sum(-2), s
+    return (s * q[..., :, None]).sum(-2), s.to(store)
 
 
 def delta_rule_step_into(q, k, v, beta, g, pool, slots):
     """delta_rule_step for B sequences whose states live in a pool: q, k [B, H, Dk], v [B, H, Dv], beta,
-    g [B, H], pool [n_slots, H, Dk, Dv] fp32, slots [B] -> o [B, H, Dv]; pool[slots] is stepped in place."""
+    g [B, H], pool [n_slots, H, Dk, Dv] (fp32 or bf16), slots [B] -> o [B, H, Dv]; pool[slots] is stepped in place."""
     slots = state_slots(slots)  # an inert padding row's (memra.kernels.slots): the scratch slot it names
     o, s = delta_rule_step(q, k, v, beta, g, pool[slots])
     pool[slots] = s
@@ -288,8 +287,8 @@ def delta_rule_step_into(q, k, v, beta, g, pool, slots):
 
 def delta_rule_scan(q, k, v, beta, g, s, step=None):
     """n sequences x T tokens of the delta rule, one token at a time. q, k [n, T, H, Dk], v [n, T, H, Dv],
-    beta, g [n, T, H], s [n, H, Dk, Dv] fp32 -> (o [n, T, H, Dv], the state after each token
-    [n, T, H, Dk, Dv]). The verify's GDN (T tokens, n = 1) in one call."""
+    beta, g [n, T, H], s [n, H, Dk, Dv] -> (o [n, T, H, Dv], the state after each token [n, T, H, Dk, Dv],
+    in s's dtype). The verify's GDN (T tokens, n = 1) in one call."""
     step = step or delta_rule_step
     outs, states = [], []
     for t in range(q.shape[1]):
@@ -302,12 +301,13 @@ def delta_rule_scan(q, k, v, beta, g, s, step=None):
 def gdn_chunk(q, k, v, beta, g, state):
     """The delta rule over one chunk of n tokens in closed (WY) form; algebraically equal to gdn_recurrent.
 
-    Same arguments as gdn_recurrent. Within the chunk, G = cumsum(g) and Gamma_ij = exp(G_i - G_j):
+    Same arguments as gdn_recurrent (the state's dtype as delta_rule_step's). In the chunk, G = cumsum(g) and
+    Gamma_ij = exp(G_i - G_j):
       A = strict_lower((diag(beta) K K^T) * Gamma);  (I + A) X = [diag(beta) V | diag(beta) K * exp(G)]
       U, W = X;  V' = U - W S;  O = (Q * exp(G)) S + lower((Q K^T) * Gamma) V'
       S' = exp(G_n) S + (K * exp(G_n - G))^T V'
     """
-    n = q.shape[0]
+    n, store, state = q.shape[0], state.dtype, state.float()
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, n, D]
     bh, gh = beta.t(), g.t().cumsum(-1)  # [Hv, n]
     diff = gh[:, :, None] - gh[:, None, :]  # G_i - G_j  [Hv, n, n]
@@ -325,7 +325,7 @@ def gdn_chunk(q, k, v, beta, g, state):
     out = (qh * gh.exp()[..., None]) @ state + ((qh @ kh.transpose(1, 2)) * gamma) @ v_new
     g_last = gh[:, -1]
     new_state = state * g_last.exp()[:, None, None] + (kh * (g_last[:, None] - gh).exp()[..., None]).transpose(1, 2) @ v_new
-    return out.transpose(0, 1), new_state
+    return out.transpose(0, 1), new_state.to(store)
 
 
 GDN_CHUNK = 64  # chunk length of the closed-form prefill; cuts sit at absolute multiples of it

@@ -85,8 +85,10 @@ class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  tokenizer=None, source: str = "", kv_budget: KvBudget = KvBudget(), settings: Settings | None = None,
                  view: bool = False):
-        self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.settings = settings if settings is not None else Settings()
+        self.checkpoint_cfg = cfg  # as the checkpoint gave it: a view with other settings resolves it again
+        cfg = cfg.with_gdn_state(self.settings.gdn_state_dtype)  # the GDN state's dtype: fixed now, as the kernels
+        self.cfg, self.device, self.dtype, self.tokenizer, self.source = cfg, device, dtype, tokenizer, source
         self.ops = KernelTable.build(device, self.settings)  # which kernel every op runs: fixed now
         if self.ops.cublas_linear:  # cuBLAS's rows held to this model's shapes now; others keep Triton (linear_cublas)
             linear_module("cublas").hold_rows(dense_linear_shapes(weights, dtype), dtype, device)
@@ -135,7 +137,7 @@ class HybridModel:
         if self._weights is None:
             raise MemraError("this model's weights were sharded over a pipeline's devices; a view with other "
                              "settings needs the unsharded model (load it again)")
-        return HybridModel(self.cfg, self._weights, self.device, self.dtype, tokenizer=self.tokenizer,
+        return HybridModel(self.checkpoint_cfg, self._weights, self.device, self.dtype, tokenizer=self.tokenizer,
                            source=self.source, kv_budget=self.kv_budget, settings=settings, view=True)
 
     def with_doors(self, **doors: str | None) -> "HybridModel":

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from memra.errors import MemraError
+from memra.settings import Settings, gdn_state_choice
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's speculative methods that draw from the checkpoint's own MTP head
@@ -89,6 +90,9 @@ def add_vllm_flags(srv: argparse.ArgumentParser) -> None:
                      help="vLLM's speculative decoding as JSON: {\"method\": \"ngram\" or \"mtp\", "
                           "\"num_speculative_tokens\": K}, the same as --speculative METHOD --draft-k K.")
     srv.add_argument("--kv-cache-dtype", default="auto", help="only auto: the KV cache keeps the model's dtype.")
+    srv.add_argument("--mamba-ssm-cache-dtype", default="auto", metavar="DTYPE",
+                     help="what GDN layers' recurrent state is stored in: auto (the checkpoint's mamba_ssm_dtype, "
+                          "else float32), float32 or bfloat16 (MEMRA_GDN_STATE_DTYPE).")
     srv.add_argument("--load-format", default="auto", help="only auto: memra reads safetensors and GGUF files.")
     srv.add_argument("--response-role", default="assistant", help="only assistant: the role of chat answers.")
     srv.add_argument("--chat-template-content-format", default="auto",
@@ -137,10 +141,11 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
         args.disable_log_requests = True
     if args.speculative_config is not None:
         _speculative(args)
-    if args.enforce_eager:
-        from memra.settings import Settings
-
-        args.settings = Settings.from_env().replace(cuda_graphs=False)
+    state = gdn_state_choice(args.mamba_ssm_cache_dtype, "--mamba-ssm-cache-dtype")
+    if args.enforce_eager or state != "auto":
+        settings = Settings.from_env()
+        args.settings = settings.replace(cuda_graphs=settings.cuda_graphs and not args.enforce_eager,
+                                         gdn_state_dtype=settings.gdn_state_dtype if state == "auto" else state)
 
 
 def _speculative(args: argparse.Namespace) -> None:

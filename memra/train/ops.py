@@ -64,7 +64,7 @@ class TrainCache:
     def ssm_state(self, layer: int) -> Box:
         if layer not in self._ssm:
             g = self.cfg.gdn
-            self._ssm[layer] = Box(torch.zeros(g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=torch.float32,
+            self._ssm[layer] = Box(torch.zeros(g.n_v_heads, g.k_head_dim, g.v_head_dim, dtype=g.state_torch_dtype,
                                                device=self.device))
         return self._ssm[layer]
 

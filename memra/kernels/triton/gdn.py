@@ -70,6 +70,18 @@ GDN_DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
+def _as_stored(s, STATE_BF16: tl.constexpr):
+    """The fp32 state as its storage holds it (GdnConfig.state_dtype): rounded to bf16, to nearest with ties to
+    even, where it is stored in bf16 (else unchanged). On the bits, not a cast, since Triton's interpreter
+    truncates where the GPU rounds: the CPU tests then see the GPU's bits, and torch's .to(torch.bfloat16)."""
+    if STATE_BF16:
+        bits = s.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        s = bits.to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
@@ -157,7 +169,7 @@ def _gdn_chunk_products(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, cuts_ptr, inv_ptr,
 @triton.jit(do_not_specialize=["stride_slot"])
 def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s_out_ptr, cuts_ptr, pieces_ptr,
                     stride_slot, H, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr, STATE_BF16: tl.constexpr):
     """One (value head, block of value columns, piece): the piece's state columns through its chunks in
     order. A piece is a row of pieces_ptr (first row, tokens, slot, first chunk, end chunk); its state
     is read at s_ptr + slot * stride_slot and written at s_out_ptr + slot * stride_slot (a pool's slot,
@@ -170,7 +182,7 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
     at = tl.load(pieces_ptr + piece * 5 + 2).to(tl.int64) * stride_slot + h * DK * DV + ck[:, None] * DV + cv[None, :]
     c0, c1 = tl.load(pieces_ptr + piece * 5 + 3), tl.load(pieces_ptr + piece * 5 + 4)
     live = c0 < c1  # an empty piece (a captured step's padding entries) leaves its state untouched
-    s = tl.load(s_ptr + at, mask=both(mk[:, None] & mv[None, :], live), other=0.0)
+    s = tl.load(s_ptr + at, mask=both(mk[:, None] & mv[None, :], live), other=0.0).to(tl.float32)
     for c in range(c0, c1):
         a = tl.load(cuts_ptr + c)
         n = tl.load(cuts_ptr + c + 1) - a
@@ -192,26 +204,28 @@ def _gdn_chunk_scan(q_ptr, k_ptr, u_ptr, w_ptr, p_ptr, gcum_ptr, s_ptr, o_ptr, s
         tl.store(o_ptr + v_at, out, mask=v_mask)
         g_last = tl.sum(tl.where(rc == n - 1, gcum, 0.0), axis=0)
         s = s * tl.exp(g_last) + _dot(tl.trans(tl.exp(g_last - gcum)[:, None] * kc), v_new, PREC)
+        s = _as_stored(s, STATE_BF16)  # a piece cut here starts from the stored state: carry on from the same bits
     tl.store(s_out_ptr + at, s, mask=both(mk[:, None] & mv[None, :], live))
 
 
 def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     """The delta rule over T prompt tokens at absolute position pos0, in chunks cut at multiples of
     GDN_CHUNK. q, k [T, Hv, Dk] (l2-normalised, q scaled), v [T, Hv, Dv], beta, g [T, Hv], state
-    [Hv, Dk, Dv], all fp32 -> (o [T, Hv, Dv], final state). Same contract as reference.gdn_prefill."""
+    [Hv, Dk, Dv] (the state's dtype; the rest fp32) -> (o [T, Hv, Dv], final state). Same contract as
+    reference.gdn_prefill."""
     t, h, dk = q.shape
     dv = v.shape[-1]
     if not t:
-        return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.float().clone()
+        return torch.empty(0, h, dv, dtype=torch.float32, device=q.device), state.clone()
     cuts = aligned_cuts(t, pos0, GDN_CHUNK)
     piece, bounds = upload_parts([[0, t, 0, 0, len(cuts)], [a for a, _ in cuts] + [t]], torch.int32, q.device)
-    s_out = torch.empty(h, dk, dv, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(h, dk, dv, dtype=state.dtype, device=q.device)
     return _prefill(q, k, v, beta, g, bounds, piece.view(1, 5), state.contiguous(), s_out, 0), s_out
 
 
 def gdn_prefill_pieces(q, k, v, beta, g, pool, pieces):
     """gdn_prefill for several sequences' pieces in the rows of one wave (memra.kernels.pieces
-    .RecurrentPieces), the states stepped in place in pool [slots, Hv, Dk, Dv] fp32 -> o [N, Hv, Dv].
+    .RecurrentPieces), the states stepped in place in pool [slots, Hv, Dk, Dv] -> o [N, Hv, Dv].
     The same three launches as one piece's, each piece's programs doing what its own call's do."""
     return _prefill(q, k, v, beta, g, pieces.cuts, pieces.table, pool, pool, pool.stride(0))
 
@@ -243,6 +257,12 @@ def chunk_prep(q, k, v, beta, g, bounds, u, w, p, gcum) -> None:
                               num_warps=GDN_PREP_WARPS)
 
 
+def _bf16(state: torch.Tensor) -> bool:
+    """Is the state stored in bf16 (else fp32)? The state's tensors are the kernels' only say in it."""
+    assert state.dtype in (torch.float32, torch.bfloat16), f"a GDN state is fp32 or bf16, not {state.dtype}"
+    return state.dtype == torch.bfloat16
+
+
 def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot) -> None:
     """The third launch: each piece's state through its chunks in order, writing O and the final state."""
     _, h, dk = q.shape
@@ -250,7 +270,7 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
     _gdn_chunk_scan[(h, triton.cdiv(dv, GDN_SCAN_BLOCK_DV), pieces.shape[0])](
         q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot, h, DK=dk, DV=dv,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_SCAN_BLOCK_DV, CHUNK=GDN_CHUNK, PREC=GDN_DOT_PRECISION,
-        num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
+        STATE_BF16=_bf16(s_out), num_warps=GDN_SCAN_WARPS, num_stages=GDN_SCAN_STAGES)
 
 
 # --- the recurrent step (decode, verify) -------------------------------------------------------
@@ -261,13 +281,15 @@ GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one progra
 @lean
 @triton.jit(do_not_specialize=["T", "INDEXED"])
 def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
-                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, INERT: tl.constexpr):
+                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, INERT: tl.constexpr,
+                            STATE_BF16: tl.constexpr):
     # One program per (sequence x head, block of value columns): those columns of the state evolve
     # independently of every other column, head and sequence. The program walks its T tokens in order
     # with the state in registers and writes the state after every token (s_out [n, T, H, DK, DV]).
     # Decode calls it with T=1 per row, the verify with T tokens of one sequence: T is a runtime value
     # (not specialised, not even for 1), so both run the same machine code and a token's step has the
-    # same bits either way (between calls the fp32 state round-trips through memory exactly).
+    # same bits either way: the state carried to the next token is the one stored (rounded to the state's
+    # dtype, GdnConfig.state_dtype, a no-op for fp32), which the next decode call would load.
     # INDEXED (runtime too, for the same reason): sequence n's state is s[s_rows[n]] and its states go
     # to s_out[s_rows[n]], so a decode updates a pool's slots in place. That is safe because a program
     # reads its whole slice of the state before it writes that slice, and no other program touches it.
@@ -285,7 +307,7 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
     mk, mv = ck < DK, cv < DV
     m2 = mk[:, None] & mv[None, :]
     m2 = both(m2, live)
-    s = tl.load(s_ptr + (at * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0)  # [DK, BDV]
+    s = tl.load(s_ptr + (at * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0).to(tl.float32)
     for t in range(T):
         row = (n * T + t) * H + h  # token t of sequence n, head h
         k = tl.load(k_ptr + row * DK + ck, mask=mk, other=0.0)
@@ -296,6 +318,7 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
         delta = (v - predicted) * tl.load(beta_ptr + row)
         s = s + k[:, None] * delta[None, :]
         tl.store(o_ptr + row * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
+        s = _as_stored(s, STATE_BF16)  # carried on as stored, so the next token steps as a decode call would
         tl.store(s_out_ptr + ((at * T + t) * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
 
 
@@ -310,22 +333,23 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     if n * t * h:
         grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
         _delta_rule_scan_kernel[grid](*args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None),
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT)
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT,
+                                      STATE_BF16=_bf16(s_out))
     return o
 
 
 def delta_rule_scan(q, k, v, beta, g, s):
     """n sequences x T tokens of the delta rule, in order. q, k [n, T, H, DK], v [n, T, H, DV],
-    beta, g [n, T, H], s [n, H, DK, DV] (fp32) -> (o [n, T, H, DV], state after each token
-    [n, T, H, DK, DV]). Same contract as reference.delta_rule_scan."""
+    beta, g [n, T, H], s [n, H, DK, DV] (the state's dtype) -> (o [n, T, H, DV] fp32, state after each
+    token [n, T, H, DK, DV] in s's dtype). Same contract as reference.delta_rule_scan."""
     n, t, h, dk = q.shape
     dv = v.shape[-1]
-    s_out = torch.empty(n, t, h, dk, dv, dtype=torch.float32, device=q.device)
+    s_out = torch.empty(n, t, h, dk, dv, dtype=s.dtype, device=q.device)
     return _scan(q, k, v, beta, g, s.reshape(n * h, dk, dv).contiguous(), s_out, None), s_out
 
 
 def delta_rule_step(q, k, v, beta, g, s):
-    """Same contract as reference.delta_rule_step (fp32 throughout): one token for each row of the
+    """Same contract as reference.delta_rule_step (fp32, the state in its own dtype): one token for each row of the
     leading dims — the scan kernel with T = 1, so decode and the verify share its code."""
     dk, dv = q.shape[-1], v.shape[-1]
     lead = q.shape[:-1]
@@ -337,7 +361,7 @@ def delta_rule_step(q, k, v, beta, g, s):
 
 def delta_rule_step_into(q, k, v, beta, g, pool, slots):
     """Same contract as reference.delta_rule_step_into: q, k [B, H, DK], v [B, H, DV], beta, g [B, H];
-    pool [n_slots, H, DK, DV] fp32 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
+    pool [n_slots, H, DK, DV] fp32 or bf16 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
     stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist). A slot
     of INERT_SLOT or more is a padding row's, whose state the kernel leaves alone (memra.kernels.slots)."""
     b, h, dk = q.shape
