@@ -114,6 +114,25 @@ def test_the_interpreted_kernels_carry_the_state_as_they_store_it():
         same_bits(pool[slot], s_solo)
 
 
+def test_the_bf16_decode_tile_that_waits_for_a_gpu_run_keeps_the_promise(monkeypatch):
+    """GDN_BLOCK_DV_BF16 = 64 (the bf16 state's decode tile `gpu_acceptance.sh doors` times against 32): the
+    verify's scan still equals decode steps bit for bit, and the values are the 32-column tile's within a rounding."""
+    from memra.kernels.triton import gdn as gdn_triton
+
+    q, k, v, beta, decay, s0 = _inputs(4, dv=96)
+    args = (q[None], k[None], v[None], beta[None], decay[None], s0[None])
+    o32, states32 = gdn_triton.delta_rule_scan(*args)
+    monkeypatch.setattr(gdn_triton, "GDN_BLOCK_DV_BF16", 64)
+    o, states = gdn_triton.delta_rule_scan(*args)
+    s = s0
+    for j in range(4):
+        oj, s = gdn_triton.delta_rule_step(q[j], k[j], v[j], beta[j], decay[j], s)
+        same_bits(oj, o[0, j])
+        same_bits(s, states[0, j])
+    assert (states.float() - states32.float()).abs().max() <= 2 ** -7 * states32.float().abs().max()
+    assert (o - o32).abs().max() <= 2 ** -7 * o32.abs().max()
+
+
 def test_the_chunk_carry_is_rounded_as_a_cut_would_store_it():
     """Why the prefill rounds between chunks: a prompt cut at a chunk stores the state there and the next piece
     starts from the stored bf16 bits; a one-shot prime that carried the fp32 state past the same chunk instead
@@ -157,6 +176,10 @@ def test_a_bf16_state_keeps_every_promise_on_the_cpu_ops(load_model):
     assert sum(line.endswith(": PASS") for line in lines) == 5  # gate1, gate2, gate3, gate4, liveness
     prompt = list(range(3, 90))
     assert not torch.equal(model.prime(prompt, model.new_cache(128)), fp32.prime(prompt, fp32.new_cache(128)))
+    from memra.gate.train_arm import run_train_battery  # E11: the training forward is the sampler here too
+
+    lines = []
+    assert run_train_battery(model, steps=6, plen=8, out=lines.append), "\n".join(lines)
 
 
 @pytest.mark.slow  # ~1 minute in the interpreter; on a GPU: tests/test_cuda_exact.py's gate with the door

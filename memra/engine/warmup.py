@@ -78,9 +78,9 @@ def warm_engine(engine) -> None:
         held = pools.capacity_bytes / (1 << 30) if pools is not None else 0.0
         engine.shutdown(drain_timeout=0.0)
         release_memory(engine.model.device)
-        raise CaptureMemoryError(f"max_batch {engine.cfg.max_batch}: its captured steps ran out of device memory beside the "
-                         f"cache pools ({held:.1f} GiB); lower --max-batch, or the pools' share (--kv-fraction, "
-                         "--gpu-memory-utilization, --kv-memory)") from None
+        raise CaptureMemoryError(f"max_batch {engine.cfg.max_batch}: its captured steps ran out of device memory "
+                                 f"beside the cache pools ({held:.1f} GiB); lower --max-batch, or the pools' share "
+                                 "(--kv-fraction, --gpu-memory-utilization, --kv-memory)") from None
 
 
 def _prompt(j: int, n: int, vocab: int) -> list[int]:

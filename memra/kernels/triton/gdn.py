@@ -276,6 +276,10 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
 # --- the recurrent step (decode, verify) -------------------------------------------------------
 
 GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
+# ... where the state is stored in bf16: 32 columns are then 64 bytes of a row, not 128. A bf16 state saved the 9B's
+# decode step 1.1 ms of the ~3.3 its bytes promise (docs/PERFORMANCE.md); 64 columns, a row's 128 bytes again,
+# waits for a GPU run (`bash tools/gpu_acceptance.sh doors`). A launch config: decode and the verify share it.
+GDN_BLOCK_DV_BF16 = 32
 
 
 @lean
@@ -331,9 +335,10 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
     rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
     if n * t * h:
-        grid = (n * h, triton.cdiv(dv, GDN_BLOCK_DV))
+        block_dv = GDN_BLOCK_DV_BF16 if _bf16(s_out) else GDN_BLOCK_DV
+        grid = (n * h, triton.cdiv(dv, block_dv))
         _delta_rule_scan_kernel[grid](*args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None),
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT,
+                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=block_dv, INERT=INERT_SLOT,
                                       STATE_BF16=_bf16(s_out))
     return o
 
