@@ -85,6 +85,11 @@ def _serving_model(args: argparse.Namespace):
 
     if (launcher_world_size() or 1) == 1 and (args.pp_size or 1) == 1:
         return load_model(args, args.model)
+    if getattr(args, "settings", None) is not None:  # flags folded into this process's settings: the stages'
+        # processes load from the environment, so they would not see them
+        flag = "--enforce-eager" if args.enforce_eager else "--mamba-ssm-cache-dtype"
+        raise MemraError(f"{flag} is not supported with a process pipeline (--pp-size, torchrun): set its variable "
+                         "in the environment, which every stage reads (MEMRA_CUDA_GRAPHS=0, MEMRA_GDN_STATE_DTYPE)")
     from memra.pp.dist import pipeline_for_serving
 
     return pipeline_for_serving(args.model, args.pp_size or 0, args.device, dtype_of(args.dtype))
