@@ -1,0 +1,73 @@
+"""The GDN decode step's bandwidth at the engine's shapes, with the state in fp32 and in bf16, at each value-column
+tile (run through the device tool, on one GPU):
+
+    python tools/gpu_tune_gdn_step.py [--rows 64,180,256] [--heads 32] [--dk 128] [--dv 128]
+
+A decode step's delta rule reads every row's state and writes it back once (memra.kernels.triton.gdn
+.delta_rule_step_into: the graphed decode's call, in place in a pool), so its floor is 2 x rows x heads x Dk x Dv x
+the state's item size over the read bandwidth. For each row count and state dtype it times one layer's step
+(slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV / GDN_BLOCK_DV_BF16 may take, and prints the
+achieved bandwidth beside the device's read probe. A tile changes which lanes reduce a column's sums over Dk, so
+each tile is its own bits: the table says whether each matches the frozen tile's (a tile with other bits would be a
+new reference for decode and the verify together, never a silent change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_tune_linear import bench  # noqa: E402 - tools/, this script's folder
+from memra.bench.probes import measure_read_bandwidth  # noqa: E402
+from memra.kernels.triton import gdn  # noqa: E402
+
+TILES = (16, 32, 64, 128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="64,180,256")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    a = ap.parse_args()
+    h, dk, dv = a.heads, a.dk, a.dv
+    read = measure_read_bandwidth("cuda")
+    print(f"GDN decode step, {h} heads of {dk} x {dv}, one layer; read probe {read / 1e12:.2f} TB/s")
+    print("  rows  state     tile   us/step    TB/s   of probe   bits as frozen")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (int(r) for r in a.rows.split(",")):
+        q = torch.nn.functional.normalize(torch.randn(rows, h, dk, device="cuda", generator=g), dim=-1) * dk ** -0.5
+        k = torch.nn.functional.normalize(torch.randn(rows, h, dk, device="cuda", generator=g), dim=-1)
+        v = torch.randn(rows, h, dv, device="cuda", generator=g)
+        beta = torch.sigmoid(torch.randn(rows, h, device="cuda", generator=g))
+        decay = -torch.rand(rows, h, device="cuda", generator=g) * 0.2
+        slots = torch.randperm(rows + 8, device="cuda", generator=g)[:rows]
+        for dtype, name in ((torch.float32, "GDN_BLOCK_DV"), (torch.bfloat16, "GDN_BLOCK_DV_BF16")):
+            pool = (torch.randn(rows + 8, h, dk, dv, device="cuda", generator=g) * 0.1).to(dtype)
+            frozen = getattr(gdn, name)
+
+            def step_once():  # -> (o, the stepped pool) at the tile set now
+                stepped = pool.clone()
+                return gdn.delta_rule_step_into(q, k, v, beta, decay, stepped, slots), stepped
+
+            want = step_once()
+            for tile in TILES:
+                setattr(gdn, name, tile)
+                same = all(torch.equal(x, y) for x, y in zip(step_once(), want))
+                work = pool.clone()
+                seconds = bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, work, slots), 1e9)
+                moved = 2 * rows * h * dk * dv * pool.element_size()
+                print(f"  {rows:4d}  {str(dtype)[6:]:8s}  {tile:4d}  {seconds * 1e6:8.1f}  {moved / seconds / 1e12:6.2f}"
+                      f"   {moved / seconds / read:7.0%}   {'yes' if same else 'NO'}"
+                      + ("   (frozen)" if tile == frozen else ""), flush=True)
+            setattr(gdn, name, frozen)
+
+
+if __name__ == "__main__":
+    main()
