@@ -335,11 +335,11 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
     rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
     if n * t * h:
-        block_dv = GDN_BLOCK_DV_BF16 if _bf16(s_out) else GDN_BLOCK_DV
-        grid = (n * h, triton.cdiv(dv, block_dv))
-        _delta_rule_scan_kernel[grid](*args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None),
-                                      BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=block_dv, INERT=INERT_SLOT,
-                                      STATE_BF16=_bf16(s_out))
+        bf16 = _bf16(s_out)
+        block_dv = GDN_BLOCK_DV_BF16 if bf16 else GDN_BLOCK_DV
+        _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, block_dv))](
+            *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), BLOCK_DK=triton.next_power_of_2(dk),
+            BLOCK_DV=block_dv, INERT=INERT_SLOT, STATE_BF16=bf16)
     return o
 
 
