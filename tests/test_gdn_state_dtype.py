@@ -182,6 +182,18 @@ def test_a_bf16_state_keeps_every_promise_on_the_cpu_ops(load_model):
     assert run_train_battery(model, steps=6, plen=8, out=lines.append), "\n".join(lines)
 
 
+def test_the_prefix_cache_and_scoring_keep_their_bits_on_a_bf16_state(load_model):
+    """E8 and E9 within the bf16 state: a prefix-cache hit restores the snapshot stored at the cut (bf16, the
+    bits a cold prime carries past that chunk), and scoring runs the continuation through decode's own step."""
+    from memra.gate.prefix_battery import run_prefix_battery
+    from memra.gate.score_arm import run_score_battery
+
+    model = load_model(hf_dir("qwen3_5")).with_doors(**BF16)
+    lines: list[str] = []
+    assert run_prefix_battery(model, batches=(1, 2), steps=4, out=lines.append), "\n".join(lines)
+    assert run_score_battery(model, steps=6, out=lines.append), "\n".join(lines)
+
+
 @pytest.mark.slow  # ~1 minute in the interpreter; on a GPU: tests/test_cuda_exact.py's gate with the door
 def test_a_bf16_state_keeps_its_bits_on_the_gpu_kernel_table(monkeypatch):
     """E5 and the decode after it on the GPU's kernels (Triton's interpreter): the recurrent step and the
