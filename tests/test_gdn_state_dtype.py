@@ -24,6 +24,7 @@ from memra.config.from_hf import from_hf_config
 from memra.errors import ConfigError, MemraError
 from memra.gate import run_battery
 from memra.kernels import reference
+from memra.kernels.exact import gdn_prefill_inputs
 from memra.settings import Settings
 
 BF16 = {"MEMRA_GDN_STATE_DTYPE": "bfloat16"}
@@ -34,14 +35,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _inputs(t: int, h: int = 2, dk: int = 32, dv: int = 48, seed: int = 60):
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    q = reference.l2_normalize(rnd(t, h, dk)) * dk ** -0.5
-    k = reference.l2_normalize(rnd(t, h, dk))
-    v, s0 = rnd(t, h, dv), (rnd(h, dk, dv) * 0.1).bfloat16()
-    beta, decay = torch.sigmoid(rnd(t, h)), -torch.rand(t, h, generator=g) * 0.5
-    return q, k, v, beta, decay, s0
+def _inputs(t: int, h: int = 2, dk: int = 32, dv: int = 48):
+    """gdn_prefill_inputs (the kernels' own checks' arguments) on the CPU, the state stored in bf16."""
+    q, k, v, beta, decay, s0 = gdn_prefill_inputs(t, h, dk, dv, device="cpu", seed=60)
+    return q, k, v, beta, decay, s0.bfloat16()
 
 
 def test_the_checkpoint_names_the_state_dtype_and_the_door_overrides_it():
