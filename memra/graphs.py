@@ -114,10 +114,10 @@ class StaticDecode:
         self.model, self.kv, self.rec, self.bucket, self.nb = model, kv, rec, bucket, nb
         dev = model.device
         self.args = torch.zeros(bucket, 3 + nb, dtype=torch.long, device=dev)
-        # one buffer for the bucket's table widths over these pools (one engine's), cloned out after each replay
+        # one buffer for the bucket's table widths over these pools (one engine's), widened out after each replay
         key = (bucket, id(kv))
-        if key not in model.decode_logits:
-            model.decode_logits[key] = torch.zeros(bucket, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        if key not in model.decode_logits:  # in the head's dtype: widened as it is read out
+            model.decode_logits[key] = torch.zeros(bucket, model.cfg.vocab_size, dtype=model.dtype, device=dev)
         self.logits = model.decode_logits[key]
         if dev.type == "cuda":
             model.decode_graph_pool = capture_pool(model.decode_graphs, model.decode_graph_pool)
@@ -126,14 +126,13 @@ class StaticDecode:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def body(self) -> torch.Tensor:
-        """The decode step of every row, from `args` alone -> logits [Bp, V] fp32 (into self.logits)."""
+        """The decode step of every row, from `args` alone -> logits [Bp, V] in the head's dtype (into self.logits)."""
         m = self.model
         step = table_step(m, self.kv, self.rec, self.args[:, 1:], self.offsets, self.starts)
         h = m.embed_tokens(self.args[:, 0])
         for block in m.blocks:
             h = block.forward_stacked(h, step)
-        self.logits.copy_(m.logits(m.norm_out(h)))
-        return self.logits
+        return held(self.logits, m.head_logits(m.norm_out(h)))
 
     def fill(self, ids: torch.Tensor, caches: list[Cache], scratch: tuple[int, int | None] | None) -> None:
         """Write the rows' inputs (live rows first, then inert padding on the pools' scratch block and
@@ -152,7 +151,26 @@ class StaticDecode:
         """The step for these rows -> their logits [B, V], replayed (or first captured: run_static)."""
         self.fill(ids, caches, scratch)
         run_static(self, self.model.decode_graph_pool)
-        return self.logits[: len(caches)].clone()  # the buffer is overwritten by the next run
+        return widened(self.logits[: len(caches)])  # the buffer is overwritten by the next run
+
+
+def held(buffer: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A captured step's logits [R, V] (the head's dtype) into its shared buffer -> the buffer. Same dtype, or
+    loudly not: a copy would round them silently."""
+    assert logits.dtype == buffer.dtype, f"the head gave {logits.dtype} logits for a {buffer.dtype} buffer"
+    return buffer.copy_(logits)
+
+
+def widened(*rows: torch.Tensor) -> torch.Tensor:
+    """Row ranges of a captured step's logits buffer, read out as one new fp32 tensor [sum of rows, V]: the copy
+    that frees the buffer for the next replay and the widening (exact) in one pass over the head's bf16, where
+    the fp32 logits used to be made in the graph, copied into an fp32 buffer and cloned out: three passes."""
+    out = torch.empty(sum(r.shape[0] for r in rows), rows[0].shape[-1], dtype=torch.float32, device=rows[0].device)
+    at = 0
+    for r in rows:
+        out[at : at + r.shape[0]].copy_(r)
+        at += r.shape[0]
+    return out
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

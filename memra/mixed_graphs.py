@@ -52,6 +52,7 @@ from memra.graphs import (
     capture_pool,
     graph_key,
     graphable,
+    held,
     host_rows,
     run_static,
     scratch_of,
@@ -59,6 +60,7 @@ from memra.graphs import (
     step_blocks,
     table_blocks,
     table_step,
+    widened,
 )
 from memra.kernels.pieces import ATTENTION_TILE, AttentionPieces, RecurrentPieces, recurrent_rows
 from memra.kernels.reference import GDN_CHUNK
@@ -100,7 +102,7 @@ class StaticMixed:
         dev = model.device
         self.buf = torch.zeros(n, dtype=torch.long, device=dev)
         if b not in model.mixed_logits:  # shared by the bucket's token buckets: read out after each replay
-            model.mixed_logits[b] = torch.zeros(b + p, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+            model.mixed_logits[b] = torch.zeros(b + p, model.cfg.vocab_size, dtype=model.dtype, device=dev)
         self.logits = model.mixed_logits[b]
         self.offsets = torch.arange(BLOCK_SIZE, device=dev)  # [BLOCK]
         self.starts = torch.arange(b, device=dev) * (self.decode_nb * BLOCK_SIZE)  # decode row r's prefix in its flat rows
@@ -112,7 +114,8 @@ class StaticMixed:
         return buf[a:b]
 
     def body(self) -> torch.Tensor:
-        """The mixed step of every row, from `buf` alone -> logits [Bp + PIECES, V] fp32 (into self.logits)."""
+        """The mixed step of every row, from `buf` alone -> logits [Bp + PIECES, V] in the head's dtype (into
+        self.logits)."""
         m, p, width = self.model, PIECES, self.nb * BLOCK_SIZE
         view = lambda name: self._view(self.buf, name)  # noqa: E731
         step = table_step(m, self.kv, self.rec, view("rows").view(self.bucket, -1), self.offsets, self.starts)
@@ -126,8 +129,7 @@ class StaticMixed:
         h = m.embed_tokens(view("ids"))
         for block in m.blocks:
             h = block.forward_mixed(h, step, wave)
-        self.logits.copy_(m.logits(m.norm_out(h.index_select(0, view("out")))))
-        return self.logits
+        return held(self.logits, m.head_logits(m.norm_out(h.index_select(0, view("out")))))
 
     def fill(self, ids: torch.Tensor, dec_caches: list[Cache], pieces: list[torch.Tensor], pre_caches: list[Cache],
              scratch: tuple[int, int | None]) -> None:
@@ -181,7 +183,7 @@ class StaticMixed:
         self.fill(ids, dec_caches, pieces, pre_caches, scratch)
         run_static(self, pool)
         b, bp = len(dec_caches), self.bucket
-        got = torch.cat((self.logits[:b], self.logits[bp : bp + len(pieces)]))  # the buffer is the next run's
+        got = widened(self.logits[:b], self.logits[bp : bp + len(pieces)])  # the buffer is the next run's
         return got[:b], list(got[b:])
 
 

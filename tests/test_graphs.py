@@ -55,6 +55,21 @@ def test_buckets_and_table_widths():
     assert table_blocks(1) == 16 and table_blocks(256) == 16 and table_blocks(257) == 32 and table_blocks(4096) == 256
 
 
+def test_a_captured_steps_logits_are_kept_in_the_heads_dtype_and_widened_once_on_read_out():
+    """The buffer holds the head's bf16; the read-out is a new fp32 tensor with the widened bits (exact), the
+    rows of several ranges in order, and no view of the buffer the next replay overwrites. A head of another
+    dtype than its buffer is refused: the copy would round its logits."""
+    buffer = torch.randn(6, 50).to(torch.bfloat16)
+    got = graphs.widened(buffer[:2], buffer[4:5])
+    assert got.dtype == torch.float32 and _bits(got, torch.cat((buffer[:2], buffer[4:5])).float())
+    buffer.zero_()
+    assert got.abs().sum() > 0  # its own memory
+    fp32 = torch.randn(3, 50)
+    assert graphs.widened(fp32).data_ptr() != fp32.data_ptr()  # an fp32 head's buffer is copied out all the same
+    with pytest.raises(AssertionError, match="float32 logits for a torch.bfloat16 buffer"):
+        graphs.held(buffer, fp32)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
 def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch):
     """The graph's body (block tables, slots by index, flat prefix rows) against _decode_stacked,
@@ -68,7 +83,7 @@ def test_static_step_run_eagerly_is_the_stacked_step(load_model, arch):
         ids = torch.tensor(toks, device=model.device)
         want = _decode_stacked(model, ids, eager)
         static.fill(ids, static_caches, None)
-        got = static.body()[:3].clone()
+        got = graphs.widened(static.body()[:3])
         for c in static_caches:
             c.pos += 1
         assert _bits(got, want)
@@ -133,7 +148,7 @@ def test_rows_within_one_split_take_a_narrower_table_with_the_same_bits(load_mod
         got = []
         for static, caches in zip(statics, (wide, narrow)):
             static.fill(ids, caches, None)
-            got.append(static.body()[:3].clone())
+            got.append(graphs.widened(static.body()[:3]))
             for c in caches:
                 c.pos += 1
         assert _bits(*got)
@@ -266,7 +281,7 @@ def test_graphed_decode_after_the_state_pool_grows_equals_eager(load_model):
 
 def test_a_buckets_table_widths_share_one_logits_buffer_and_closing_drops_it(load_model):
     """The decode statics of one bucket over one engine's pools (a narrow and a full table width) write one
-    logits buffer, cloned out after each replay, and their captures share one memory pool (memra.graphs): a
+    logits buffer (the head's dtype), widened out after each replay, and their captures share one memory pool (memra.graphs): a
     512-row Qwen3.5-9B engine on an H100 ran out of memory while capturing, its buckets' private pools and
     per-width buffers holding ~7 GiB. Dropping the pools' graphs drops their buffers."""
     loaded = load_model(hf_dir("llama"))

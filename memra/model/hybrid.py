@@ -242,12 +242,17 @@ class HybridModel:
         return self.ops.rms_norm(h, self.final_norm, self.cfg.norm_eps, self.cfg.zero_centered_norm)
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
-        """[T, E] -> [T, V] fp32 (soft-capped in the model dtype first where the model caps them, as its
-        reference does)."""
+        """[T, E] -> [T, V] fp32: head_logits widened (exactly)."""
+        return self.head_logits(h_normed).float()
+
+    def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, V] in the head's own dtype (the model's: bf16 on a GPU), soft-capped in it where the model
+        caps them, as its reference does. A captured step keeps these, half fp32's bytes, and widens them once as
+        it reads them out (memra.graphs.widened)."""
         out = self.ops.linear(h_normed, self.lm_head)
         if self.cfg.final_softcap is not None:
             out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
-        return out.float()
+        return out
 
     # --- the public step API (its front: memra.step) ---
     def pools(self, layer_devices: dict[int, torch.device] | None = None) -> ModelPools:
