@@ -85,6 +85,7 @@ class Settings:
     gdn_kernel: bool = True
     sample_kernel: bool = True
     sample_split: bool = True  # the batch sampler's rows over several programs each (triton.sampling.split_span)
+    sample_prune: bool = False  # its blocks that cannot hold a row's best skip their exact fp64 scores
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
@@ -140,6 +141,7 @@ class Settings:
             gdn_kernel=flag(e, "MEMRA_GDN_KERNEL", True),
             sample_kernel=flag(e, "MEMRA_SAMPLE_KERNEL", True),
             sample_split=flag(e, "MEMRA_SAMPLE_SPLIT", True),
+            sample_prune=flag(e, "MEMRA_SAMPLE_PRUNE", False),
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
@@ -199,6 +201,7 @@ class Settings:
         on = lambda b: "1" if b else "0"  # noqa: E731
         return {"MEMRA_EXACT": on(self.exact), "MEMRA_TRITON": on(self.triton), "MEMRA_GDN_KERNEL": on(self.gdn_kernel),
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
+                "MEMRA_SAMPLE_PRUNE": on(self.sample_prune),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
                 "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
                 "MEMRA_MOE_FRONT": on(self.moe_front),
@@ -237,6 +240,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
     ("MEMRA_SAMPLE_SPLIT", "1", "that launch walks each row's vocabulary in parts, one program a part (more parts the "
      "fewer the rows, none past 1,024 rows), and a second launch keeps each row's best: the same tokens; at one row "
      "of a 248k vocabulary 0.16 ms a call against 0.74 on an H100; 0 = one program a row"),
+    ("MEMRA_SAMPLE_PRUNE", "0", "1 = in that launch, a sampled row's block of 1,024 entries whose fp32 scores, with "
+     "a margin wider than their error, stay below the row's best so far skips the exact fp64 scores (two fp64 logs "
+     "an entry): the same tokens (memra.kernels.triton.sampling); off until a GPU run shows it faster"),
     ("MEMRA_ROPE_TILE", "1", "the fused RoPE and K/V write (memra.kernels.triton.rope) with 8 heads a program, so a "
      "wave of many tokens launches fewer, larger programs (the same bits); 0 = one head a program"),
     ("MEMRA_ATTN_SHORT_ROWS", "0", "1 = in a decode attention launch split at fixed positions (a row past 512 "

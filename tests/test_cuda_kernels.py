@@ -107,8 +107,10 @@ def test_batch_sampler_at_full_vocabulary():
     wrong = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
     assert not wrong, f"{len(wrong)}/128 rows differ from device_sample, e.g. rows {wrong[:8]}"
     split = KernelTable.build("cuda", Settings(sample_split=True))  # MEMRA_SAMPLE_SPLIT: parts, then the combine
+    pruned = KernelTable.build("cuda", Settings(sample_split=True, sample_prune=True))  # MEMRA_SAMPLE_PRUNE
     for rows in (slice(0, 1), slice(1, 4), slice(None)):  # 1 and 3 rows: many parts a row; 128: eight
         assert split.sample_batch(logits[rows], specs[rows]).tolist() == want[rows], f"split rows {rows}"
+        assert pruned.sample_batch(logits[rows], specs[rows]).tolist() == want[rows], f"pruned rows {rows}"
 
 
 @torch.inference_mode()

@@ -71,3 +71,29 @@ def test_split_span_follows_the_rows():
     assert -(-128_256 // sample_triton.split_span(256, 128_256)) == 4  # 4 parts a row: 1,024 programs
     assert sample_triton.split_span(2048, 128_256) >= 128_256  # rows enough: one part
     assert sample_triton.split_span(1, 3_000) >= 3_000  # under SPLIT_MIN_BLOCKS blocks: one part
+
+
+def test_pruned_walk_chooses_device_samples_tokens_and_skips_blocks():
+    """MEMRA_SAMPLE_PRUNE: blocks whose fp32 ceiling stays below the row's best skip the exact fp64 scores. The
+    same token as device_sample in every row (ties, a masked-off stretch, filters, a tiny and a large temperature,
+    greedy rows, split or not); the count of skipped blocks proves the skip ran; with a negative slack (the
+    canary: blocks skipped that could hold the best) the tokens change."""
+    g = torch.Generator().manual_seed(3)
+    v = 20_000
+    logits = (torch.randn(9, v, generator=g) * 3).to(DEVICE)
+    logits[1, [700, 15_000]] = logits[1].max() + 40  # a tie far above the rest: the noise decides
+    logits[2, :12_000] = float("-inf")  # blocks with nothing allowed
+    logits[5] = logits[5] * 1e-3  # flat: the noise decides, blocks seldom skip
+    specs = [DevSamp(1.0, 7, 3), DevSamp(0.7, 11, 3), DevSamp(1.3, 5, 0), DevSamp(0.0, 0, 0),
+             DevSamp(1e-6, 3, 3), DevSamp(1.0, 2**63 + 1, 2**40), DevSamp(0.9, 4, 1, top_k=40),
+             DevSamp(1.1, 8, 2, top_p=0.8), DevSamp(4.0, 1, 9, min_p=0.05)]
+    for step in range(3):
+        specs = [DevSamp(s.temperature, s.seed, s.ctr + step, s.top_k, s.top_p, s.min_p) for s in specs]
+        want = [int(device_sample(logits[i], s)) for i, s in enumerate(specs)]
+        for split in (False, True):
+            skipped = []
+            assert sample_triton.sample_batch(logits, specs, split, prune=True, skipped=skipped).tolist() == want
+            counts = skipped[0].cpu()
+            assert counts[0].sum() > 0 and counts[3].sum() == 0  # a plain row skips; a greedy row never
+    canary = sample_triton.sample_batch(logits, specs, prune=True, slack=-100.0).tolist()
+    assert canary != want, "blocks that could hold the best were skipped and no token changed: the skip is dead"

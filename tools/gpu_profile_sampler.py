@@ -5,7 +5,8 @@ with those doors runs (run through the device tool):
     python tools/gpu_profile_sampler.py [--batch 128] [--vocab 248320] [--reps 5]
 
 and the one launch against its split form (MEMRA_SAMPLE_SPLIT=1: a row's vocabulary in parts, then a
-combine), plain seeded rows at each batch size, CUDA-event timed:
+combine) and the split form pruned (MEMRA_SAMPLE_PRUNE=1: blocks that cannot hold a row's best skip the exact
+scores), plain seeded rows at each batch size, CUDA-event timed:
 
     python tools/gpu_profile_sampler.py --split --batches 1,16,64,128,256,512 --vocabs 128256,248320
 
@@ -39,17 +40,21 @@ def timed_ms(fn, reps: int) -> float:
 
 
 def split_table(batches: list[int], vocabs: list[int], reps: int) -> None:
-    """Plain seeded rows (the throughput run's): the one launch against the split one, ms a call."""
-    whole = KernelTable.build("cuda", Settings())
+    """Plain seeded rows (the throughput run's): the one launch against the split one and the split one pruned,
+    ms a call, on logits of a real model's spread (N(0, 4)) and on flat ones (N(0, 0.01): a random-weight model's,
+    where the noise decides and fewer blocks skip)."""
+    whole = KernelTable.build("cuda", Settings(sample_split=False))
     split = KernelTable.build("cuda", Settings(sample_split=True))
-    print(f"| vocabulary | rows | one launch, ms | split, ms | ratio | same tokens |  ({torch.cuda.get_device_name()})")
-    print("|---|---|---|---|---|---|")
+    pruned = KernelTable.build("cuda", Settings(sample_split=True, sample_prune=True))
+    print(f"| vocabulary | logits | rows | one launch, ms | split, ms | split + pruned, ms | same tokens |  "
+          f"({torch.cuda.get_device_name()})")
+    print("|---|---|---|---|---|---|---|")
     for v in vocabs:
-        for b in batches:
-            logits = torch.randn(b, v, device="cuda", generator=torch.Generator(device="cuda").manual_seed(b)) * 4
+        for b, scale in ((b, s) for b in batches for s in (4.0, 0.01)):
+            logits = torch.randn(b, v, device="cuda", generator=torch.Generator(device="cuda").manual_seed(b)) * scale
             specs = [DevSamp(1.0, 1000 + i, 7 * i) for i in range(b)]
             ms = []
-            for table in (whole, split):
+            for table in (whole, split, pruned):
                 table.sample_batch(logits, specs)  # compile and warm
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -58,8 +63,9 @@ def split_table(batches: list[int], vocabs: list[int], reps: int) -> None:
                 end.record()
                 torch.cuda.synchronize()
                 ms.append(start.elapsed_time(end) / reps)
-            same = torch.equal(whole.sample_batch(logits, specs), split.sample_batch(logits, specs))
-            print(f"| {v:,} | {b} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[0] / ms[1]:.2f}x | {same} |")
+            tokens = [t.sample_batch(logits, specs) for t in (whole, split, pruned)]
+            same = torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])
+            print(f"| {v:,} | N(0, {scale:g}) | {b} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {same} |")
 
 
 def main() -> None:

@@ -92,6 +92,7 @@ class KernelTable:
     gdn_kernel: bool  # GDN's chunked prefill in Triton (MEMRA_GDN_KERNEL)
     sample_kernel: bool  # a batch's seeded sampling in one Triton launch (MEMRA_SAMPLE_KERNEL)
     sample_split: bool = True  # its rows' vocabularies in parts, then a combine launch (MEMRA_SAMPLE_SPLIT)
+    sample_prune: bool = False  # blocks that cannot hold a row's best skip the exact scores (MEMRA_SAMPLE_PRUNE)
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
@@ -120,7 +121,7 @@ class KernelTable:
                    batched_logprobs=cuda and settings.batched_logprobs,
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
-                   sample_split=settings.sample_split, rope_tile=settings.rope_tile,
+                   sample_split=settings.sample_split, sample_prune=settings.sample_prune, rope_tile=settings.rope_tile,
                    attn_short_rows=settings.attn_short_rows, moe_fused_act=settings.moe_fused_act,
                    moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
                    qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
@@ -356,7 +357,7 @@ class KernelTable:
         device_sample row by row. On an H200 the launch gave device_sample's token in 128 of 128 rows of a
         248k vocabulary, in 5.8 ms against 45 ms row by row."""
         if self.sample_kernel and self._gpu(logits):
-            return triton_module("sampling").sample_batch(logits, list(samps), self.sample_split)
+            return triton_module("sampling").sample_batch(logits, list(samps), self.sample_split, self.sample_prune)
         return torch.stack([device_sample(row, s) for row, s in zip(logits, samps)])
 
     def moe_route(self, router_logits, top_k, normalize, dtype, bias=None):
