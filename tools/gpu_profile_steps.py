@@ -1,7 +1,7 @@
 """Where one decode step's and one mixed step's time goes at scale, on the engine's own path (its captured
 graphs and exact kernels, the default doors), run through the device tool:
 
-    python tools/gpu_profile_steps.py [--model random:llama-3-8b] [--rows 256] [--prompt 160] [--new 16] [--steps 8]
+    python tools/gpu_profile_steps.py [--model random:llama-3-8b] [--rows 256] [--prompt 160] [--new 16] [--steps 8] [--top 12]
 
 1. `rows` requests of `prompt` tokens start and run until a step is a pure decode step; the next `steps`
    decode steps are profiled (torch.profiler records the kernels of replayed graphs too).
@@ -12,8 +12,8 @@ For each kind it prints the wall time per step (under the profiler), the GPU ker
 top kernels by time with their share of the step. The matmul kernels (the linears) are summed into one line
 with their achieved TFLOP/s and share of the dense bf16 peak: 2 x the trunk's linear weights x the step's
 tokens, plus the lm_head's rows. The two kernels whose bytes are known from the step's rows (`read_bytes`) get
-their achieved read rate and share of the probed read bandwidth: GDN's state step (each live row's fp32 state
-read and written, every GDN layer) and decode attention with its combine (each decode row's K and V over its
+their achieved read rate and share of the probed read bandwidth: GDN's state step (each live row's state read and
+written, every GDN layer) and decode attention with its combine (each decode row's K and V over its
 context, every attention layer). A profiler, not a benchmark: `memra bench throughput` gives the rates.
 """
 
@@ -45,13 +45,14 @@ def linear_weights(model) -> tuple[int, int]:
 
 def read_bytes(cfg, rows: float, contexts: float) -> dict[str, float]:
     """Bytes a step's memory-bound kernels must move, by kernel name: GDN's state step reads and writes each
-    row's fp32 state [Hv, Dk, Dv] in every GDN layer; decode attention reads each decode row's K and V (bf16)
-    over its context in every attention layer (`contexts`: the decode rows' positions summed)."""
+    row's state [Hv, Dk, Dv] (fp32 or bf16: GdnConfig.state_dtype) in every GDN layer; decode attention reads
+    each decode row's K and V (bf16) over its context in every attention layer (`contexts`: the decode rows'
+    positions summed)."""
     kinds = cfg.mixers
     out = {}
     if cfg.gdn is not None:
         g = cfg.gdn
-        out["_delta_rule_scan_kernel"] = rows * kinds.count("gdn") * g.n_v_heads * g.k_head_dim * g.v_head_dim * 4 * 2
+        out["_delta_rule_scan_kernel"] = rows * kinds.count("gdn") * g.n_v_heads * g.k_head_dim * g.v_head_dim * g.state_torch_dtype.itemsize * 2
     a = cfg.attn
     out["_decode_attention_kernel"] = contexts * kinds.count("attention") * a.n_kv_heads * a.head_dim * 2 * 2
     return out
@@ -94,7 +95,7 @@ def drive(engine, want: str, steps: int, limit: int = 2000) -> tuple[list, float
 
 
 def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: int, weights, peak,
-           moved: dict[str, float] | None = None, bandwidth: float | None = None) -> list[str]:
+           moved: dict[str, float] | None = None, bandwidth: float | None = None, top: int = 12) -> list[str]:
     # kernels and copies only: a CPU op (aten::copy_, aten::cat) also carries the device time it launched
     cuda = [e for e in events if e.device_type.name == "CUDA" and getattr(e, "self_device_time_total", 0) > 0]
     total_us = max(sum(e.self_device_time_total for e in cuda) / steps, 1e-9)
@@ -110,7 +111,7 @@ def report(kind: str, events, wall_s: float, rows: float, tokens: float, steps: 
         lines.append(f"  linears (matmul kernels, {len(lin)} names): {lin_us / 1e3:.2f} ms/step, "
                      f"{100 * lin_us / total_us:.0f}% of the kernels, {tf:.0f} TFLOP/s{share}")
     lines.append(f"  {'kernel':<70} {'ms/step':>8} {'share':>6} {'calls/step':>10}  read rate")
-    for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:12]:
+    for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:top]:
         us = e.self_device_time_total / steps
         rate = ""
         if moved and bandwidth and e.key in moved:
@@ -127,6 +128,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=160)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=12, help="kernels listed a step, the longest first")
     args = ap.parse_args()
     bandwidth = measure_read_bandwidth("cuda")  # first: its 4 GiB tensor before the model and its pools
     torch.cuda.empty_cache()
@@ -146,7 +148,7 @@ def main() -> None:
         # yet (no output), which counted them as none and halved the attention's bytes
         events, wall, rows, tokens, ran, contexts = drive(engine, kind, args.steps)
         moved = read_bytes(model.cfg, rows, contexts)
-        return report(kind, events, wall, rows, tokens, ran, weights, peak, moved, bandwidth)
+        return report(kind, events, wall, rows, tokens, ran, weights, peak, moved, bandwidth, args.top)
 
     out += profiled("decode")
     for i in range(args.new):
