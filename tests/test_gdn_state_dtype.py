@@ -111,16 +111,18 @@ def test_the_interpreted_kernels_carry_the_state_as_they_store_it():
         same_bits(pool[slot], s_solo)
 
 
-def test_the_bf16_decode_tile_that_waits_for_a_gpu_run_keeps_the_promise(monkeypatch):
-    """GDN_BLOCK_DV_BF16 = 64 (the bf16 state's decode tile `gpu_acceptance.sh doors` times against 32): the
-    verify's scan still equals decode steps bit for bit, and the values are the 32-column tile's within a rounding."""
+def test_the_decode_tile_keeps_the_promise_on_a_bf16_state(monkeypatch):
+    """GDN_BLOCK_DV = 64 (the decode step's tile, against the earlier 32) on a bf16 state, with a partial last tile:
+    the verify's scan equals decode steps bit for bit, and the values are the 32-column tile's within a rounding."""
     from memra.kernels.triton import gdn as gdn_triton
 
+    assert gdn_triton.GDN_BLOCK_DV == 64
     q, k, v, beta, decay, s0 = _inputs(4, dv=96)
     args = (q[None], k[None], v[None], beta[None], decay[None], s0[None])
-    o32, states32 = gdn_triton.delta_rule_scan(*args)
-    monkeypatch.setattr(gdn_triton, "GDN_BLOCK_DV_BF16", 64)
     o, states = gdn_triton.delta_rule_scan(*args)
+    monkeypatch.setattr(gdn_triton, "GDN_BLOCK_DV", 32)
+    o32, states32 = gdn_triton.delta_rule_scan(*args)
+    monkeypatch.setattr(gdn_triton, "GDN_BLOCK_DV", 64)
     s = s0
     for j in range(4):
         oj, s = gdn_triton.delta_rule_step(q[j], k[j], v[j], beta[j], decay[j], s)

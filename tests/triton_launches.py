@@ -372,22 +372,15 @@ def drive_doors(table) -> None:
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
     # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size
-    from memra.kernels.triton import gdn
-
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
     table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),
                       torch.zeros(2, 128, 128), 0)
     # MEMRA_GDN_STATE_DTYPE=bfloat16: the scan and the recurrent step with the state stored in bf16
     state = torch.zeros(2, 128, 128, dtype=torch.bfloat16)
     table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2), state, 0)
-    saved = gdn.GDN_BLOCK_DV_BF16
-    try:
-        for block_dv in (32, 64):  # the frozen tile and the one `gpu_acceptance.sh doors` times
-            gdn.GDN_BLOCK_DV_BF16 = block_dv
-            table.delta_rule_step(qk[0, :3], qk[1, :3], torch.randn(3, 2, 128), torch.rand(3, 2), -torch.rand(3, 2),
-                                  state.expand(3, -1, -1, -1).contiguous())
-    finally:
-        gdn.GDN_BLOCK_DV_BF16 = saved
+    for s in (state, state.float()):  # the decode step at the 9B's head size, its state in either dtype
+        table.delta_rule_step(qk[0, :3], qk[1, :3], torch.randn(3, 2, 128), torch.rand(3, 2), -torch.rand(3, 2),
+                              s.expand(3, -1, -1, -1).contiguous())
     for dtype in (torch.bfloat16, torch.float32):
         w_gate_up, w_down = torch.randn(16, 64, 64).to(dtype), torch.randn(16, 64, 32).to(dtype)
         for rows in (1, 40):  # a tile per pair; tiles per expert

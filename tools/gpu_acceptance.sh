@@ -9,10 +9,10 @@
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
 # doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch configs
-#             (tools/gpu_gdn_prefill.py --variants at 4,096 tokens) and its decode step's tiles in fp32 and bf16
-#             (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is,
-#             with the GDN scan at 2 stages, and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16), its
-#             decode step at 32 and at 64 value columns a program; not part of `all`
+#             (tools/gpu_gdn_prefill.py --variants at 4,096 tokens), the batch sampler pruned
+#             (tools/gpu_profile_sampler.py --split), then Qwen3.5-9B's `bench throughput` as it is, with the GDN
+#             scan at 2 stages, with MEMRA_SAMPLE_PRUNE=1, and with the GDN state in bf16
+#             (MEMRA_GDN_STATE_DTYPE=bfloat16) at max_batch 512; not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -66,16 +66,16 @@ run_part() {
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
     doors)
       step gdn_4096 90 "tf32x3|Triton kernel" python3 tools/gpu_gdn_prefill.py --variants
-      step gdn_step 45 "read probe|  64 |  180 |  256 " python3 tools/gpu_tune_gdn_step.py
+      step sampler 40 "^\|" python3 tools/gpu_profile_sampler.py --split --batches 64,256 --vocabs 128256,248320
       # Qwen3.5-9B's throughput as it is, with the scan at 2 stages (a launch constant, not a door: set through
-      # the first argument, NAME=VALUE), and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16) at both
-      # of its decode tiles (--max-batch auto steps down to the bucket whose captured steps fit)
+      # the first argument, NAME=VALUE), with the sampler pruned, and with the GDN state in bf16 at max_batch 512
+      # (at auto's 1,024 the host's work between steps, ~10 ms, left the GPU idle 12% of the time)
       opt='import sys, runpy, memra.kernels.triton.gdn as g; [setattr(g, n, int(v)) for n, v in (a.split("=") for a in sys.argv.pop(1).split(",") if a)]; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
       qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
       step gdn_defaults 110 "$tp_cells" python3 -c "$opt" "" $qwen
       step gdn_scan_stages_2 110 "$tp_cells" python3 -c "$opt" GDN_SCAN_STAGES=2 $qwen
-      MEMRA_GDN_STATE_DTYPE=bfloat16 step gdn_state_bf16 110 "$tp_cells" python3 -m memra $qwen
-      MEMRA_GDN_STATE_DTYPE=bfloat16 step gdn_state_bf16_dv64 110 "$tp_cells" python3 -c "$opt" GDN_BLOCK_DV_BF16=64 $qwen ;;
+      MEMRA_SAMPLE_PRUNE=1 step sample_prune 110 "$tp_cells" python3 -m memra $qwen
+      MEMRA_GDN_STATE_DTYPE=bfloat16 step gdn_state_bf16 110 "$tp_cells" python3 -m memra $qwen --max-batch 512 ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }

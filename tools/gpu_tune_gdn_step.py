@@ -6,7 +6,7 @@ tile (run through the device tool, on one GPU):
 A decode step's delta rule reads every row's state and writes it back once (memra.kernels.triton.gdn
 .delta_rule_step_into: the graphed decode's call, in place in a pool), so its floor is 2 x rows x heads x Dk x Dv x
 the state's item size over the read bandwidth. For each row count and state dtype it times one layer's step
-(slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV / GDN_BLOCK_DV_BF16 may take, and prints the
+(slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV may take, and prints the
 achieved bandwidth beside the device's read probe. A tile changes which lanes reduce a column's sums over Dk, so
 each tile is its own bits: the table says whether each matches the frozen tile's (a tile with other bits would be a
 new reference for decode and the verify together, never a silent change).
@@ -48,9 +48,9 @@ def main() -> None:
         beta = torch.sigmoid(torch.randn(rows, h, device="cuda", generator=g))
         decay = -torch.rand(rows, h, device="cuda", generator=g) * 0.2
         slots = torch.randperm(rows + 8, device="cuda", generator=g)[:rows]
-        for dtype, name in ((torch.float32, "GDN_BLOCK_DV"), (torch.bfloat16, "GDN_BLOCK_DV_BF16")):
+        for dtype in (torch.float32, torch.bfloat16):
             pool = (torch.randn(rows + 8, h, dk, dv, device="cuda", generator=g) * 0.1).to(dtype)
-            frozen = getattr(gdn, name)
+            frozen = gdn.GDN_BLOCK_DV
 
             def step_once():  # -> (o, the stepped pool) at the tile set now
                 stepped = pool.clone()
@@ -58,7 +58,7 @@ def main() -> None:
 
             want = step_once()
             for tile in TILES:
-                setattr(gdn, name, tile)
+                gdn.GDN_BLOCK_DV = tile
                 same = all(torch.equal(x, y) for x, y in zip(step_once(), want))
                 work = pool.clone()
                 seconds = bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, work, slots), 1e9)
@@ -66,7 +66,7 @@ def main() -> None:
                 print(f"  {rows:4d}  {str(dtype)[6:]:8s}  {tile:4d}  {seconds * 1e6:8.1f}  {moved / seconds / 1e12:6.2f}"
                       f"   {moved / seconds / read:7.0%}   {'yes' if same else 'NO'}"
                       + ("   (frozen)" if tile == frozen else ""), flush=True)
-            setattr(gdn, name, frozen)
+            gdn.GDN_BLOCK_DV = frozen
 
 
 if __name__ == "__main__":

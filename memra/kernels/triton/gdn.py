@@ -275,11 +275,12 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
 
 # --- the recurrent step (decode, verify) -------------------------------------------------------
 
-GDN_BLOCK_DV = 32  # value columns of the delta-rule state handled by one program
-# ... where the state is stored in bf16: 32 columns are then 64 bytes of a row, not 128. A bf16 state saved the 9B's
-# decode step 1.1 ms of the ~3.3 its bytes promise (docs/PERFORMANCE.md); 64 columns, a row's 128 bytes again,
-# waits for a GPU run (`bash tools/gpu_acceptance.sh doors`). A launch config: decode and the verify share it.
-GDN_BLOCK_DV_BF16 = 32
+# Value columns of the delta-rule state one program steps, in either state dtype. A launch config that decode and
+# the verify share; a tile is its own bits (which lanes reduce a column over Dk). 64 against the earlier 32 on one
+# H100 (tools/gpu_tune_gdn_step.py, a layer of the 9B at 256 rows): fp32 385 against 420 us, bf16 283 against 359
+# (a bf16 row of 32 columns is 64 bytes); 128 is within 2-3% of 64 either way. Qwen3.5-9B's offline throughput:
+# 7,902 against 7,661 output tok/s (docs/PERFORMANCE.md).
+GDN_BLOCK_DV = 64
 
 
 @lean
@@ -336,10 +337,9 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
     if n * t * h:
         bf16 = _bf16(s_out)
-        block_dv = GDN_BLOCK_DV_BF16 if bf16 else GDN_BLOCK_DV
-        _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, block_dv))](
+        _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, GDN_BLOCK_DV))](
             *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), BLOCK_DK=triton.next_power_of_2(dk),
-            BLOCK_DV=block_dv, INERT=INERT_SLOT, STATE_BF16=bf16)
+            BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16)
     return o
 
 
