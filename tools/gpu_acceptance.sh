@@ -48,7 +48,7 @@ tp_cells="output tokens/s|decode steps  |mixed steps  |exactness|floor on"
 prof_cells="step: |linears"
 run_part() {
   case $1 in
-    suite) step suite 300 "^(graphs|shard)|FAILED|cuda suite" bash tools/gpu_suite.sh 7 280 ;;
+    suite) step suite 330 "^(graphs|shard)|FAILED|cuda suite" bash tools/gpu_suite.sh 7 270 ;;
     throughput)
       step throughput_llama 110 "$tp_cells" $tp random:llama-3-8b
       step throughput_qwen 130 "$tp_cells" $tp random:qwen3.5-9b
