@@ -6,7 +6,8 @@ tile (run through the device tool, on one GPU):
 A decode step's delta rule reads every row's state and writes it back once (memra.kernels.triton.gdn
 .delta_rule_step_into: the graphed decode's call, in place in a pool), so its floor is 2 x rows x heads x Dk x Dv x
 the state's item size over the read bandwidth. For each row count and state dtype it times one layer's step
-(slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV may take, and prints the
+(slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV may take, each at 4 and 8 warps (GDN_STEP_WARPS),
+and prints the
 achieved bandwidth beside the device's read probe. A tile changes which lanes reduce a column's sums over Dk, so
 each tile is its own bits: the table says whether each matches the frozen tile's (a tile with other bits would be a
 new reference for decode and the verify together, never a silent change).
@@ -27,6 +28,7 @@ from memra.bench.probes import measure_read_bandwidth  # noqa: E402
 from memra.kernels.triton import gdn  # noqa: E402
 
 TILES = (16, 32, 64, 128)
+WARPS = (4, 8)
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     h, dk, dv = a.heads, a.dk, a.dv
     read = measure_read_bandwidth("cuda")
     print(f"GDN decode step, {h} heads of {dk} x {dv}, one layer; read probe {read / 1e12:.2f} TB/s")
-    print("  rows  state     tile   us/step    TB/s   of probe   bits as frozen")
+    print("  rows  state     tile  warps   us/step    TB/s   of probe   bits as frozen")
     g = torch.Generator(device="cuda").manual_seed(0)
     for rows in (int(r) for r in a.rows.split(",")):
         q = torch.nn.functional.normalize(torch.randn(rows, h, dk, device="cuda", generator=g), dim=-1) * dk ** -0.5
@@ -50,23 +52,23 @@ def main() -> None:
         slots = torch.randperm(rows + 8, device="cuda", generator=g)[:rows]
         for dtype in (torch.float32, torch.bfloat16):
             pool = (torch.randn(rows + 8, h, dk, dv, device="cuda", generator=g) * 0.1).to(dtype)
-            frozen = gdn.GDN_BLOCK_DV
+            frozen = gdn.GDN_BLOCK_DV, gdn.GDN_STEP_WARPS
 
             def step_once():  # -> (o, the stepped pool) at the tile set now
                 stepped = pool.clone()
                 return gdn.delta_rule_step_into(q, k, v, beta, decay, stepped, slots), stepped
 
             want = step_once()
-            for tile in TILES:
-                gdn.GDN_BLOCK_DV = tile
+            for tile, warps in ((t, w) for t in TILES for w in WARPS):
+                gdn.GDN_BLOCK_DV, gdn.GDN_STEP_WARPS = tile, warps
                 same = all(torch.equal(x, y) for x, y in zip(step_once(), want))
                 work = pool.clone()
                 seconds = bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, work, slots), 1e9)
                 moved = 2 * rows * h * dk * dv * pool.element_size()
-                print(f"  {rows:4d}  {str(dtype)[6:]:8s}  {tile:4d}  {seconds * 1e6:8.1f}  {moved / seconds / 1e12:6.2f}"
-                      f"   {moved / seconds / read:7.0%}   {'yes' if same else 'NO'}"
-                      + ("   (frozen)" if tile == frozen else ""), flush=True)
-            gdn.GDN_BLOCK_DV = frozen
+                print(f"  {rows:4d}  {str(dtype)[6:]:8s}  {tile:4d}  {warps:5d}  {seconds * 1e6:8.1f}"
+                      f"  {moved / seconds / 1e12:6.2f}   {moved / seconds / read:7.0%}   {'yes' if same else 'NO'}"
+                      + ("   (frozen)" if (tile, warps) == frozen else ""), flush=True)
+            gdn.GDN_BLOCK_DV, gdn.GDN_STEP_WARPS = frozen
 
 
 if __name__ == "__main__":

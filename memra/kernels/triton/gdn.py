@@ -281,6 +281,7 @@ def chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, bounds, pieces, stride_slot)
 # (a bf16 row of 32 columns is 64 bytes); 128 is within 2-3% of 64 either way. Qwen3.5-9B's offline throughput:
 # 7,902 against 7,661 output tok/s (docs/PERFORMANCE.md).
 GDN_BLOCK_DV = 64
+GDN_STEP_WARPS = 4  # its warps a program, Triton's default; 8 spreads the [Dk, 64] tile thinner (the tool times both)
 
 
 @lean
@@ -339,7 +340,7 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
         bf16 = _bf16(s_out)
         _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, GDN_BLOCK_DV))](
             *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), BLOCK_DK=triton.next_power_of_2(dk),
-            BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16)
+            BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16, num_warps=GDN_STEP_WARPS)
     return o
 
 
