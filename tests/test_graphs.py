@@ -281,9 +281,9 @@ def test_graphed_decode_after_the_state_pool_grows_equals_eager(load_model):
 
 def test_a_buckets_table_widths_share_one_logits_buffer_and_closing_drops_it(load_model):
     """The decode statics of one bucket over one engine's pools (a narrow and a full table width) write one
-    logits buffer (the head's dtype), widened out after each replay, and their captures share one memory pool (memra.graphs): a
-    512-row Qwen3.5-9B engine on an H100 ran out of memory while capturing, its buckets' private pools and
-    per-width buffers holding ~7 GiB. Dropping the pools' graphs drops their buffers."""
+    logits buffer (the head's dtype), widened out after each replay, and their captures share one memory pool
+    (memra.graphs): a 512-row Qwen3.5-9B engine on an H100 ran out of memory while capturing, its buckets' private
+    pools and per-width buffers holding ~7 GiB. Dropping the pools' graphs drops their buffers."""
     loaded = load_model(hf_dir("llama"))
     model = loaded.with_settings(loaded.settings)  # a fresh view: none of the earlier tests' decode graphs
     kv = kv_pool(model.cfg, 64, model.dtype, model.device)

@@ -178,9 +178,9 @@ def recording_table(launches: Launches, persistent_linear: bool = False, shaped_
                     moe_fused_act: bool = False, moe_fused_gate: bool = False,
                     sample_prune: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
-    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; sample_prune: with MEMRA_SAMPLE_PRUNE=1; rope_tile: with MEMRA_ROPE_TILE=1;
-    attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with
-    MEMRA_MOE_FUSED_GATE=1."""
+    MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; sample_prune: with MEMRA_SAMPLE_PRUNE=1;
+    rope_tile: with MEMRA_ROPE_TILE=1; attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with
+    MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with MEMRA_MOE_FUSED_GATE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
                            sample_split=sample_split, sample_prune=sample_prune, rope_tile=rope_tile,
