@@ -10,10 +10,10 @@
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
 # doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch configs
 #             (tools/gpu_gdn_prefill.py --variants at 4,096 tokens), its decode step's tiles and warps in fp32 and
-#             bf16 (tools/gpu_tune_gdn_step.py), the batch sampler pruned
-#             (tools/gpu_profile_sampler.py --split), then Qwen3.5-9B's `bench throughput` as it is, with the GDN
-#             scan at 2 stages, with MEMRA_SAMPLE_PRUNE=1, and with the GDN state in bf16
-#             (MEMRA_GDN_STATE_DTYPE=bfloat16) at max_batch 512; not part of `all`
+#             bf16 and its graph buckets' padding (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench
+#             throughput` as it is, with the GDN scan at 2 stages, with the batch sampler pruned
+#             (MEMRA_SAMPLE_PRUNE=1), and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16) at max_batch
+#             512; not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -67,8 +67,7 @@ run_part() {
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
     doors)
       step gdn_4096 80 "tf32x3|Triton kernel" python3 tools/gpu_gdn_prefill.py --variants
-      step gdn_step 30 "read probe|^ +(64|180|256) " python3 tools/gpu_tune_gdn_step.py
-      step sampler 25 "^\|" python3 tools/gpu_profile_sampler.py --split --batches 64,256 --vocabs 128256,248320
+      step gdn_step 45 "read probe|^ +(64|180|256|304) " python3 tools/gpu_tune_gdn_step.py
       # Qwen3.5-9B's throughput as it is, with the scan at 2 stages (a launch constant, not a door: set through
       # the first argument, NAME=VALUE), with the sampler pruned, and with the GDN state in bf16 at max_batch 512
       # (at auto's 1,024 the host's work between steps, ~10 ms, left the GPU idle 12% of the time)

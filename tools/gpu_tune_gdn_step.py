@@ -1,16 +1,20 @@
 """The GDN decode step's bandwidth at the engine's shapes, with the state in fp32 and in bf16, at each value-column
 tile (run through the device tool, on one GPU):
 
-    python tools/gpu_tune_gdn_step.py [--rows 64,180,256] [--heads 32] [--dk 128] [--dv 128]
+    python tools/gpu_tune_gdn_step.py [--rows 64,180,256] [--padded-rows 180,304] [--heads 32] [--dk 128] [--dv 128]
 
 A decode step's delta rule reads every row's state and writes it back once (memra.kernels.triton.gdn
 .delta_rule_step_into: the graphed decode's call, in place in a pool), so its floor is 2 x rows x heads x Dk x Dv x
 the state's item size over the read bandwidth. For each row count and state dtype it times one layer's step
 (slots shuffled, as a pool's end up) at the tiles GDN_BLOCK_DV may take, each at 4 and 8 warps (GDN_STEP_WARPS),
-and prints the
-achieved bandwidth beside the device's read probe. A tile changes which lanes reduce a column's sums over Dk, so
-each tile is its own bits: the table says whether each matches the frozen tile's (a tile with other bits would be a
-new reference for decode and the verify together, never a silent change).
+and prints the achieved bandwidth beside the device's read probe. A tile changes which lanes reduce a column's sums
+over Dk, so each tile is its own bits: the table says whether each matches the frozen tile's (a tile with other bits
+would be a new reference for decode and the verify together, never a silent change).
+
+Last, the frozen launch as a captured step makes it: the live rows padded with inert ones up to the graph bucket
+(memra.kernels.slots: a padding row's state is neither read nor written) against the live rows alone. A mixed step's
+GDN step ran at 72% of the read bandwidth against a decode step's 83% (docs/PERFORMANCE.md); this times the padding's
+share of that.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_tune_linear import bench  # noqa: E402 - tools/, this script's folder
 from memra.bench.probes import measure_read_bandwidth  # noqa: E402
+from memra.graphs import bucket_for  # noqa: E402
+from memra.kernels.slots import INERT_SLOT  # noqa: E402
 from memra.kernels.triton import gdn  # noqa: E402
 
 TILES = (16, 32, 64, 128)
@@ -34,6 +40,7 @@ WARPS = (4, 8)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="64,180,256")
+    ap.add_argument("--padded-rows", default="180,304", help="live rows padded to their graph bucket (192, 384)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
@@ -69,6 +76,29 @@ def main() -> None:
                       f"  {moved / seconds / 1e12:6.2f}   {moved / seconds / read:7.0%}   {'yes' if same else 'NO'}"
                       + ("   (frozen)" if (tile, warps) == frozen else ""), flush=True)
             gdn.GDN_BLOCK_DV, gdn.GDN_STEP_WARPS = frozen
+    padded_table(a.padded_rows, h, dk, dv, read, g)
+
+
+def padded_table(rows_list: str, h: int, dk: int, dv: int, read: float, g: torch.Generator) -> None:
+    """The frozen launch over live rows alone, then padded with inert rows to the graph bucket (as a captured
+    decode or mixed step runs it), the live rows' bytes over each time."""
+    print("  rows  bucket  state     live only, us   padded, us   padded's share of the read probe")
+    for rows in (int(r) for r in rows_list.split(",")):
+        bucket = bucket_for(rows) or rows
+        for dtype in (torch.float32, torch.bfloat16):
+            pool = (torch.randn(rows + 8, h, dk, dv, device="cuda", generator=g) * 0.1).to(dtype)
+            slots = torch.randperm(rows + 8, device="cuda", generator=g)[:rows]
+            inert = torch.full((bucket - rows,), INERT_SLOT, device="cuda", dtype=slots.dtype)
+            times = []
+            for n, s in ((rows, slots), (bucket, torch.cat((slots, inert)))):
+                q = torch.nn.functional.normalize(torch.randn(n, h, dk, device="cuda", generator=g), dim=-1)
+                k = torch.nn.functional.normalize(torch.randn(n, h, dk, device="cuda", generator=g), dim=-1)
+                v, beta = torch.randn(n, h, dv, device="cuda", generator=g), torch.rand(n, h, device="cuda", generator=g)
+                decay = -torch.rand(n, h, device="cuda", generator=g) * 0.2
+                times.append(bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, pool, s), 1e9))
+            moved = 2 * rows * h * dk * dv * pool.element_size()
+            print(f"  {rows:4d}  {bucket:6d}  {str(dtype)[6:]:8s}  {times[0] * 1e6:13.1f}  {times[1] * 1e6:11.1f}"
+                  f"   {moved / times[1] / read:7.0%}", flush=True)
 
 
 if __name__ == "__main__":
