@@ -16,7 +16,7 @@ from cuda_marks import cuda_only
 from memra.bench.throughput import ThroughputConfig, prepare, run_on
 from memra.bench.throughput_variants import parse_variants, run_variants, variants_table
 from memra.cli import main
-from memra.engine.batch_size import auto_max_batch, largest_bucket, sequence_bytes
+from memra.engine.batch_size import AUTO_CAP, auto_max_batch, largest_bucket, sequence_bytes
 from memra.engine.step_mix import StepMix, row_bin
 from memra.errors import MemraError
 from memra.graphs import BUCKETS
@@ -63,6 +63,8 @@ def test_auto_max_batch_is_the_largest_bucket_the_budget_holds():
     assert per == 32 * 16 * 32 * 8 * 128 * 2 * 2
     assert auto_max_batch(llama, 510, budget_bytes=int(49.7 * (1 << 30)))[0] == 768  # an H100's 0.8 of the rest
     assert auto_max_batch(llama, 510, budget_bytes=per * 511)[0] == 384
+    batch, said = auto_max_batch(llama, 510, budget_bytes=per * 5000)  # room for 4,096 rows: auto stops at its cap
+    assert batch == AUTO_CAP == 768 and "1024 would fit; auto stops at 768" in said
     hybrid = types.SimpleNamespace(cfg=SHAPES["qwen3.5-9b"](), dtype=torch.bfloat16)
     assert sequence_bytes(hybrid, 16) > sequence_bytes(hybrid, 16) - 1 > 0  # its recurrent slot counts
     with pytest.raises(MemraError, match="--max-batch must be"):

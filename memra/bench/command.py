@@ -275,7 +275,7 @@ def add_throughput_parser(kinds) -> None:
                    help="sampling temperature, each request seeded with seed + its index (default %(default)s)")
     p.add_argument("--max-batch", type=_batch, default=d.max_batch,
                    help="sequences decoded at once, or auto: the largest graph bucket whose sequences (the "
-                        "workload's mean length) fit the KV memory (default %(default)s)")
+                        "workload's mean length) fit the KV memory, at most 768 (default %(default)s)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="N",
                    help="prompt tokens a step takes apart from its decode rows (the scheduler's split budget), or "
                         "0: shared with them; default: the largest captured mixed-step bucket (512, or "
