@@ -104,6 +104,7 @@ class Settings:
     linear_cublas: bool = True  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
     mixed_decode_width: bool = True  # a captured mixed step's decode rows on a table width of their own
     inert_padding: bool = True  # a captured step's padding rows name an inert recurrent slot (memra.kernels.slots)
+    inert_skip: bool = False  # ... whose GDN step programs return at once, their outputs zeros (triton.gdn)
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     admission_order: str = "auto"  # the order waiting requests start in: auto | fcfs | lof (memra.engine.admission)
@@ -161,6 +162,7 @@ class Settings:
             linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", not flag(e, "MEMRA_LINEAR_SHAPED", False)),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", True),
             inert_padding=flag(e, "MEMRA_INERT_PADDING", True),
+            inert_skip=flag(e, "MEMRA_INERT_SKIP", False),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
             admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "auto").strip().lower() or "auto",
@@ -211,7 +213,7 @@ class Settings:
                 "MEMRA_CPU_DECODE": on(self.cpu_decode), "MEMRA_CPU_FLIN": on(self.cpu_flin), "MEMRA_LINEAR_PERSISTENT": on(self.linear_persistent),
                 "MEMRA_LINEAR_SHAPED": on(self.linear_shaped), "MEMRA_LINEAR_CUBLAS": on(self.linear_cublas),
                 "MEMRA_MIXED_DECODE_WIDTH": on(self.mixed_decode_width), "MEMRA_MIXED_TOKENS": str(self.mixed_tokens),
-                "MEMRA_INERT_PADDING": on(self.inert_padding),
+                "MEMRA_INERT_PADDING": on(self.inert_padding), "MEMRA_INERT_SKIP": on(self.inert_skip),
                 "MEMRA_BATCHED_LOGPROBS": on(self.batched_logprobs), "MEMRA_ADMISSION_ORDER": self.admission_order,
                 "MEMRA_GDN_STATE_DTYPE": self.gdn_state_dtype, **self.pp_env}
 
@@ -299,6 +301,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "inert recurrent slot, whose state the Triton GDN and conv step kernels neither read nor write "
      "(memra.kernels.slots); no live row's bits change; 0 = they name the pools' scratch slot, which every padding "
      "row then reads and writes whole"),
+    ("MEMRA_INERT_SKIP", "0", "1 = under MEMRA_INERT_PADDING, the Triton GDN step's programs of an inert row return "
+     "at once, its output zeros, instead of stepping a zero state that nothing reads; no live row's bits change; "
+     "off until a device run shows it faster (tools/gpu_tune_gdn_step.py times the padded launch)"),
     ("MEMRA_MIXED_TOKENS", "512", "the largest prompt-token bucket of a captured mixed step: 512, 1024 or 2048. "
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "

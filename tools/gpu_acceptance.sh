@@ -8,12 +8,10 @@
 # models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
-# doors       what waits for a GPU run, beside its frozen arm in the same call: GDN prefill's launch configs
-#             (tools/gpu_gdn_prefill.py --variants at 4,096 tokens), its decode step's tiles and warps in fp32 and
-#             bf16 and its graph buckets' padding (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench
-#             throughput` as it is, with the GDN scan at 2 stages, with the batch sampler pruned
-#             (MEMRA_SAMPLE_PRUNE=1), and with the GDN state in bf16 (MEMRA_GDN_STATE_DTYPE=bfloat16) at max_batch
-#             512; not part of `all`
+# doors       what waits for a GPU run, beside its frozen arm in the same call: the GDN decode step's tiles and
+#             warps in fp32 and bf16 and its graph buckets' padding, with and without the inert rows' programs
+#             skipped (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
+#             MEMRA_INERT_SKIP=1; not part of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -66,17 +64,11 @@ run_part() {
         --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
     doors)
-      step gdn_4096 80 "tf32x3|Triton kernel" python3 tools/gpu_gdn_prefill.py --variants
-      step gdn_step 45 "read probe|^ +(64|180|256|304) " python3 tools/gpu_tune_gdn_step.py
-      # Qwen3.5-9B's throughput as it is, with the scan at 2 stages (a launch constant, not a door: set through
-      # the first argument, NAME=VALUE), with the sampler pruned, and with the GDN state in bf16 at max_batch 512
-      # (at auto's 1,024 the host's work between steps, ~10 ms, left the GPU idle 12% of the time)
-      opt='import sys, runpy, memra.kernels.triton.gdn as g; [setattr(g, n, int(v)) for n, v in (a.split("=") for a in sys.argv.pop(1).split(",") if a)]; sys.argv[0] = "memra"; runpy.run_module("memra", run_name="__main__")'
+      step gdn_step 50 "read probe|^ +(64|180|256|304) " python3 tools/gpu_tune_gdn_step.py
+      # Qwen3.5-9B's throughput as it is, then with the inert padding rows' GDN programs returning at once
       qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
-      step gdn_defaults 110 "$tp_cells" python3 -c "$opt" "" $qwen
-      step gdn_scan_stages_2 110 "$tp_cells" python3 -c "$opt" GDN_SCAN_STAGES=2 $qwen
-      MEMRA_SAMPLE_PRUNE=1 step sample_prune 110 "$tp_cells" python3 -m memra $qwen
-      MEMRA_GDN_STATE_DTYPE=bfloat16 step gdn_state_bf16 110 "$tp_cells" python3 -m memra $qwen --max-batch 512 ;;
+      step gdn_defaults 110 "$tp_cells" python3 -m memra $qwen
+      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }

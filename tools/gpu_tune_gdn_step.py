@@ -12,8 +12,9 @@ over Dk, so each tile is its own bits: the table says whether each matches the f
 would be a new reference for decode and the verify together, never a silent change).
 
 Last, the frozen launch as a captured step makes it: the live rows padded with inert ones up to the graph bucket
-(memra.kernels.slots: a padding row's state is neither read nor written) against the live rows alone. A mixed step's
-GDN step ran at 72% of the read bandwidth against a decode step's 83% (docs/PERFORMANCE.md); this times the padding's
+(memra.kernels.slots: a padding row's state is neither read nor written) against the live rows alone, and padded
+with the inert rows' programs returning at once (MEMRA_INERT_SKIP, whose live rows' bits it checks). A mixed step's
+GDN step ran at 78% of the read bandwidth against a decode step's 93% (docs/PERFORMANCE.md); this times the padding's
 share of that.
 """
 
@@ -81,24 +82,30 @@ def main() -> None:
 
 def padded_table(rows_list: str, h: int, dk: int, dv: int, read: float, g: torch.Generator) -> None:
     """The frozen launch over live rows alone, then padded with inert rows to the graph bucket (as a captured
-    decode or mixed step runs it), the live rows' bytes over each time."""
-    print("  rows  bucket  state     live only, us   padded, us   padded's share of the read probe")
+    decode or mixed step runs it), then so padded with the inert rows skipped (MEMRA_INERT_SKIP); the live rows'
+    bytes over the padded times."""
+    print("  rows  bucket  state     live only, us   padded, us   skipped, us   of the read probe: padded / skipped"
+          "   live bits")
     for rows in (int(r) for r in rows_list.split(",")):
         bucket = bucket_for(rows) or rows
         for dtype in (torch.float32, torch.bfloat16):
             pool = (torch.randn(rows + 8, h, dk, dv, device="cuda", generator=g) * 0.1).to(dtype)
             slots = torch.randperm(rows + 8, device="cuda", generator=g)[:rows]
             inert = torch.full((bucket - rows,), INERT_SLOT, device="cuda", dtype=slots.dtype)
-            times = []
-            for n, s in ((rows, slots), (bucket, torch.cat((slots, inert)))):
-                q = torch.nn.functional.normalize(torch.randn(n, h, dk, device="cuda", generator=g), dim=-1)
-                k = torch.nn.functional.normalize(torch.randn(n, h, dk, device="cuda", generator=g), dim=-1)
-                v, beta = torch.randn(n, h, dv, device="cuda", generator=g), torch.rand(n, h, device="cuda", generator=g)
-                decay = -torch.rand(n, h, device="cuda", generator=g) * 0.2
-                times.append(bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, pool, s), 1e9))
+            padded = torch.cat((slots, inert))
+            q = torch.nn.functional.normalize(torch.randn(bucket, h, dk, device="cuda", generator=g), dim=-1)
+            k = torch.nn.functional.normalize(torch.randn(bucket, h, dk, device="cuda", generator=g), dim=-1)
+            v, beta = torch.randn(bucket, h, dv, device="cuda", generator=g), torch.rand(bucket, h, device="cuda", generator=g)
+            decay = -torch.rand(bucket, h, device="cuda", generator=g) * 0.2
+            live = [x[:rows] for x in (q, k, v, beta, decay)]
+            outs = [gdn.delta_rule_step_into(q, k, v, beta, decay, pool.clone(), padded, skip)[:rows] for skip in (False, True)]
+            times = [bench(lambda: gdn.delta_rule_step_into(*live, pool, slots), 1e9)]
+            times += [bench(lambda: gdn.delta_rule_step_into(q, k, v, beta, decay, pool, padded, skip), 1e9)
+                      for skip in (False, True)]
             moved = 2 * rows * h * dk * dv * pool.element_size()
             print(f"  {rows:4d}  {bucket:6d}  {str(dtype)[6:]:8s}  {times[0] * 1e6:13.1f}  {times[1] * 1e6:11.1f}"
-                  f"   {moved / times[1] / read:7.0%}", flush=True)
+                  f"  {times[2] * 1e6:12.1f}   {moved / times[1] / read:7.0%} / {moved / times[2] / read:4.0%}"
+                  f"   {'same' if torch.equal(*outs) else 'DIFFER'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class KernelTable:
     sample_prune: bool = False  # blocks that cannot hold a row's best skip the exact scores (MEMRA_SAMPLE_PRUNE)
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
+    inert_skip: bool = False  # the GDN step's programs of an inert padding row return at once (MEMRA_INERT_SKIP)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
     moe_front: bool = False  # router, shared gate and shared gate/up in one decode launch (MEMRA_MOE_FRONT)
@@ -110,7 +111,7 @@ class KernelTable:
 
     @classmethod
     def build(cls, device: torch.device | str, settings) -> "KernelTable":
-        cuda = torch.device(device).type == "cuda"
+        cuda, cpu = torch.device(device).type == "cuda", torch.device(device).type == "cpu"
         triton = cuda and settings.triton and triton_ops() is not None
         persistent = triton and settings.exact and settings.linear_persistent
         if persistent:  # the descriptors' scratch, in the loading thread's context (others install it at launch)
@@ -122,13 +123,11 @@ class KernelTable:
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, sample_prune=settings.sample_prune, rope_tile=settings.rope_tile,
-                   attn_short_rows=settings.attn_short_rows, moe_fused_act=settings.moe_fused_act,
+                   attn_short_rows=settings.attn_short_rows, inert_skip=settings.inert_skip,
+                   moe_fused_act=settings.moe_fused_act,
                    moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
-                   qdot=torch.device(device).type == "cpu" and settings.cpu_qdot,
-                   cpu_ops=(torch.device(device).type == "cpu" and settings.cpu_decode
-                            and cpu_qdot.library() is not None),
-                   flin=(torch.device(device).type == "cpu" and settings.cpu_flin and settings.exact
-                         and cpu_qdot.library() is not None))
+                   qdot=cpu and settings.cpu_qdot, cpu_ops=cpu and settings.cpu_decode and cpu_qdot.library() is not None,
+                   flin=cpu and settings.cpu_flin and settings.exact and cpu_qdot.library() is not None)
 
     # --- ops with no fast twin: elementwise, or never batch-shaped ---
     causal_attention = staticmethod(reference.causal_attention)
@@ -294,7 +293,9 @@ class KernelTable:
         """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool."""
         if self._cpu_gdn(q, q.shape[-1]) and pool.dtype == torch.float32 and pool.is_contiguous():
             return cpu_gdn.step_rows(q, k, v, beta, g, pool, state_slots(slots))  # inert rows: their scratch slot
-        return self._impl(q).delta_rule_step_into(q, k, v, beta, g, pool, slots)
+        impl = self._impl(q)  # the Triton step takes MEMRA_INERT_SKIP; the twin steps an inert row's scratch slot
+        skip = () if impl is reference else (self.inert_skip,)
+        return impl.delta_rule_step_into(q, k, v, beta, g, pool, slots, *skip)
 
     def delta_rule_scan(self, q, k, v, beta, g, s, every: bool = True):  # every=False: the C scan keeps the last
         if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # decode's own step, token after token

@@ -285,9 +285,9 @@ GDN_STEP_WARPS = 4  # its warps a program, Triton's default; 8 spreads the [Dk, 
 
 
 @lean
-@triton.jit(do_not_specialize=["T", "INDEXED"])
+@triton.jit(do_not_specialize=["T", "INDEXED", "SKIP_INERT"])
 def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_ptr, o_ptr, s_out_ptr, T, H, DK, DV,
-                            INDEXED, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, INERT: tl.constexpr,
+                            INDEXED, SKIP_INERT, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, INERT: tl.constexpr,
                             STATE_BF16: tl.constexpr):
     # One program per (sequence x head, block of value columns): those columns of the state evolve
     # independently of every other column, head and sequence. The program walks its T tokens in order
@@ -300,7 +300,9 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
     # to s_out[s_rows[n]], so a decode updates a pool's slots in place. That is safe because a program
     # reads its whole slice of the state before it writes that slice, and no other program touches it.
     # A slot of INERT or past it is a captured step's padding row (memra.kernels.slots): its state is neither
-    # read nor written (m2 off), and its output, which nothing reads, comes from a zero state.
+    # read nor written (m2 off), and its output, which nothing reads, comes from a zero state; or, with
+    # SKIP_INERT (MEMRA_INERT_SKIP, runtime like T, so both ways run one machine code), the walk takes none of
+    # its tokens and the output is zeros. A live row walks all T either way: its bits do not move.
     r = tl.program_id(0)  # sequence * H + head
     n, h = r // H, r % H
     at = n.to(tl.int64)
@@ -314,7 +316,8 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
     m2 = mk[:, None] & mv[None, :]
     m2 = both(m2, live)
     s = tl.load(s_ptr + (at * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], mask=m2, other=0.0).to(tl.float32)
-    for t in range(T):
+    walked = tl.where(live | (SKIP_INERT == 0), T, 0)
+    for t in range(walked):
         row = (n * T + t) * H + h  # token t of sequence n, head h
         k = tl.load(k_ptr + row * DK + ck, mask=mk, other=0.0)
         q = tl.load(q_ptr + row * DK + ck, mask=mk, other=0.0)
@@ -326,11 +329,14 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
         tl.store(o_ptr + row * DV + cv, tl.sum(s * q[:, None], axis=0), mask=mv)
         s = _as_stored(s, STATE_BF16)  # carried on as stored, so the next token steps as a decode call would
         tl.store(s_out_ptr + ((at * T + t) * H + h) * DK * DV + ck[:, None] * DV + cv[None, :], s, mask=m2)
+    for t in range(walked, T):  # an inert row skipped: its output zeros, so nothing downstream reads junk
+        tl.store(o_ptr + ((n * T + t) * H + h) * DV + cv, tl.zeros((BLOCK_DV,), dtype=tl.float32), mask=mv)
 
 
-def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
+def _scan(q, k, v, beta, g, s_in, s_out, s_rows, skip_inert=False):
     """Launch the scan: q, k [n, T, H, DK], v [n, T, H, DV], beta, g [n, T, H] -> o [n, T, H, DV]
-    (fp32); the states read from s_in and written to s_out, at s_rows [n] where given."""
+    (fp32); the states read from s_in and written to s_out, at s_rows [n] where given. skip_inert: an inert
+    row's programs walk none of its tokens (MEMRA_INERT_SKIP)."""
     n, t, h, dk = q.shape
     dv = v.shape[-1]
     args = [x.contiguous().float() for x in (q, k, v, beta, g)]
@@ -339,8 +345,8 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows):
     if n * t * h:
         bf16 = _bf16(s_out)
         _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, GDN_BLOCK_DV))](
-            *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), BLOCK_DK=triton.next_power_of_2(dk),
-            BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16, num_warps=GDN_STEP_WARPS)
+            *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), int(skip_inert),
+            BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16, num_warps=GDN_STEP_WARPS)
     return o
 
 
@@ -365,14 +371,15 @@ def delta_rule_step(q, k, v, beta, g, s):
     return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)
 
 
-def delta_rule_step_into(q, k, v, beta, g, pool, slots):
+def delta_rule_step_into(q, k, v, beta, g, pool, slots, skip_inert=False):
     """Same contract as reference.delta_rule_step_into: q, k [B, H, DK], v [B, H, DV], beta, g [B, H];
     pool [n_slots, H, DK, DV] fp32 or bf16 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
     stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist). A slot
-    of INERT_SLOT or more is a padding row's, whose state the kernel leaves alone (memra.kernels.slots)."""
+    of INERT_SLOT or more is a padding row's, whose state the kernel leaves alone (memra.kernels.slots); with
+    skip_inert (MEMRA_INERT_SKIP) its programs also skip the step, and its output is zeros."""
     b, h, dk = q.shape
     dv = v.shape[-1]
     assert pool.is_contiguous() and tuple(pool.shape[1:]) == (h, dk, dv), "the kernel addresses pool rows as [H, DK, DV]"
     o = _scan(q.reshape(b, 1, h, dk), k.reshape(b, 1, h, dk), v.reshape(b, 1, h, dv), beta.reshape(b, 1, h),
-              g.reshape(b, 1, h), pool, pool, slots.contiguous())
+              g.reshape(b, 1, h), pool, pool, slots.contiguous(), skip_inert)
     return o.reshape(b, h, dv)
