@@ -239,7 +239,9 @@ def table_step(model, kv: KvPool, rec: RecurrentPool | None, rows: torch.Tensor,
     write_rows = flat.gather(1, pos[:, None])[:, 0]  # [B] where each row's new K/V goes
     cos, sin = model.ops.rope_cos_sin(pos, model.inv_freq, model.dtype)  # [B, R]
     group = RowGroup(kv, slice(None), write_rows, flat.reshape(-1), starts, pos + 1, flat.shape[1])
-    return StackedStep([], cos, sin, (group,), rec=rec, slots=slots if rec is not None else None)
+    # the slots column made contiguous once a step: each GDN layer's conv and delta-rule steps would otherwise
+    # copy it for their kernels, two small copies a layer (48 a Qwen3.5-9B step)
+    return StackedStep([], cos, sin, (group,), rec=rec, slots=slots.contiguous() if rec is not None else None)
 
 
 def host_rows(caches: list[Cache], height: int, width: int,

@@ -195,7 +195,7 @@ def causal_conv_step_into(u: torch.Tensor, pool: torch.Tensor, slots: torch.Tens
     assert pool.is_contiguous() and pool.dtype == u.dtype, "the pool's layout: [slots, C, Kc-1] of the model dtype"
     out = torch.empty(b, c, dtype=u.dtype, device=u.device)
     if b:
-        slots = slots.contiguous()  # a graph's slots are a column of its argument table
+        slots = slots.contiguous()  # a no-op for a graph's step (memra.graphs.table_step makes the column contiguous)
         _conv_step_kernel[(b, triton.cdiv(c, CONV_BLOCK))](u, pool, slots, w.contiguous(), out, c, u.stride(0),
                                                            pool.stride(0), out.stride(0), KC=w.shape[1],
                                                            BLOCK=CONV_BLOCK, INERT=INERT_SLOT, enable_fp_fusion=False)
