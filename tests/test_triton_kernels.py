@@ -467,6 +467,34 @@ def test_gdn_prefill_of_several_sequences_in_one_launch_pair_keeps_their_solo_bi
         same_bits(pool[slot], before[slot])
 
 
+def test_a_mixed_steps_gdn_output_is_written_in_place_with_the_bits_of_its_own_calls():
+    """A mixed step's GDN layer has its decode rows and its prompt pieces write their rows of one output buffer
+    (`out`): the bits are those of each call's own output, the buffer's rows are all written, and the table's
+    twin paths copy into it."""
+    from memra.kernels.pieces import RecurrentPieces
+    from memra.kernels.table import KernelTable
+    from memra.kernels.triton import gdn as gdn_triton
+    from memra.settings import Settings
+
+    q, k, v, beta, g, s0 = _gdn_inputs(3 + 70)
+    pool = rnd(6, *s0.shape, seed=78) * 0.1
+    pieces = RecurrentPieces.of([0], [70], [5], [4], pool.device)
+    rows, piece = slice(0, 3), slice(3, None)
+    slots = torch.tensor([1, 0, 2], device=pool.device)
+    plain_pool, out_pool = pool.clone(), pool.clone()
+    o_rows = gdn_triton.delta_rule_step_into(q[rows], k[rows], v[rows], beta[rows], g[rows], plain_pool, slots)
+    o_piece = gdn_triton.gdn_prefill_pieces(q[piece], k[piece], v[piece], beta[piece], g[piece], plain_pool, pieces)
+    buf = torch.full((73, *o_rows.shape[1:]), float("nan"), device=pool.device)
+    gdn_triton.delta_rule_step_into(q[rows], k[rows], v[rows], beta[rows], g[rows], out_pool, slots, out=buf[rows])
+    gdn_triton.gdn_prefill_pieces(q[piece], k[piece], v[piece], beta[piece], g[piece], out_pool, pieces, buf[piece])
+    same_bits(buf, torch.cat((o_rows, o_piece)))
+    same_bits(out_pool, plain_pool)
+    table = KernelTable.build("cpu", Settings.from_env({}))  # on CPU: the twins, copied into `out`
+    twin = torch.full_like(buf, float("nan"))
+    got = table.gdn_prefill_pieces(q[piece], k[piece], v[piece], beta[piece], g[piece], pool.clone(), pieces, twin[piece])
+    assert got.data_ptr() == twin[piece].data_ptr() and not torch.isnan(twin[piece]).any() and torch.isnan(twin[rows]).all()
+
+
 @pytest.mark.parametrize("pos0", [0, 40])
 def test_gdn_prefill_kernel_matches_twin_and_does_not_depend_on_the_piece(pos0):
     """The one-launch chunked delta rule against the reference's chunk loop (fp32 noise: a product

@@ -27,43 +27,16 @@ shared helpers; memra.kernels.exact (the self-test) imports the table.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import types
 from dataclasses import dataclass, field
 
 import torch
 
 from memra.kernels import cpu_decode, cpu_flin, cpu_gdn, cpu_qdot, quant, reference, split
 from memra.kernels.slots import state_slots
+from memra.kernels.triton_twins import triton_module, triton_ops
 from memra.sampling import device_sample
 
 GEMV_ROWS = 16  # the rows of triton.linear.LINEAR_BUCKETS' first bucket (its GEMV-shaped tile)
-
-# The Triton families are imported in the loaders below, not at the top: Triton is optional (absent on
-# CPU-only machines, where the table never asks for them), and importing it costs a CPU run time.
-
-
-@functools.cache
-def triton_ops() -> types.SimpleNamespace | None:
-    """The Triton twins of the batch-shaped ops under memra.kernels.reference's names (so the table can
-    call either through one `_impl`), or None where Triton is not installed (CPU-only machines)."""
-    try:
-        from memra.kernels.triton import activation, attention, common, gdn, linear, norm, rope
-    except ImportError:
-        return None
-    common.count_compiles()
-    return types.SimpleNamespace(
-        linear=linear.linear, silu_mul=activation.silu_mul,
-        rms_norm=norm.rms_norm, add_rms_norm=norm.add_rms_norm,
-        gated_rms_norm=norm.gated_rms_norm,
-        apply_rope=rope.apply_rope, rope_write_kv=rope.rope_write_kv,
-        delta_rule_step=gdn.delta_rule_step, delta_rule_step_into=gdn.delta_rule_step_into,
-        delta_rule_scan=gdn.delta_rule_scan,
-        paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
-        prefill_attention=attention.prefill_attention, prefill_attention_pieces=attention.prefill_attention_pieces,
-    )
-
 
 # The families the table calls as modules (attributes looked up per call), importable wherever
 # triton_ops() is not None: each needs only Triton.
@@ -71,10 +44,9 @@ LINEAR_FAMILIES = {"bucket": "linear", "persistent": "linear_persistent", "shape
                    "cublas": "linear_cublas"}
 
 
-@functools.cache
-def triton_module(name: str):
-    """memra.kernels.triton.<name>, imported on first use (wherever the table asks for one, Triton is present)."""
-    return importlib.import_module(f"memra.kernels.triton.{name}")
+def written(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    """o, or o copied into the caller's `out` where it gave one (the paths whose kernels cannot write there)."""
+    return o if out is None else out.copy_(o)
 
 
 def linear_module(family: str):
@@ -289,13 +261,14 @@ class KernelTable:
             return o.view(*lead, *o.shape[1:]), new
         return self._impl(q).delta_rule_step(q, k, v, beta, g, s)
 
-    def delta_rule_step_into(self, q, k, v, beta, g, pool, slots):
-        """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool."""
+    def delta_rule_step_into(self, q, k, v, beta, g, pool, slots, out=None):
+        """delta_rule_step on pool[slots], in place -> o: the graphed decode's states never leave the pool.
+        out [B, H, Dv] fp32: where o goes (a mixed step's rows of one buffer for its decode rows and pieces)."""
         if self._cpu_gdn(q, q.shape[-1]) and pool.dtype == torch.float32 and pool.is_contiguous():
-            return cpu_gdn.step_rows(q, k, v, beta, g, pool, state_slots(slots))  # inert rows: their scratch slot
-        impl = self._impl(q)  # the Triton step takes MEMRA_INERT_SKIP; the twin steps an inert row's scratch slot
-        skip = () if impl is reference else (self.inert_skip,)
-        return impl.delta_rule_step_into(q, k, v, beta, g, pool, slots, *skip)
+            return written(out, cpu_gdn.step_rows(q, k, v, beta, g, pool, state_slots(slots)))  # inert: scratch slot
+        if self._impl(q) is reference:  # the twin steps an inert row's scratch slot
+            return written(out, reference.delta_rule_step_into(q, k, v, beta, g, pool, slots))
+        return triton_ops().delta_rule_step_into(q, k, v, beta, g, pool, slots, self.inert_skip, out)  # MEMRA_INERT_SKIP
 
     def delta_rule_scan(self, q, k, v, beta, g, s, every: bool = True):  # every=False: the C scan keeps the last
         if self._cpu_gdn(q, q.shape[-1]) and s.dtype == torch.float32:  # decode's own step, token after token
@@ -310,10 +283,13 @@ class KernelTable:
     def gdn_prefill(self, q, k, v, beta, g, state, pos0):
         return self._chunked_gdn(q).gdn_prefill(q, k, v, beta, g, state, pos0)
 
-    def gdn_prefill_pieces(self, q, k, v, beta, g, pool, pieces):
+    def gdn_prefill_pieces(self, q, k, v, beta, g, pool, pieces, out=None):
         """gdn_prefill of several sequences' pieces (memra.kernels.pieces.RecurrentPieces), the states
-        stepped in the pool [slots, Hv, Dk, Dv]: one launch pair for the wave where gdn_prefill is Triton."""
-        return self._chunked_gdn(q).gdn_prefill_pieces(q, k, v, beta, g, pool, pieces)
+        stepped in the pool [slots, Hv, Dk, Dv]: one launch pair for the wave where gdn_prefill is Triton. out: as
+        delta_rule_step_into's."""
+        if self._chunked_gdn(q) is reference:
+            return written(out, reference.gdn_prefill_pieces(q, k, v, beta, g, pool, pieces))
+        return triton_module("gdn").gdn_prefill_pieces(q, k, v, beta, g, pool, pieces, out)
 
     def gdn_recurrent(self, q, k, v, beta, g, state):
         if self._cpu_gdn(q, q.shape[-1]) and state.dtype == torch.float32 and state.is_contiguous():

@@ -23,7 +23,7 @@ def count_compiles() -> None:
     """From now on, count every kernel Triton compiles in this process (or loads from its disk cache)
     in the liveness counter `kernel_compiles` (on /metrics as memra:kernel_compiles_total): after the
     warm-up each one is a step that stalled for it. Through Triton's own post-compile hook, chained
-    after any hook already there; a second call changes nothing (memra.kernels.table.triton_ops calls it)."""
+    after any hook already there; a second call changes nothing (memra.kernels.triton_twins.triton_ops calls it)."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
         return  # a Triton without the hook: the counter stays at 0

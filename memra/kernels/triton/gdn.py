@@ -47,6 +47,8 @@ into pieces (E5) -- tested bit for bit. On by default where the invariant kernel
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -223,21 +225,22 @@ def gdn_prefill(q, k, v, beta, g, state, pos0: int):
     return _prefill(q, k, v, beta, g, bounds, piece.view(1, 5), state.contiguous(), s_out, 0), s_out
 
 
-def gdn_prefill_pieces(q, k, v, beta, g, pool, pieces):
+def gdn_prefill_pieces(q, k, v, beta, g, pool, pieces, out=None):
     """gdn_prefill for several sequences' pieces in the rows of one wave (memra.kernels.pieces
-    .RecurrentPieces), the states stepped in place in pool [slots, Hv, Dk, Dv] -> o [N, Hv, Dv].
-    The same three launches as one piece's, each piece's programs doing what its own call's do."""
-    return _prefill(q, k, v, beta, g, pieces.cuts, pieces.table, pool, pool, pool.stride(0))
+    .RecurrentPieces), the states stepped in place in pool [slots, Hv, Dk, Dv] -> o [N, Hv, Dv] (into `out`, a
+    contiguous fp32 [N, Hv, Dv], where given). The same three launches as one piece's, each piece's programs doing
+    what its own call's do."""
+    return _prefill(q, k, v, beta, g, pieces.cuts, pieces.table, pool, pool, pool.stride(0), out)
 
 
-def _prefill(q, k, v, beta, g, cuts, pieces, s_in, s_out, stride_slot) -> torch.Tensor:
+def _prefill(q, k, v, beta, g, cuts, pieces, s_in, s_out, stride_slot, out=None) -> torch.Tensor:
     t, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, beta, g = (x.contiguous().float() for x in (q, k, v, beta, g))
     f32 = dict(dtype=torch.float32, device=q.device)
     u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)
     p, gcum = torch.empty(cuts.numel() - 1, h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
-    o = torch.empty(t, h, dv, **f32)
+    o = _output_buffer(out, (t, h, dv), q.device)
     chunk_prep(q, k, v, beta, g, cuts, u, w, p, gcum)
     chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, cuts, pieces, stride_slot)
     return o
@@ -333,14 +336,22 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
         tl.store(o_ptr + ((n * T + t) * H + h) * DV + cv, tl.zeros((BLOCK_DV,), dtype=tl.float32), mask=mv)
 
 
-def _scan(q, k, v, beta, g, s_in, s_out, s_rows, skip_inert=False):
+def _output_buffer(out, shape, device) -> torch.Tensor:
+    """The fp32 output a launch writes: the caller's `out` (contiguous, of that shape) or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == math.prod(shape), "out: fp32, contiguous"
+    return out.view(shape)
+
+
+def _scan(q, k, v, beta, g, s_in, s_out, s_rows, skip_inert=False, out=None):
     """Launch the scan: q, k [n, T, H, DK], v [n, T, H, DV], beta, g [n, T, H] -> o [n, T, H, DV]
     (fp32); the states read from s_in and written to s_out, at s_rows [n] where given. skip_inert: an inert
-    row's programs walk none of its tokens (MEMRA_INERT_SKIP)."""
+    row's programs walk none of its tokens (MEMRA_INERT_SKIP). out: where o goes (_output_buffer)."""
     n, t, h, dk = q.shape
     dv = v.shape[-1]
     args = [x.contiguous().float() for x in (q, k, v, beta, g)]
-    o = torch.empty(n, t, h, dv, dtype=torch.float32, device=q.device)
+    o = _output_buffer(out, (n, t, h, dv), q.device)
     rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
     if n * t * h:
         bf16 = _bf16(s_out)
@@ -371,15 +382,16 @@ def delta_rule_step(q, k, v, beta, g, s):
     return o.reshape(*lead, dv), s_out.reshape(*lead, dk, dv)
 
 
-def delta_rule_step_into(q, k, v, beta, g, pool, slots, skip_inert=False):
+def delta_rule_step_into(q, k, v, beta, g, pool, slots, skip_inert=False, out=None):
     """Same contract as reference.delta_rule_step_into: q, k [B, H, DK], v [B, H, DV], beta, g [B, H];
     pool [n_slots, H, DK, DV] fp32 or bf16 (contiguous), slots [B] int64 -> o [B, H, DV]; pool[slots[b]] is
     stepped in place (the scan kernel, T = 1: the copies in and out of a gathered batch never exist). A slot
     of INERT_SLOT or more is a padding row's, whose state the kernel leaves alone (memra.kernels.slots); with
-    skip_inert (MEMRA_INERT_SKIP) its programs also skip the step, and its output is zeros."""
+    skip_inert (MEMRA_INERT_SKIP) its programs also skip the step, and its output is zeros. out: a contiguous
+    fp32 [B, H, DV] that o is written into (a mixed step's decode rows of its whole GDN output)."""
     b, h, dk = q.shape
     dv = v.shape[-1]
     assert pool.is_contiguous() and tuple(pool.shape[1:]) == (h, dk, dv), "the kernel addresses pool rows as [H, DK, DV]"
     o = _scan(q.reshape(b, 1, h, dk), k.reshape(b, 1, h, dk), v.reshape(b, 1, h, dv), beta.reshape(b, 1, h),
-              g.reshape(b, 1, h), pool, pool, slots.contiguous(), skip_inert)
+              g.reshape(b, 1, h), pool, pool, slots.contiguous(), skip_inert, out)
     return o.reshape(b, h, dv)
