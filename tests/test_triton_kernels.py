@@ -389,6 +389,9 @@ def test_pieces_of_several_sequences_in_one_launch_keep_their_solo_bits(dtype):
     pieces = AttentionPieces.of(firsts, [a for a, _ in spans], read)
     out = tk.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
     twin = reference.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
+    buf = torch.zeros(3 + q.shape[0], hq, d, dtype=dtype, device=DEVICE)  # a mixed step's buffer: rows after 3 others
+    assert tk.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2, out=buf[3:]).data_ptr() == buf[3:].data_ptr()
+    same_bits(buf[3:], out)
     for first, n, (a, _), rows in zip(firsts, sizes, spans, read):
         same_bits(out[first : first + n], tk.prefill_attention(q[first : first + n].clone(), k_pool, v_pool, rows, a, 0.2))
         close(out[first : first + n], twin[first : first + n], dtype)
@@ -416,6 +419,10 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     # A captured step tells the kernel its table's width, far past most rows: the splits past a row's
     # prefix are empty and pass through the combine, which must not move a bit.
     same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=256), out)  # 8 splits
+    buf = torch.zeros(7, hq, d, dtype=dtype, device=DEVICE)  # written in place: a mixed step's first rows of its buffer
+    tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=70, out=buf[:5])
+    same_bits(buf[:5], out)
+    assert not buf[5:].any()
     # MEMRA_ATTN_SHORT_ROWS: the rows of one split write their output in the split launch and skip the combine
     for bound in (70, 256):
         same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=bound, short_rows=True),

@@ -299,14 +299,14 @@ class KernelTable:
             return torch.cat(outs), state
         return reference.gdn_recurrent(q, k, v, beta, g, state, step=self.delta_rule_step)
 
-    def paged_attention_rows(self, q, k_pool, v_pool, rows, starts, lens, scale, max_len=None):
+    def paged_attention_rows(self, q, k_pool, v_pool, rows, starts, lens, scale, max_len=None, out=None):
         # Attention has no cuBLAS form to compare against, so the fast path (MEMRA_EXACT=0) uses the paged
         # kernel too where Triton runs; its reference twin walks rows on the host and cannot be graphed.
         fast_cuda = self._gpu(q) and not self.exact and self.triton
         impl = triton_ops() if fast_cuda else self._impl(q)
         if impl is reference:  # the definition: row by row, no splits
-            return reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale)
-        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows)
+            return written(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale))
+        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows, out)
 
     def fused_decode_attention(self, q, k_pool, cos) -> bool:
         """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?
@@ -321,9 +321,12 @@ class KernelTable:
     def prefill_attention(self, q, k_pool, v_pool, rows, pos0, scale, window=None):
         return self._impl(q).prefill_attention(q, k_pool, v_pool, rows, pos0, scale, window)
 
-    def prefill_attention_pieces(self, q, k_pool, v_pool, pieces, scale, window=None):
-        """prefill_attention of several sequences' pieces (memra.kernels.pieces.AttentionPieces): one launch."""
-        return self._impl(q).prefill_attention_pieces(q, k_pool, v_pool, pieces, scale, window)
+    def prefill_attention_pieces(self, q, k_pool, v_pool, pieces, scale, window=None, out=None):
+        """prefill_attention of several sequences' pieces (memra.kernels.pieces.AttentionPieces): one launch.
+        out [N, Hq, D]: where the output goes (a mixed step's rows of one buffer for its decode rows and pieces)."""
+        if self._impl(q) is reference:
+            return written(out, reference.prefill_attention_pieces(q, k_pool, v_pool, pieces, scale, window))
+        return triton_ops().prefill_attention_pieces(q, k_pool, v_pool, pieces, scale, window, out)
 
     def paged_decode_attention(self, q, k_pool, v_pool, rows, scale):
         return self._impl(q).paged_decode_attention(q, k_pool, v_pool, rows, scale)

@@ -72,12 +72,15 @@ class Attention:
         The projections run over all rows; each kind attends as its own forward does."""
         q, k, v, gate = self._project(x)
         b = x.shape[0] - wave.n_rows
-        o = torch.cat((self._attend_rows(q[:b], k[:b], v[:b], step), self._attend_pieces(q[b:], k[b:], v[b:], wave)))
+        o = q.new_empty(x.shape[0], self.n_heads * self.head_dim)  # each kind writes its own rows: no join
+        self._attend_rows(q[:b], k[:b], v[:b], step, o[:b])
+        self._attend_pieces(q[b:], k[b:], v[b:], wave, o[b:])
         return self._output(o, gate)
 
-    def _attend_pieces(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wave: Segments) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] (not yet rotated) of a wave's pieces -> [N, Hq*D]: every piece's
-        K/V written, then each attends over its own sequence's prefix."""
+    def _attend_pieces(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wave: Segments,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] (not yet rotated) of a wave's pieces -> [N, Hq*D] (into `out` where
+        given): every piece's K/V written, then each attends over its own sequence's prefix."""
         n = q.shape[0]
         pieces = list(zip(wave.bounds, wave.ctxs))
         if wave.kv_write_rows is not None:
@@ -86,9 +89,11 @@ class Attention:
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
         if wave.attn is None:  # pools of their own: each attends alone
-            return joined([self._attend(q[a:b], c) for (a, b), c in pieces])
-        kv = wave.kv
-        o = self.ops.prefill_attention_pieces(q, kv.k[self.kv_layer], kv.v[self.kv_layer], wave.attn, self.scale, self.window)
+            o = joined([self._attend(q[a:b], c) for (a, b), c in pieces])
+            return o if out is None else out.copy_(o)
+        kv, into = wave.kv, None if out is None else out.view(q.shape)
+        o = self.ops.prefill_attention_pieces(q, kv.k[self.kv_layer], kv.v[self.kv_layer], wave.attn, self.scale, self.window,
+                                              into)
         return o.reshape(n, self.n_heads * self.head_dim)
 
     def forward_stacked(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
@@ -98,8 +103,9 @@ class Attention:
         q, k, v, gate = self._project(x)
         return self._output(self._attend_rows(q, k, v, step), gate)
 
-    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StackedStep) -> torch.Tensor:
-        """q [B, Hq, D], k/v [B, Hkv, D] (not yet rotated), one token per row -> [B, Hq*D]. A pool's rows
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StackedStep,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, D], k/v [B, Hkv, D] (not yet rotated), one token per row -> [B, Hq*D] (into `out`). A pool's rows
         all write their K/V first, then each reads positions 0..its own in order. Writing early changes
         nothing a row reads: other rows write other sequences' blocks, or (verify) positions after this
         row's."""
@@ -107,25 +113,27 @@ class Attention:
         if len(step.groups) == 1 and isinstance(step.groups[0].sel, slice):  # one pool (the engine's): no gathers
             g = step.groups[0]
             qr = self._rope_write(q, k, v, step.cos, step.sin, g.kv, g.write_rows)
-            return self._rows(qr, g).reshape(b, self.n_heads * d)
-        o = q.new_empty(q.shape)
+            return self._rows(qr, g, None if out is None else out.view(q.shape)).reshape(b, self.n_heads * d)
+        o = q.new_empty(q.shape) if out is None else out.view(q.shape)
         for g in step.groups:
             qr = self._rope_write(q[g.sel], k[g.sel], v[g.sel], step.cos[g.sel], step.sin[g.sel], g.kv, g.write_rows)
             o[g.sel] = self._rows(qr, g)
         return o.reshape(b, self.n_heads * d)
 
-    def _rows(self, qr: torch.Tensor, g) -> torch.Tensor:
+    def _rows(self, qr: torch.Tensor, g, out: torch.Tensor | None = None) -> torch.Tensor:
         """qr [n, Hq, D] (rotated) of a RowGroup's rows, each over its prefix -- with a sliding window, over
-        the prefix's last W positions (the same cut a B=1 decode makes, so a row's bits stay its own)."""
+        the prefix's last W positions (the same cut a B=1 decode makes, so a row's bits stay its own). out: [n,
+        Hq, D], where the output goes."""
         starts, lens, max_len = g.starts, g.lens, g.max_len
         if self.window is not None:
             starts, lens = window_rows(starts, lens, self.window)
             max_len = min(max_len, self.window)
         if self._fused(qr, g.kv, None):  # q rotated, K/V written: the kernel attends only
-            return self.ops.decode_attention(qr, None, None, None, None, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer],
-                                             None, g.read_rows, starts, lens, self.scale)
+            o = self.ops.decode_attention(qr, None, None, None, None, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer],
+                                          None, g.read_rows, starts, lens, self.scale)
+            return o if out is None else out.copy_(o)
         return self.ops.paged_attention_rows(qr, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer], g.read_rows, starts, lens,
-                                             self.scale, max_len)
+                                             self.scale, max_len, out)
 
     def _project(self, x: torch.Tensor):
         """x [T, E] -> q [T, Hq, D], k/v [T, Hkv, D] (normed, not yet rotated; empty where the KV is shared),

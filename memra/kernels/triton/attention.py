@@ -133,9 +133,17 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
                 BLOCK_S=_decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=q.dtype == torch.float32 or _interpreting())
 
 
+def _output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The output a launch writes: the caller's `out` (q's shape and dtype, contiguous) or a new one."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out: q's shape and dtype, contiguous"
+    return out
+
+
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
-                         short_rows: bool = False) -> torch.Tensor:
+                         short_rows: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
@@ -144,10 +152,11 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
     32k context would otherwise stream its prefix through just Hkv programs); a row's bits depend only
     on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
-    split launch, the rows that fit in one split skip the partials and the combine (the same bits)."""
+    split launch, the rows that fit in one split skip the partials and the combine (the same bits). out: a
+    contiguous [R, Hq, D] of q's dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
-    o = torch.empty_like(q)
+    o = _output_like(q, out)
     if not n:
         return o
     n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
@@ -283,12 +292,12 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
 
 
 def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces,
-                             scale: float, window: int | None = None) -> torch.Tensor:
+                             scale: float, window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """prefill_attention for several sequences' pieces in one launch (memra.kernels.pieces
-    .AttentionPieces): q [N, Hq, D] -> [N, Hq, D], each piece's rows with the bits of its own call;
-    rows in no piece are left unset."""
+    .AttentionPieces): q [N, Hq, D] -> [N, Hq, D] (into `out`, as paged_attention_rows'), each piece's rows
+    with the bits of its own call; rows in no piece are left unset."""
     hq = q.shape[1]
-    o = torch.empty_like(q)
+    o = _output_like(q, out)
     if pieces.tiles:
         _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (pieces.tiles, hq), scale, pieces.table, 0, 0,
                         pieces.table.shape[0], True, window)
