@@ -88,6 +88,7 @@ class Settings:
     sample_prune: bool = False  # its blocks that cannot hold a row's best skip their exact fp64 scores
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
+    attn_skip_empty: bool = False  # ... and the splits past a row's prefix write and read no partials
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
@@ -145,6 +146,7 @@ class Settings:
             sample_prune=flag(e, "MEMRA_SAMPLE_PRUNE", False),
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
+            attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             moe_front=flag(e, "MEMRA_MOE_FRONT", False),
@@ -205,6 +207,7 @@ class Settings:
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
                 "MEMRA_SAMPLE_PRUNE": on(self.sample_prune),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
+                "MEMRA_ATTN_SKIP_EMPTY": on(self.attn_skip_empty),
                 "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
                 "MEMRA_MOE_FRONT": on(self.moe_front),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
@@ -251,6 +254,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "positions, or a captured step's table that wide), a row whose prefix fits in the first split writes its output "
      "there, as the unsplit launch does, and its other splits and the combine skip it (memra.kernels.triton.attention; "
      "the same bits); off until a GPU run shows it faster"),
+    ("MEMRA_ATTN_SKIP_EMPTY", "0", "1 = in a decode attention launch split at fixed positions, a split past a row's "
+     "prefix (a captured step's table is as wide as the longest row's max_ctx: four splits at 2,048 positions) "
+     "writes no partials and the combine reads none, where today each writes and reads back an empty one "
+     "(memra.kernels.triton.attention; the same bits); off until a GPU run shows it faster"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),

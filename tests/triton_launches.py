@@ -175,16 +175,18 @@ for _name, _value in list(vars(KernelTable).items()):
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
                     sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False,
+                    attn_skip_empty: bool = False,
                     moe_fused_act: bool = False, moe_fused_gate: bool = False,
                     sample_prune: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
     MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; sample_prune: with MEMRA_SAMPLE_PRUNE=1;
-    rope_tile: with MEMRA_ROPE_TILE=1; attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; moe_fused_act: with
+    rope_tile: with MEMRA_ROPE_TILE=1; attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; attn_skip_empty: with
+    MEMRA_ATTN_SKIP_EMPTY=1; moe_fused_act: with
     MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with MEMRA_MOE_FUSED_GATE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
                            sample_split=sample_split, sample_prune=sample_prune, rope_tile=rope_tile,
-                           attn_short_rows=attn_short_rows,
+                           attn_short_rows=attn_short_rows, attn_skip_empty=attn_skip_empty,
                            moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
     object.__setattr__(table, "launches", launches)
     return table
@@ -352,7 +354,7 @@ def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine; with MEMRA_SAMPLE_PRUNE=1's, the pruned walk), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
-    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's), GDN's chunked
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's and MEMRA_ATTN_SKIP_EMPTY=1's), GDN's chunked
     prefill at the model's head sizes and its state in bf16 (MEMRA_GDN_STATE_DTYPE's
     scan and recurrent step), and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode

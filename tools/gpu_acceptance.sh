@@ -11,7 +11,9 @@
 # doors       what waits for a GPU run, beside its frozen arm in the same call: the GDN decode step's tiles and
 #             warps in fp32 and bf16 and its graph buckets' padding, with and without the inert rows' programs
 #             skipped (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
-#             MEMRA_INERT_SKIP=1; not part of `all`
+#             MEMRA_INERT_SKIP=1; the decode attention as a mixed step launches it (tools/gpu_tune_attention.py
+#             --mixed), then Llama-3-8B's `bench throughput` as it is and with MEMRA_ATTN_SKIP_EMPTY=1; not part
+#             of `all`
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -68,7 +70,13 @@ run_part() {
       # Qwen3.5-9B's throughput as it is, then with the inert padding rows' GDN programs returning at once
       qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
       step gdn_defaults 110 "$tp_cells" python3 -m memra $qwen
-      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen ;;
+      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen
+      # the decode attention's empty splits skipped: taken apart as a mixed step launches it, then Llama-3-8B as it is
+      # and with the door open
+      step attention_mixed 45 "^[0-9]+x" python3 tools/gpu_tune_attention.py --mixed
+      llama="bench throughput random:llama-3-8b --num-prompts 1000 --check 1"
+      step llama_defaults 105 "$tp_cells" python3 -m memra $llama
+      MEMRA_ATTN_SKIP_EMPTY=1 step attn_skip_empty 105 "$tp_cells" python3 -m memra $llama ;;
     *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
   esac
 }

@@ -12,8 +12,10 @@ achieved bandwidth for the kernel as launched today (its default warps and stage
 stages; then as a captured step launches it where its table is wider than one split (the splits of a
 2,048-position table, most of them past the rows' prefixes, and the combine), with its bits compared to the
 unsplit call's. --mixed instead takes a case apart as a captured mixed step launches it: its rows alone, then with
-a graph bucket's padding rows (one position each, all on one scratch position), then told a table two splits
-wide (a decode row past 512 positions beside them), then both, then both with MEMRA_ATTN_SHORT_ROWS. Warps and
+a graph bucket's padding rows (one position each, all on one scratch position), then told a table four splits
+wide (a decode row past 512 positions beside them: the table then covers the rows' max_ctx, 2,048 positions in
+the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
+with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials). Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
 reduce in another tree under another layout: each variant's output is compared bit for bit with today's, and
 the table says which differ (a variant with other bits would be a new reference, never a silent change).
@@ -59,11 +61,14 @@ def pool_for(rows: int, ctx: int, hkv: int, d: int, gen: torch.Generator):
     return k, v, flat.reshape(-1).contiguous(), starts, lens
 
 
-def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_rows: bool = False):
+def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_rows: bool = False,
+           skip_empty: bool = False):
     """paged_attention_rows, with warps/stages given to the split kernel where `options` says; ctx: the bound
-    on the rows' prefixes the launch is told (a captured step: its table's width); short_rows: MEMRA_ATTN_SHORT_ROWS."""
+    on the rows' prefixes the launch is told (a captured step: its table's width); short_rows: MEMRA_ATTN_SHORT_ROWS;
+    skip_empty: MEMRA_ATTN_SKIP_EMPTY."""
     if options is None:
-        return A.paged_attention_rows(q, k, v, rows, starts, lens, scale, max_len=ctx, short_rows=short_rows)
+        return A.paged_attention_rows(q, k, v, rows, starts, lens, scale, max_len=ctx, short_rows=short_rows,
+                                      skip_empty=skip_empty)
     n, hq, d = q.shape
     hkv = k.shape[-2]
     n_splits = triton.cdiv(ctx, ATTN_SPLIT)
@@ -72,14 +77,15 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_
     o = torch.empty_like(q)
     qk = scale * 1.4426950408889634
     if n_splits <= 1:
-        A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, o, hq, qk, PARTIAL=False, **shape)
+        A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, o, hq, qk, 0, PARTIAL=False,
+                                                **shape)
         return o
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
-    A._decode_attention_kernel[(n, hkv, n_splits)](q, k, v, rows, starts, lens, part, m, l, o, hq, qk, PARTIAL=True,
+    A._decode_attention_kernel[(n, hkv, n_splits)](q, k, v, rows, starts, lens, part, m, l, o, hq, qk, 0, PARTIAL=True,
                                                    **shape)
-    A._combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
+    A._combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, 0, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
     return o
 
 
@@ -95,20 +101,20 @@ def with_padding(rows: int, flat, starts, lens):
 
 def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
     """Each case as a captured mixed step launches its decode rows: alone, padded, told two splits, both."""
-    print("case            shape        alone us | padded to bucket | told 2 splits | both | both, short rows "
-          "| live rows' bits")
+    print("case            shape        alone us | padded to bucket | told 4 splits | both | both, short rows "
+          "| both, empty splits skipped | live rows' bits")
     for rows, ctx in cases:
         for name, (hq, hkv, d) in SHAPES.items():
             k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
             bucket, pflat, pstarts, plens = with_padding(rows, flat, starts, lens)
             q = torch.randn(bucket, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            scale, wide = d ** -0.5, 2 * ATTN_SPLIT
+            scale, wide = d ** -0.5, TABLE  # a captured step's table of max_ctx 2,048: four splits
             ref = launch(q[:rows], k, v, flat, starts, lens, scale, ctx, None)
-            runs = [(q[:rows], flat, starts, lens, ctx, False), (q, pflat, pstarts, plens, ctx, False),
-                    (q[:rows], flat, starts, lens, wide, False), (q, pflat, pstarts, plens, wide, False),
-                    (q, pflat, pstarts, plens, wide, True)]
-            times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, r[5])) for r in runs]
-            same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, r[5])[:rows], ref)
+            runs = [(q[:rows], flat, starts, lens, ctx, False, False), (q, pflat, pstarts, plens, ctx, False, False),
+                    (q[:rows], flat, starts, lens, wide, False, False), (q, pflat, pstarts, plens, wide, False, False),
+                    (q, pflat, pstarts, plens, wide, True, False), (q, pflat, pstarts, plens, wide, False, True)]
+            times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])) for r in runs]
+            same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])[:rows], ref)
                        for r in runs)
             print(f"{rows}x{ctx} (+{bucket - rows}) {name:11s} " + " | ".join(f"{t * 1e6:8.1f}" for t in times)
                   + f" | {'equal' if same else 'DIFFER'}", flush=True)
@@ -151,10 +157,11 @@ def main() -> None:
                     best = (t, (w, s))
             print(f"{case:15s} {name:11s} {today * 1e6:8.1f} {kv_bytes / today / 1e12:5.2f} | "
                   f"{best[1]}: {best[0] * 1e6:8.1f} {kv_bytes / best[0] / 1e12:5.2f} | {other_bits or 'none'}", flush=True)
-            for short in (False, True) if ctx < TABLE else ():  # as a captured step runs it: a table's splits
-                wide = launch(q, k, v, flat, starts, lens, scale, TABLE, None, short)
-                t_wide = seconds(lambda: launch(q, k, v, flat, starts, lens, scale, TABLE, None, short))
-                print(f"{'':15s} {name:11s} told a table of {TABLE}{', short rows' if short else ''}: "
+            for short, skip in ((False, False), (True, False), (False, True)) if ctx < TABLE else ():  # a table's splits
+                wide = launch(q, k, v, flat, starts, lens, scale, TABLE, None, short, skip)
+                t_wide = seconds(lambda: launch(q, k, v, flat, starts, lens, scale, TABLE, None, short, skip))
+                said = ", short rows" if short else ", empty splits skipped" if skip else ""
+                print(f"{'':15s} {name:11s} told a table of {TABLE}{said}: "
                       f"{t_wide * 1e6:8.1f} us ({kv_bytes / t_wide / 1e12:5.2f} TB/s); bits "
                       f"{'equal' if torch.equal(wide, ref) else 'DIFFER'}", flush=True)
             del k, v

@@ -67,6 +67,7 @@ class KernelTable:
     sample_prune: bool = False  # blocks that cannot hold a row's best skip the exact scores (MEMRA_SAMPLE_PRUNE)
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
+    attn_skip_empty: bool = False  # ... and its splits past a row's prefix write and read no partials (MEMRA_ATTN_SKIP_EMPTY)
     inert_skip: bool = False  # the GDN step's programs of an inert padding row return at once (MEMRA_INERT_SKIP)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
@@ -95,7 +96,8 @@ class KernelTable:
                    gdn_kernel=triton and settings.exact and settings.gdn_kernel,
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, sample_prune=settings.sample_prune, rope_tile=settings.rope_tile,
-                   attn_short_rows=settings.attn_short_rows, inert_skip=settings.inert_skip,
+                   attn_short_rows=settings.attn_short_rows, attn_skip_empty=settings.attn_skip_empty,
+                   inert_skip=settings.inert_skip,
                    moe_fused_act=settings.moe_fused_act,
                    moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
                    qdot=cpu and settings.cpu_qdot, cpu_ops=cpu and settings.cpu_decode and cpu_qdot.library() is not None,
@@ -306,7 +308,8 @@ class KernelTable:
         impl = triton_ops() if fast_cuda else self._impl(q)
         if impl is reference:  # the definition: row by row, no splits
             return written(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale))
-        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows, out)
+        return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows, out,
+                                         self.attn_skip_empty)
 
     def fused_decode_attention(self, q, k_pool, cos) -> bool:
         """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?

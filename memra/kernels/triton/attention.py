@@ -24,9 +24,9 @@ def _decode_block_s(block_d: int) -> int:
 
 
 @lean
-@triton.jit
+@triton.jit(do_not_specialize=["SKIP_EMPTY"])
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, out_ptr, Hq,
-                             qk_scale, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             qk_scale, SKIP_EMPTY, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
                              PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
@@ -40,17 +40,22 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # _combine_splits_kernel; otherwise (one split covers every row) write the output itself. DIRECT
     # (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row whose prefix fits in split 0 writes its output to out_ptr
     # there, as the unsplit launch does, and no partials (its other splits are empty); the combine skips it.
+    # SKIP_EMPTY (MEMRA_ATTN_SKIP_EMPTY; runtime, so both ways run one machine code): a split past the row's
+    # prefix loads and stores nothing, and the combine reads none of its partials, whose values (-inf, 0, 0) the
+    # combine's masked loads give in their place: the same arithmetic, so the same bits.
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     start = tl.load(starts_ptr + r)
     S = tl.load(lens_ptr + r)
+    used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
     cg = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + cg  # [G] this KV head's query heads
     mg = cg < GROUP
-    q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+    q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=both(mg[:, None] & md[None, :], used),
+                other=0.0)
     m_run = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_run = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -79,13 +84,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
         m_run = m_new
     if PARTIAL:
         at = (r * Hq + heads) * tl.num_programs(2) + sp  # [G]
-        keep = mg
+        keep = both(mg, used)
         if DIRECT:
             fits = S <= SPLIT
             out = acc / l_run[:, None]  # the unsplit launch's output (a row of other splits: masked off)
             tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
-            keep = both(mg, S > SPLIT)
+            keep = both(keep, S > SPLIT)
         tl.store(m_ptr + at, m_run, mask=keep)
         tl.store(l_ptr + at, l_run, mask=keep)
         tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
@@ -96,31 +101,36 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
 
 
 @lean
-@triton.jit
-def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, lens_ptr, Hq, N_SPLITS: tl.constexpr, D: tl.constexpr,
-                           BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0, DIRECT: tl.constexpr = False):
+@triton.jit(do_not_specialize=["SKIP_EMPTY"])
+def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, lens_ptr, Hq, SKIP_EMPTY, N_SPLITS: tl.constexpr,
+                           D: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
+                           DIRECT: tl.constexpr = False):
     # Program (row, head): the splits' partial softmaxes merged in split order. A row whose prefix fits
     # in split 0 gets exactly the unsplit kernel's bits: its weight is exp2(0) = 1, the empty splits'
     # are exp2(-inf) = 0 with zero partials, so sum and output pass through unchanged. That is what lets
     # the split be chosen per call (from the longest row) without changing any row's bits. DIRECT: a row
     # whose prefix fits in split 0 has its output already (_decode_attention_kernel); its program reads
-    # and writes nothing.
+    # and writes nothing. SKIP_EMPTY: the splits past the row's prefix were not written; their (-inf, 0, 0) come
+    # from the masked loads instead.
     r = tl.program_id(0)
     h = tl.program_id(1)
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
+    S = tl.load(lens_ptr + r)
     if DIRECT:
-        md = both(md, tl.load(lens_ptr + r) > SPLIT)
+        md = both(md, S > SPLIT)
     base = (r * Hq + h) * N_SPLITS
     m_all = tl.full((), float("-inf"), tl.float32)
     for sp in tl.static_range(N_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp))
+        used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)
+        m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp, mask=used, other=float("-inf")))
     l_all = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for sp in tl.static_range(N_SPLITS):
-        w = tl.exp2(tl.load(m_ptr + base + sp) - m_all)  # maxima in log2 units, as the splits wrote them
-        l_all = l_all + tl.load(l_ptr + base + sp) * w
-        acc = acc + tl.load(part_ptr + (base + sp) * D + cd, mask=md, other=0.0) * w
+        used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)
+        w = tl.exp2(tl.load(m_ptr + base + sp, mask=used, other=float("-inf")) - m_all)  # log2 units, as written
+        l_all = l_all + tl.load(l_ptr + base + sp, mask=used, other=0.0) * w
+        acc = acc + tl.load(part_ptr + (base + sp) * D + cd, mask=both(md, used), other=0.0) * w
     tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
 
 
@@ -143,7 +153,8 @@ def _output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
-                         short_rows: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                         short_rows: bool = False, out: torch.Tensor | None = None,
+                         skip_empty: bool = False) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
@@ -152,7 +163,9 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     Prefixes longer than ATTN_SPLIT are split at fixed positions over more programs (a B=1 decode at
     32k context would otherwise stream its prefix through just Hkv programs); a row's bits depend only
     on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
-    split launch, the rows that fit in one split skip the partials and the combine (the same bits). out: a
+    split launch, the rows that fit in one split skip the partials and the combine (the same bits). skip_empty
+    (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
+    bits; a captured step's table is often four splits wide for rows of one). out: a
     contiguous [R, Hq, D] of q's dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
@@ -165,15 +178,16 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     block_d = shape["BLOCK_D"]
     qk_scale = scale * 1.4426950408889634  # exp2 in the kernel
     if n_splits <= 1:
-        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, o, hq, qk_scale,
+        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, o, hq, qk_scale, 0,
                                               PARTIAL=False, **shape)
         return o
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    skip = int(skip_empty)
     _decode_attention_kernel[(n, hkv, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o, hq, qk_scale,
-                                                 PARTIAL=True, DIRECT=short_rows, **shape)
-    _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
+                                                 skip, PARTIAL=True, DIRECT=short_rows, **shape)
+    _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, skip, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
                                     SPLIT=shape["SPLIT"], DIRECT=short_rows)
     return o
 
