@@ -8,7 +8,7 @@ import torch
 
 from memra.config import ModelConfig
 from memra.kernels.cuts import window_rows
-from memra.kernels.table import KernelTable
+from memra.kernels.table import KernelTable, written
 from memra.model.context import Segments, StackedStep, StepContext, joined
 
 
@@ -89,8 +89,7 @@ class Attention:
             q = joined([self._rope_write(q[a:b], k[a:b], v[a:b], c.cos, c.sin, c.cache.kv, c.kv_write_rows)
                         for (a, b), c in pieces])
         if wave.attn is None:  # pools of their own: each attends alone
-            o = joined([self._attend(q[a:b], c) for (a, b), c in pieces])
-            return o if out is None else out.copy_(o)
+            return written(out, joined([self._attend(q[a:b], c) for (a, b), c in pieces]))
         kv, into = wave.kv, None if out is None else out.view(q.shape)
         o = self.ops.prefill_attention_pieces(q, kv.k[self.kv_layer], kv.v[self.kv_layer], wave.attn, self.scale, self.window,
                                               into)
@@ -105,10 +104,10 @@ class Attention:
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StackedStep,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, Hq, D], k/v [B, Hkv, D] (not yet rotated), one token per row -> [B, Hq*D] (into `out`). A pool's rows
-        all write their K/V first, then each reads positions 0..its own in order. Writing early changes
-        nothing a row reads: other rows write other sequences' blocks, or (verify) positions after this
-        row's."""
+        """q [B, Hq, D], k/v [B, Hkv, D] (not yet rotated), one token per row -> [B, Hq*D] (into `out` where
+        given). A pool's rows all write their K/V first, then each reads positions 0..its own in order. Writing
+        early changes nothing a row reads: other rows write other sequences' blocks, or (verify) positions after
+        this row's."""
         b, d = q.shape[0], self.head_dim
         if len(step.groups) == 1 and isinstance(step.groups[0].sel, slice):  # one pool (the engine's): no gathers
             g = step.groups[0]
@@ -129,9 +128,9 @@ class Attention:
             starts, lens = window_rows(starts, lens, self.window)
             max_len = min(max_len, self.window)
         if self._fused(qr, g.kv, None):  # q rotated, K/V written: the kernel attends only
-            o = self.ops.decode_attention(qr, None, None, None, None, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer],
-                                          None, g.read_rows, starts, lens, self.scale)
-            return o if out is None else out.copy_(o)
+            return written(out, self.ops.decode_attention(qr, None, None, None, None, g.kv.k[self.kv_layer],
+                                                          g.kv.v[self.kv_layer], None, g.read_rows, starts, lens,
+                                                          self.scale))
         return self.ops.paged_attention_rows(qr, g.kv.k[self.kv_layer], g.kv.v[self.kv_layer], g.read_rows, starts, lens,
                                              self.scale, max_len, out)
 

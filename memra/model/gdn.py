@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memra.config import ModelConfig
-from memra.kernels.table import KernelTable
+from memra.kernels.table import KernelTable, written
 from memra.model.context import Segments, StackedStep, StepContext, joined
 
 
@@ -82,8 +82,7 @@ class GatedDeltaNet:
     def _mix_pieces(self, mixed, b, a, wave: Segments, out: torch.Tensor | None = None) -> torch.Tensor:
         """Prompt pieces' conv and chunked delta rule -> o [N, Hv, Dv] (written into `out` where given)."""
         if wave.recurrent is None:
-            o = self._pieces_one_by_one(mixed, b, a, wave)
-            return o if out is None else out.copy_(o)
+            return written(out, self._pieces_one_by_one(mixed, b, a, wave))
         pool = wave.rec
         mixed = self.ops.causal_conv_pieces(mixed, pool.conv[self.layer], self.conv, wave.recurrent)
         q, k, v, beta, decay = self._heads(mixed, b, a)
@@ -124,7 +123,7 @@ class GatedDeltaNet:
         for i, c in enumerate(ctxs):
             c.cache.conv_state(self.layer).copy_(new_conv[i])
             c.cache.ssm_state(self.layer).copy_(new_states[i])
-        return o if out is None else out.copy_(o)
+        return written(out, o)
 
     def forward_tokens(self, x: torch.Tensor, step: StackedStep) -> torch.Tensor:
         """The verify body's GDN: x [N, E], the consecutive generated tokens of one sequence (ctxs[j] at

@@ -26,8 +26,8 @@ def _decode_block_s(block_d: int) -> int:
 @lean
 @triton.jit(do_not_specialize=["SKIP_EMPTY"])
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, out_ptr, Hq,
-                             qk_scale, SKIP_EMPTY, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+                             qk_scale, SKIP_EMPTY, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
                              PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
     # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
@@ -165,8 +165,8 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
     split launch, the rows that fit in one split skip the partials and the combine (the same bits). skip_empty
     (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
-    bits; a captured step's table is often four splits wide for rows of one). out: a
-    contiguous [R, Hq, D] of q's dtype that the output is written into (a mixed step's rows of its whole output)."""
+    bits; a captured step's table is often four splits wide for rows of one). out: a contiguous [R, Hq, D] of q's
+    dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = _output_like(q, out)

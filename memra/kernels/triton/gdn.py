@@ -357,7 +357,8 @@ def _scan(q, k, v, beta, g, s_in, s_out, s_rows, skip_inert=False, out=None):
         bf16 = _bf16(s_out)
         _delta_rule_scan_kernel[(n * h, triton.cdiv(dv, GDN_BLOCK_DV))](
             *args, s_in, rows, o, s_out, t, h, dk, dv, int(s_rows is not None), int(skip_inert),
-            BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16, num_warps=GDN_STEP_WARPS)
+            BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=GDN_BLOCK_DV, INERT=INERT_SLOT, STATE_BF16=bf16,
+            num_warps=GDN_STEP_WARPS)
     return o
 
 
