@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The throughput issue's acceptance table on one GPU, in parts that each fit one device call (ten minutes):
 #
-#     bash tools/gpu_acceptance.sh PART [LIMIT_S]       # PART: suite | throughput | models | serve | doors | all
+#     bash tools/gpu_acceptance.sh PART [LIMIT_S]       # PART: suite | throughput | models | moe | serve | doors | all
 #
 # suite       the `cuda` suite (tools/gpu_suite.sh), which the first call of a device session runs
 # throughput  `memra bench throughput` for both dense shapes, then one decode and one mixed step profiled each
 # models      `memra bench model`: B=1 and B=64 of both dense shapes beside HF's static cache (Llama), and the
-#             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token)
+#             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token), which `moe`
+#             runs alone (the dense step's HF Qwen peer, on torch's GDN, can take the whole call)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
 # doors       what waits for a GPU run, beside its frozen arm in the same call: the GDN decode step's tiles and
 #             warps in fp32 and bf16 and its graph buckets' padding, with and without the inert rows' programs
@@ -20,7 +21,7 @@
 # and is stopped at the time it was given. Wheels the machine lacks: a .whl folder beside (tools/offline_wheels.sh)
 # is installed first.
 set -u
-part=${1:?"PART: suite | throughput | models | serve | doors | all"}; limit=${2:-580}
+part=${1:?"PART: suite | throughput | models | moe | serve | doors | all"}; limit=${2:-580}
 out=${OUT:-/tmp/acceptance}; mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -59,6 +60,8 @@ run_part() {
     models)
       step model_dense 330 "^(llama|qwen)|probes" python3 -m memra bench model --models llama-3-8b,qwen3.5-9b \
         --batches 1,64 --modes exact,engine --peer hf-static --steps 32
+      run_part moe ;;
+    moe)
       step model_moe 200 "^qwen|probes" python3 -m memra bench model --models qwen3.5-35b-a3b --layers 36 \
         --batches 1,16 --modes exact,engine --no-hf --steps 32 ;;
     serve)
@@ -77,7 +80,7 @@ run_part() {
       llama="bench throughput random:llama-3-8b --num-prompts 1000 --check 1"
       step llama_defaults 105 "$tp_cells" python3 -m memra $llama
       MEMRA_ATTN_SKIP_EMPTY=1 step attn_skip_empty 105 "$tp_cells" python3 -m memra $llama ;;
-    *) echo "unknown part $1: suite | throughput | models | serve | doors | all"; exit 2 ;;
+    *) echo "unknown part $1: suite | throughput | models | moe | serve | doors | all"; exit 2 ;;
   esac
 }
 if [ "$part" = all ]; then for p in suite throughput models serve; do run_part $p; done; else run_part "$part"; fi
