@@ -105,20 +105,22 @@ def _conv_kernel(u_ptr, state_ptr, w_ptr, out_ptr, C, stride_u, stride_out, KC: 
 @lean
 @triton.jit(do_not_specialize=["n_pieces"])
 def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C, stride_u, stride_out, stride_slot,
-                        KC: tl.constexpr, BLOCK: tl.constexpr):
+                        KC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     # Program (row of the wave, channel block): the row's piece found in the table (rows: first row,
     # tokens, slot, ...), then _conv_kernel's arithmetic for that piece's token, its saved inputs read
-    # from the piece's pool slot.
+    # from the piece's pool slot. The table is read as vectors, all its pieces at once (BLOCK_P >= n_pieces):
+    # a walk of n_pieces scalar loads, each waited on before the next compare, held every program of the
+    # wave's 16k (512 rows x 32 channel blocks on the 9B) for a chain of dependent loads. The pieces are
+    # disjoint, so a row hits one piece or none (first and slot 0, as the walk left them).
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
-    first = tl.zeros((), tl.int32)
-    slot = tl.zeros((), tl.int32)
-    for i in range(n_pieces):
-        lo = tl.load(pieces_ptr + i * 5)
-        hit = (n >= lo) & (n < lo + tl.load(pieces_ptr + i * 5 + 1))
-        first = tl.where(hit, lo, first)
-        slot = tl.where(hit, tl.load(pieces_ptr + i * 5 + 2), slot)
+    i = tl.arange(0, BLOCK_P)
+    real = i < n_pieces
+    lo = tl.load(pieces_ptr + i * 5, mask=real, other=0)
+    hit = real & (n >= lo) & (n < lo + tl.load(pieces_ptr + i * 5 + 1, mask=real, other=0))
+    first = tl.sum(tl.where(hit, lo, 0), axis=0)
+    slot = tl.sum(tl.load(pieces_ptr + i * 5 + 2, mask=hit, other=0), axis=0)
     acc = _conv_acc(u_ptr + first.to(tl.int64) * stride_u, pool_ptr + slot.to(tl.int64) * stride_slot, w_ptr, n - first,
                     c, mask, stride_u, KC, BLOCK)
     tl.store(out_ptr + n * stride_out + c, _conv_out(acc, out_ptr.dtype.element_ty), mask=mask)
@@ -179,8 +181,10 @@ def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pie
     out = torch.empty(n, c, dtype=u.dtype, device=u.device)
     blocks = triton.cdiv(c, CONV_BLOCK)
     if n:
-        _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, pieces.table.shape[0], c, u.stride(0), out.stride(0),
-                                         pool.stride(0), KC=kc, BLOCK=CONV_BLOCK, enable_fp_fusion=False)
+        n_pieces = pieces.table.shape[0]
+        _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, n_pieces, c, u.stride(0), out.stride(0),
+                                         pool.stride(0), KC=kc, BLOCK=CONV_BLOCK,
+                                         BLOCK_P=max(16, triton.next_power_of_2(n_pieces)), enable_fp_fusion=False)
         _conv_state_pieces_kernel[(pieces.table.shape[0], blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
                                                                KC=kc, BLOCK=CONV_BLOCK)
     return out
