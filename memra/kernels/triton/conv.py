@@ -108,10 +108,10 @@ def _conv_pieces_kernel(u_ptr, pool_ptr, w_ptr, out_ptr, pieces_ptr, n_pieces, C
                         KC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     # Program (row of the wave, channel block): the row's piece found in the table (rows: first row,
     # tokens, slot, ...), then _conv_kernel's arithmetic for that piece's token, its saved inputs read
-    # from the piece's pool slot. The table is read as vectors, all its pieces at once (BLOCK_P >= n_pieces):
-    # a walk of n_pieces scalar loads, each waited on before the next compare, held every program of the
-    # wave's 16k (512 rows x 32 channel blocks on the 9B) for a chain of dependent loads. The pieces are
-    # disjoint, so a row hits one piece or none (first and slot 0, as the walk left them).
+    # from the piece's pool slot. The table is read as vectors, all its pieces at once (BLOCK_P >= n_pieces),
+    # not walked a piece at a time: a walk is a chain of scalar loads, each waited on before its compare, in
+    # every one of the wave's programs (16k a layer at 512 rows on the 9B: 32 channel blocks a row). The
+    # pieces are disjoint, so a row hits one piece or none (first and slot 0, as the walk left them).
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < C
@@ -185,8 +185,8 @@ def causal_conv_pieces(u: torch.Tensor, pool: torch.Tensor, w: torch.Tensor, pie
         _conv_pieces_kernel[(n, blocks)](u, pool, w, out, pieces.table, n_pieces, c, u.stride(0), out.stride(0),
                                          pool.stride(0), KC=kc, BLOCK=CONV_BLOCK,
                                          BLOCK_P=max(16, triton.next_power_of_2(n_pieces)), enable_fp_fusion=False)
-        _conv_state_pieces_kernel[(pieces.table.shape[0], blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
-                                                               KC=kc, BLOCK=CONV_BLOCK)
+        _conv_state_pieces_kernel[(n_pieces, blocks)](u, pool, pieces.table, c, u.stride(0), pool.stride(0),
+                                                      KC=kc, BLOCK=CONV_BLOCK)
     return out
 
 
