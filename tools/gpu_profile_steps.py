@@ -1,12 +1,16 @@
 """Where one decode step's and one mixed step's time goes at scale, on the engine's own path (its captured
 graphs and exact kernels, the default doors), run through the device tool:
 
-    python tools/gpu_profile_steps.py [--model random:llama-3-8b] [--rows 256] [--prompt 160] [--new 16] [--steps 8] [--top 12]
+    python tools/gpu_profile_steps.py [--model random:llama-3-8b] [--rows 256] [--prompt 160] [--new 16] [--join-prompt 512]
+                                      [--steps 8] [--top 12]
 
 1. `rows` requests of `prompt` tokens start and run until a step is a pure decode step; the next `steps`
    decode steps are profiled (torch.profiler records the kernels of replayed graphs too).
-2. `new` requests of 512 prompt tokens join while the rows decode: the steps are then mixed steps (the decode
-   rows and a prefill piece, the scheduler's split budget); `steps` of them are profiled.
+2. `new` requests of `join-prompt` prompt tokens (512) join while the rows decode: the steps are then mixed steps,
+   the decode rows and up to the scheduler's split budget of prompt tokens; `steps` of them are profiled. At 512
+   a step primes one prompt; at 160 (the throughput workload's median) three or four pieces, whose GDN chunks and
+   attention tiles run side by side instead of one after another. With `new` = 16 (the default), 16 x 160 tokens
+   run out after five steps: give `--new 48` there.
 
 For each kind it prints the wall time per step (under the profiler), the GPU kernel time per step, and the
 top kernels by time with their share of the step. The matmul kernels (the linears) are summed into one line
@@ -127,13 +131,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=160)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--join-prompt", type=int, default=512, help="prompt tokens of each joining request")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=12, help="kernels listed a step, the longest first")
     args = ap.parse_args()
     bandwidth = measure_read_bandwidth("cuda")  # first: its 4 GiB tensor before the model and its pools
     torch.cuda.empty_cache()
     model = memra.load(args.model, device="cuda")
-    llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=max(args.prompt, 512) + 512 + 64)  # room for each prompt and its 512 tokens
+    longest = max(args.prompt, args.join_prompt, 512)
+    llm = memra.LLM(model, max_batch=args.rows + args.new, max_ctx=longest + 512 + 64)  # each prompt and its 512 tokens
     engine, vocab = llm.engine, model.cfg.vocab_size
     params = SamplingParams(max_tokens=512, temperature=1.0, seed=0, ignore_eos=True)
     sink = lambda event: None  # noqa: E731 - the tokens are not the point here
@@ -152,7 +158,7 @@ def main() -> None:
 
     out += profiled("decode")
     for i in range(args.new):
-        engine.submit([(i * 11 + j) % vocab for j in range(512)], params, sink)
+        engine.submit([(i * 11 + j) % vocab for j in range(args.join_prompt)], params, sink)
     out += profiled("mixed")
     print("\n".join(out))
     llm.close()
