@@ -14,7 +14,7 @@
 #             skipped (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
 #             MEMRA_INERT_SKIP=1; the decode attention as a mixed step launches it (tools/gpu_tune_attention.py
 #             --mixed), then Llama-3-8B's `bench throughput` as it is and with MEMRA_ATTN_SKIP_EMPTY=1; not part
-#             of `all`
+#             of `all`; doors_gdn and doors_attn are its two halves, each about 280 s
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -68,12 +68,14 @@ run_part() {
       step serve_llama 300 "tok/s|TTFT|steady|lost|requests" python3 -m memra bench serve --launch random:llama-3-8b \
         --device cuda --max-batch 64 --max-ctx 1024 --requests 384 --concurrency 64 --min-tokens 128 --max-tokens 256 \
         --max-prompt-words 40 --stream-fraction 1 --cancel-fraction 0 ;;
-    doors)
+    doors) run_part doors_gdn; run_part doors_attn ;;
+    doors_gdn)
       step gdn_step 50 "read probe|^ +(64|180|256|304) " python3 tools/gpu_tune_gdn_step.py
       # Qwen3.5-9B's throughput as it is, then with the inert padding rows' GDN programs returning at once
       qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
       step gdn_defaults 110 "$tp_cells" python3 -m memra $qwen
-      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen
+      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen ;;
+    doors_attn)
       # the decode attention's empty splits skipped: taken apart as a mixed step launches it, then Llama-3-8B as it is
       # and with the door open
       step attention_mixed 45 "^[0-9]+x" python3 tools/gpu_tune_attention.py --mixed
