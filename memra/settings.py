@@ -88,7 +88,7 @@ class Settings:
     sample_prune: bool = False  # its blocks that cannot hold a row's best skip their exact fp64 scores
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
-    attn_skip_empty: bool = False  # ... and the splits past a row's prefix write and read no partials
+    attn_skip_empty: bool = True  # ... and the splits past a row's prefix write and read no partials
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
@@ -105,7 +105,7 @@ class Settings:
     linear_cublas: bool = True  # dense linears past 64 rows on cuBLASLt without split-K, held at load (triton.linear_cublas)
     mixed_decode_width: bool = True  # a captured mixed step's decode rows on a table width of their own
     inert_padding: bool = True  # a captured step's padding rows name an inert recurrent slot (memra.kernels.slots)
-    inert_skip: bool = False  # ... whose GDN step programs return at once, their outputs zeros (triton.gdn)
+    inert_skip: bool = True  # ... whose GDN step programs return at once, their outputs zeros (triton.gdn)
     mixed_tokens: int = 512  # the largest prompt-token bucket of a captured mixed step (memra.mixed_graphs)
     batched_logprobs: bool = True  # on CUDA, the sampler's logprobs over every asking row in one log-softmax
     admission_order: str = "auto"  # the order waiting requests start in: auto | fcfs | lof (memra.engine.admission)
@@ -146,7 +146,7 @@ class Settings:
             sample_prune=flag(e, "MEMRA_SAMPLE_PRUNE", False),
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
-            attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", False),
+            attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", True),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             moe_front=flag(e, "MEMRA_MOE_FRONT", False),
@@ -164,7 +164,7 @@ class Settings:
             linear_cublas=flag(e, "MEMRA_LINEAR_CUBLAS", not flag(e, "MEMRA_LINEAR_SHAPED", False)),
             mixed_decode_width=flag(e, "MEMRA_MIXED_DECODE_WIDTH", True),
             inert_padding=flag(e, "MEMRA_INERT_PADDING", True),
-            inert_skip=flag(e, "MEMRA_INERT_SKIP", False),
+            inert_skip=flag(e, "MEMRA_INERT_SKIP", True),
             mixed_tokens=integer(e, "MEMRA_MIXED_TOKENS", 512),
             batched_logprobs=flag(e, "MEMRA_BATCHED_LOGPROBS", True),
             admission_order=(e.get("MEMRA_ADMISSION_ORDER") or "auto").strip().lower() or "auto",
@@ -254,10 +254,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "positions, or a captured step's table that wide), a row whose prefix fits in the first split writes its output "
      "there, as the unsplit launch does, and its other splits and the combine skip it (memra.kernels.triton.attention; "
      "the same bits); off until a GPU run shows it faster"),
-    ("MEMRA_ATTN_SKIP_EMPTY", "0", "1 = in a decode attention launch split at fixed positions, a split past a row's "
+    ("MEMRA_ATTN_SKIP_EMPTY", "1", "in a decode attention launch split at fixed positions, a split past a row's "
      "prefix (a captured step's table is as wide as the longest row's max_ctx: four splits at 2,048 positions) "
-     "writes no partials and the combine reads none, where today each writes and reads back an empty one "
-     "(memra.kernels.triton.attention; the same bits); off until a GPU run shows it faster"),
+     "writes no partials and the combine reads none (memra.kernels.triton.attention; the same bits); 0 = each "
+     "writes and reads back an empty one"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),
@@ -308,9 +308,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "inert recurrent slot, whose state the Triton GDN and conv step kernels neither read nor write "
      "(memra.kernels.slots); no live row's bits change; 0 = they name the pools' scratch slot, which every padding "
      "row then reads and writes whole"),
-    ("MEMRA_INERT_SKIP", "0", "1 = under MEMRA_INERT_PADDING, the Triton GDN step's programs of an inert row return "
-     "at once, its output zeros, instead of stepping a zero state that nothing reads; no live row's bits change; "
-     "off until a device run shows it faster (tools/gpu_tune_gdn_step.py times the padded launch)"),
+    ("MEMRA_INERT_SKIP", "1", "under MEMRA_INERT_PADDING, the Triton GDN step's programs of an inert row return "
+     "at once, its output zeros; no live row's bits change; 0 = they step a zero state that nothing reads "
+     "(tools/gpu_tune_gdn_step.py times the padded launch both ways)"),
     ("MEMRA_MIXED_TOKENS", "512", "the largest prompt-token bucket of a captured mixed step: 512, 1024 or 2048. "
      "Larger buckets let a wide batch's default split budget (EngineConfig.split_budget) prefill that many prompt "
      "tokens a step and still replay one graph, so the running set fills in fewer steps; more graphs to capture at "

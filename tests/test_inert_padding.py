@@ -76,8 +76,8 @@ def test_the_table_hands_the_skip_to_the_triton_step_only():
     from memra.kernels.table import KernelTable
     from memra.settings import Settings
 
-    table = KernelTable.build("cpu", Settings.from_env({"MEMRA_INERT_SKIP": "1"}))
-    assert table.inert_skip and not KernelTable.build("cpu", Settings.from_env({})).inert_skip
+    table = KernelTable.build("cpu", Settings.from_env({}))  # open by default
+    assert table.inert_skip and not KernelTable.build("cpu", Settings.from_env({"MEMRA_INERT_SKIP": "0"})).inert_skip
     b, h, dk, dv = 4, 2, 16, 40  # on CPU the table's step is a twin, which takes no skip: it steps the scratch slot
     q, k = (reference.l2_normalize(rnd(b, h, dk, seed=s).cpu()) for s in (21, 22))
     pool = rnd(6, h, dk, dv, seed=23).cpu()
