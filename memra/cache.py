@@ -22,6 +22,7 @@ import torch
 from memra import counters
 from memra.config import ModelConfig
 from memra.errors import ContextOverflowError, MemraError
+from memra.state_trail import StateTrail
 from memra.upload import upload_values
 
 BLOCK_SIZE = 16  # tokens per KV block
@@ -106,6 +107,22 @@ class KvPool:
         self.version += 1
 
 
+def _by_kind(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[tuple[list, list]]:
+    """(dst, src) split into sublists of one device and dtype each: what torch's foreach fast path takes in one launch."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(dst):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return [([dst[i] for i in ix], [src[i] for i in ix]) for ix in groups.values()]
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i, one multi-tensor launch per device and dtype on a GPU (torch's foreach
+    kernels, the optimizers'): a loop launches one a layer and kind, 48 on Qwen3.5-9B, for every request started,
+    prefix snapshot taken or verify rolled back."""
+    for d, s in _by_kind(dst, src):
+        torch._foreach_copy_(d, s)
+
+
 class RecurrentPool:
     """Per-sequence recurrent state slots for the GDN layers, growing on demand up to `max_slots`. A slot is zeroed
     when handed out (allocate), the lowest free one first: no path reads one it was not handed, so unused ones take
@@ -129,14 +146,16 @@ class RecurrentPool:
     def slot_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for table in (self.conv, self.ssm) for t in table.values())
 
-    def allocate(self) -> int:
+    def allocate(self, zeroed: bool = True) -> int:
+        """A free slot, zeroed unless the caller overwrites it whole at once (zeroed=False: a copy's target)."""
         if not self.free and self.n_slots < self.max_slots:
             self.enlarge(min(self.max_slots, 2 * self.n_slots))
         if not self.free:
             raise MemraError(f"no free recurrent-state slot: {self.n_slots} sequences hold them all (the memory "
                              "budget's limit); free finished sequences or raise the KV budget")
         slot = self.free.pop(self.free.index(min(self.free)))  # the lowest (the class docstring says why)
-        self.zero(slot)
+        if zeroed:
+            self.zero(slot)
         return slot
 
     @torch.inference_mode(False)
@@ -155,55 +174,16 @@ class RecurrentPool:
     def release(self, slot: int) -> None:
         self.free.append(slot)
 
+    def states(self, slot: int) -> list[torch.Tensor]:
+        """The slot's state in every layer: the conv states, then the delta-rule states."""
+        return [t[slot] for table in (self.conv, self.ssm) for t in table.values()]
+
     def zero(self, slot: int) -> None:
-        for i in self.layers:
-            self.conv[i][slot].zero_()
-            self.ssm[i][slot].zero_()
+        for states, _ in _by_kind(self.states(slot), self.states(slot)):
+            torch._foreach_zero_(states)  # one launch a dtype on a GPU (copy_all says why)
 
-
-class StateTrail:
-    """The recurrent state after each token of a T-token verify forward, so a rejected suffix can be
-    dropped by copying column n-1 back (no replay). Grow-only buffers, reused round after round.
-
-        conv[layer]: [T, conv_dim, Kc-1]    ssm[layer]: [T, Hv, Dk, Dv] in the state's dtype (GdnConfig.state_dtype)
-    """
-
-    def __init__(self) -> None:
-        self.conv: dict[int, torch.Tensor] = {}
-        self.ssm: dict[int, torch.Tensor] = {}
-
-    @staticmethod
-    def _put(table: dict[int, torch.Tensor], layer: int, column: int, state: torch.Tensor) -> None:
-        buf = table.get(layer)
-        if buf is None or buf.shape[0] <= column:
-            grown = state.new_empty((max(column + 1, 8, 2 * (0 if buf is None else buf.shape[0])), *state.shape))
-            if buf is not None:
-                grown[: buf.shape[0]].copy_(buf)
-            table[layer] = buf = grown
-        buf[column].copy_(state)
-
-    @staticmethod
-    def _put_all(table: dict[int, torch.Tensor], layer: int, states: torch.Tensor) -> None:
-        buf = table.get(layer)
-        if buf is None or buf.shape[0] < states.shape[0] or buf.shape[1:] != states.shape[1:]:
-            table[layer] = buf = states.new_empty((max(states.shape[0], 8), *states.shape[1:]))
-        buf[: states.shape[0]].copy_(states)
-
-    def record_conv_all(self, layer: int, states: torch.Tensor) -> None:
-        self._put_all(self.conv, layer, states)  # [T, C, Kc-1]: after each of T tokens
-
-    def record_ssm_all(self, layer: int, states: torch.Tensor) -> None:
-        self._put_all(self.ssm, layer, states)  # [T, Hv, Dk, Dv]
-
-    def record_conv(self, layer: int, column: int, conv: torch.Tensor) -> None:
-        self._put(self.conv, layer, column, conv)  # [C, Kc-1] after token `column`
-
-    def record_ssm(self, layer: int, column: int, ssm: torch.Tensor) -> None:
-        self._put(self.ssm, layer, column, ssm)  # [Hv, Dk, Dv] after token `column`
-
-    def record(self, layer: int, column: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        self.record_conv(layer, column, conv)
-        self.record_ssm(layer, column, ssm)
+    def copy_slot(self, src: int, dst: int) -> None:
+        copy_all(self.states(dst), self.states(src))
 
 
 @dataclass
@@ -301,10 +281,7 @@ class Cache:
         if len(self.blocks) > keep:
             self.kv.release(self.blocks[keep:])
             del self.blocks[keep:]
-        for i, t in snap.conv.items():
-            self.conv_state(i).copy_(t)
-        for i, t in snap.ssm.items():
-            self.ssm_state(i).copy_(t)
+        copy_all([*map(self.conv_state, snap.conv), *map(self.ssm_state, snap.ssm)], [*snap.conv.values(), *snap.ssm.values()])
         self.last_logits_dev = None
 
     def rollback(self, pos0: int, keep: int, trail: StateTrail) -> None:
@@ -314,10 +291,9 @@ class Cache:
         if not 1 <= keep <= self.pos - pos0:
             raise MemraError(f"rollback keeps {keep} of the {self.pos - pos0} tokens verified from position {pos0}")
         self.writable_from(pos0 + keep)
-        if keep < self.pos - pos0:
-            for i in (self.rec.layers if self.rec else ()):
-                self.conv_state(i).copy_(trail.conv[i][keep - 1])
-                self.ssm_state(i).copy_(trail.ssm[i][keep - 1])
+        if keep < self.pos - pos0 and self.rec:
+            copy_all(self.rec.states(self.slot), [trail.conv[i][keep - 1] for i in self.rec.layers]
+                     + [trail.ssm[i][keep - 1] for i in self.rec.layers])
         self.pos = pos0 + keep
         self.last_logits_dev = None
 

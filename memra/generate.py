@@ -82,8 +82,8 @@ def _speculative_tokens(model, prompt: list[int], params: SamplingParams, stats:
     """The plain loop's tokens, a verify at a time. Each emitted token is chosen by the plain loop's
     rule (penalties over prompt + output so far, step counter = its index); a draft survives only
     if it equals that choice, so the stream cannot differ from the plain one."""
-    from memra.cache import StateTrail
     from memra.spec import drop_rejected, make_drafter, next_k, verify_round
+    from memra.state_trail import StateTrail
 
     spec_stats = stats.spec = SpecStats()
     out = stats.token_ids

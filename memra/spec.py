@@ -29,9 +29,10 @@ from typing import Protocol, Sequence
 import torch
 
 from memra import counters
-from memra.cache import Cache, StateTrail
+from memra.cache import Cache
 from memra.errors import MemraError
 from memra.sampling import SamplingParams, device_sample
+from memra.state_trail import StateTrail
 
 METHODS = ("mtp", "ngram")
 ROLLBACKS = ("trail", "replay")

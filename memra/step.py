@@ -30,11 +30,12 @@ from typing import Sequence
 import torch
 
 from memra import counters
-from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, StateTrail
+from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache
 from memra.decode_plan import decode_plan
 from memra.errors import MemraError
 from memra.kernels.cuts import TILE, aligned_cuts
 from memra.kernels.exact import platform_report, require_exact
+from memra.state_trail import StateTrail
 from memra.upload import upload
 
 EXACT_PIECE = TILE  # prefill forward size on the exact path; equals the GDN chunk so cuts line up

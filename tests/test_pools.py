@@ -111,3 +111,40 @@ def test_a_batch_of_new_cache_caches_equals_each_alone(model):
         assert torch.equal(together[i], alone[i])
     if DEVICE == "cuda":  # the pooled caches took the graphed step
         assert counters.delta(before)["graph_replays"] > 0
+
+
+def test_a_slot_is_zeroed_and_copied_in_one_op_for_every_layer(model):
+    """RecurrentPool.zero and copy_slot move a slot's state in every GDN layer with one multi-tensor op a dtype (on
+    a GPU one launch each, where a loop launched 2 a layer: 48 on Qwen3.5-9B for every request started and every
+    prefix snapshot); allocate(zeroed=False), a copy's target, skips the zeroing. The bits: zeros, and the source's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("select", "view"):
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    rec = model.pools().rec
+    a, b = model.new_cache(64), model.new_cache(64)
+    model.prime(list(range(1, 40)), a)
+    assert len(rec.layers) > 1 and all(s.abs().max() > 0 for s in rec.states(a.slot))
+    kinds = len({(t.device, t.dtype) for t in rec.states(a.slot)})  # bf16 conv and fp32 delta-rule states: two
+    with Ops() as ops:
+        rec.copy_slot(a.slot, b.slot)
+    assert ops.names == ["_foreach_copy_"] * kinds
+    assert all(torch.equal(x, y) for x, y in zip(rec.states(a.slot), rec.states(b.slot)))
+    with Ops() as ops:
+        rec.zero(a.slot)
+    assert ops.names == ["_foreach_zero_"] * kinds and not any(s.any() for s in rec.states(a.slot))
+    held = b.slot
+    b.free()
+    with Ops() as ops:
+        slot = rec.allocate(zeroed=False)  # b's slot again (the lowest free), its state left as b had it
+    assert not ops.names and slot == held and all(s.abs().max() > 0 for s in rec.states(slot))
+    rec.release(slot)
+    a.free()

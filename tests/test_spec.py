@@ -13,11 +13,11 @@ import torch
 
 from conftest import DEVICE, HF_ARCHS, hf_dir
 from memra import counters
-from memra.cache import StateTrail
 from memra.errors import ContextOverflowError, MemraError
 from memra.generate import GenerationStats, generate_tokens
 from memra.sampling import SamplingParams
 from memra.spec import MtpDrafter, NgramDrafter, SpecConfig
+from memra.state_trail import StateTrail
 
 @pytest.fixture(scope="module")
 def demo():

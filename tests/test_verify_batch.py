@@ -11,8 +11,8 @@ import torch
 
 from conftest import DEVICE, HF_ARCHS, hf_dir
 from memra import counters
-from memra.cache import StateTrail
 from memra.errors import ContextOverflowError, MemraError
+from memra.state_trail import StateTrail
 from memra.verify_batch import decode_step_t_batch
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [8, 9, 10, 11, 5, 17, 99, 4, 4, 4, 4, 1, 2], [40, 41]]

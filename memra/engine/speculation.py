@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 import torch
 
 from memra import counters
-from memra.cache import BLOCK_SIZE, StateTrail
+from memra.cache import BLOCK_SIZE
 from memra.engine.sampler import RowSpec, launch_pick
 from memra.errors import MemraError
 from memra.spec import MtpDrafter, NgramDrafter, SpecConfig, check_model, drop_rejected, next_k
+from memra.state_trail import StateTrail
 from memra.verify_batch import decode_step_t_batch
 
 

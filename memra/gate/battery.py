@@ -76,8 +76,8 @@ def _gate4_verify(model, prompt: list[int], steps: int, ctx: int, canary: bool, 
     """decode_step_t over T = 2 and 5 consecutive tokens of decode's own greedy stream: every column
     must carry decode_step's bits at that position. Each round keeps T-1 tokens and rolls the last one
     back (GDN state from the trail), so the next round also proves the rollback left decode's state."""
-    from memra.cache import StateTrail
     from memra.decode_plan import decode_plan
+    from memra.state_trail import StateTrail
 
     if model.settings.exact and decode_plan(model) == "bucket":
         led.out("gate4 skipped: MEMRA_DECODE_PLAN=bucket has no verify body (speculation refuses it)")

@@ -231,8 +231,8 @@ def run_pp_dist_battery(model, stages: int = 2, batches: tuple[int, ...] = (1, 4
     `pipeline`: a running DistPipeline whose rank 0 holds the full model (keep_full_model=True); by
     default one is launched here (ranks 1..stages-1 on this machine) and shut down at the end.
     """
-    from memra.cache import StateTrail
     from memra.pp.dist import launch_local
+    from memra.state_trail import StateTrail
 
     seed, canary = model.settings.gate_seed, model.settings.gate_canary
     ledger = Ledger(out)

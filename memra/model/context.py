@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memra.cache import Cache, KvPool, RecurrentPool, StateTrail
+from memra.cache import Cache, KvPool, RecurrentPool
 from memra.kernels.pieces import AttentionPieces, RecurrentPieces
+from memra.state_trail import StateTrail
 from memra.upload import upload_values
 
 

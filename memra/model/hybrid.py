@@ -13,9 +13,8 @@ import math
 import numpy as np
 import torch
 
-from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot, StateTrail
-from memra.pools import KvBudget, ModelPools
-from memra.settings import Settings
+from memra import step
+from memra.cache import PRIME_CHUNK_MAX_TOKENS, Cache, CacheSnapshot
 from memra.config import ModelConfig, RopeConfig
 from memra.errors import MemraError
 from memra.kernels.table import KernelTable, linear_module
@@ -23,8 +22,10 @@ from memra.model.block import Block
 from memra.model.context import Segments, StackedStep, StepContext
 from memra.model.ffn import merge_moe_fronts
 from memra.model.mtp import MtpBlock
-from memra import step
+from memra.pools import KvBudget, ModelPools
 from memra.runner.choose import choose_executor
+from memra.settings import Settings
+from memra.state_trail import StateTrail
 from memra.upload import upload
 
 

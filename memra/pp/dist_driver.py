@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from memra import counters, step
-from memra.cache import Cache, StateTrail
+from memra.cache import Cache
 from memra.errors import MemraError
 from memra.pp import fence as pf
 from memra.pp.dist_launch import DistConfig, LocalWorkers, leave_group
@@ -29,6 +29,7 @@ from memra.pp.dist_stage import PLANS, StageState
 from memra.pp.dist_wire import Flag, Link, Message, Op
 from memra.pp.dist_worker import REPLY, STAT_WORDS, comm_device, links_for
 from memra.runner.bodies import verify_layers
+from memra.state_trail import StateTrail
 
 PipelineError = pf.PipelineError
 STAT_NAMES = ("rank", "messages", "rows", "pieces", "verifies", "canaries", "sequences", "bytes")

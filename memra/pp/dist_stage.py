@@ -19,9 +19,10 @@ import zlib
 
 import torch
 
-from memra.cache import Cache, StateTrail, new_cache
+from memra.cache import Cache, new_cache
 from memra.pp.fence import PipelineError, StageFence
 from memra.runner.bodies import piece_layers, rows_head, rows_layers, verify_head, verify_layers
+from memra.state_trail import StateTrail
 
 PLANS = {"row": 1, "stacked": 2}  # the decode plans a stage split can run (bucket has none)
 PLAN_NAMES = {v: k for k, v in PLANS.items()}

@@ -99,7 +99,7 @@ class PrefixStore:
         if len(self._snaps) >= self.max_snapshots:
             self.drop_snapshot(next(iter(self._snaps)))
         try:
-            slot = self.rec.allocate()
+            slot = self.rec.allocate(zeroed=False)  # the copy below writes all of it
         except MemraError:  # the pools' budget is spent on running sequences: no snapshot this time
             return False
         self._copy(cache.slot, slot)
@@ -119,6 +119,4 @@ class PrefixStore:
             del self._snaps[node]
 
     def _copy(self, src: int, dst: int) -> None:
-        for i in self.rec.layers:
-            self.rec.conv[i][dst].copy_(self.rec.conv[i][src])
-            self.rec.ssm[i][dst].copy_(self.rec.ssm[i][src])
+        self.rec.copy_slot(src, dst)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from memra.cache import Cache, StateTrail
+from memra.cache import Cache
 from memra.graphs import eager_table_step, graphed_decode
+from memra.state_trail import StateTrail
 
 
 def piece_layers(model, h: torch.Tensor, cache: Cache, pos0: int, a: int, b: int | None,

@@ -19,9 +19,10 @@ from typing import Protocol, Sequence
 import torch
 
 from memra import counters
-from memra.cache import Cache, StateTrail
+from memra.cache import Cache
 from memra.decode_plan import decode_bucketed
 from memra.mixed_graphs import graphed_mixed
+from memra.state_trail import StateTrail
 from memra.runner.bodies import (
     decode_one,
     decode_stacked,
