@@ -42,7 +42,7 @@ import torch
 from memra.cache import BLOCK_SIZE
 from memra.engine.backends import backend_for
 from memra.engine.inflight import InFlight, decode_ids
-from memra.engine.sampler import Picked, launch_pick
+from memra.engine.sampler import Picked, joined_rows, launch_pick
 from memra.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from memra.engine.scoring import ScoreJobs
 from memra.engine.seq_state import SeqState, queue_seqs
@@ -307,7 +307,7 @@ class Engine:
         self.clock.land(self._land)
         live = [i for i, s in enumerate(ready) if not s.done]  # a decode row whose sequence ended as it landed: dropped
         if live:
-            batch = logits[0] if len(logits) == 1 else torch.cat(logits)
+            batch = joined_rows(logits)  # a view where the read-out holds them in order already
             if len(live) < len(ready):
                 batch = batch.index_select(0, upload_values(live, torch.long, batch.device))
             rows = [ready[i] for i in live]
