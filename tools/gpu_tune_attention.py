@@ -15,7 +15,8 @@ unsplit call's. --mixed instead takes a case apart as a captured mixed step laun
 a graph bucket's padding rows (one position each, all on one scratch position), then told a table four splits
 wide (a decode row past 512 positions beside them: the table then covers the rows' max_ctx, 2,048 positions in
 the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
-with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials). Warps and
+with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), and that last call's
+split launch and combine timed apart. Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
 reduce in another tree under another layout: each variant's output is compared bit for bit with today's, and
 the table says which differ (a variant with other bits would be a new reference, never a silent change).
@@ -73,20 +74,30 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_
     hkv = k.shape[-2]
     n_splits = triton.cdiv(ctx, ATTN_SPLIT)
     shape = {**A.decode_shape(q, k), **options}
-    block_d = shape["BLOCK_D"]
     o = torch.empty_like(q)
     qk = scale * 1.4426950408889634
     if n_splits <= 1:
         A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, o, hq, qk, 0, PARTIAL=False,
                                                 **shape)
         return o
-    m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
-    A._decode_attention_kernel[(n, hkv, n_splits)](q, k, v, rows, starts, lens, part, m, l, o, hq, qk, 0, PARTIAL=True,
-                                                   **shape)
-    A._combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, 0, N_SPLITS=n_splits, D=d, BLOCK_D=block_d)
+    split, combine = split_launches(q, k, v, rows, starts, lens, scale, ctx, shape, o)
+    split()
+    combine()
     return o
+
+
+def split_launches(q, k, v, rows, starts, lens, scale, ctx, shape: dict, o, skip: bool = False):
+    """The split launch and the combine of a call told `ctx` positions, as two callables on their own buffers."""
+    n, hq, d = q.shape
+    n_splits = triton.cdiv(ctx, ATTN_SPLIT)
+    m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
+    l, part = torch.empty_like(m), torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    qk, flag = scale * 1.4426950408889634, int(skip)
+    split = lambda: A._decode_attention_kernel[(n, k.shape[-2], n_splits)](  # noqa: E731
+        q, k, v, rows, starts, lens, part, m, l, o, hq, qk, flag, PARTIAL=True, **shape)
+    combine = lambda: A._combine_splits_kernel[(n, hq)](  # noqa: E731
+        m, l, part, o, lens, hq, flag, N_SPLITS=n_splits, D=d, BLOCK_D=shape["BLOCK_D"], SPLIT=ATTN_SPLIT)
+    return split, combine
 
 
 def with_padding(rows: int, flat, starts, lens):
@@ -118,6 +129,12 @@ def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
                        for r in runs)
             print(f"{rows}x{ctx} (+{bucket - rows}) {name:11s} " + " | ".join(f"{t * 1e6:8.1f}" for t in times)
                   + f" | {'equal' if same else 'DIFFER'}", flush=True)
+            # the last column's two launches timed apart: where the four-split call's cost over one split lies
+            split, combine = split_launches(q, k, v, pflat, pstarts, plens, scale, wide, A.decode_shape(q, k),
+                                            torch.empty_like(q), skip=True)
+            split()
+            print(f"{'':15s} {name:11s} that call taken apart: split launch {seconds(split) * 1e6:8.1f} us, "
+                  f"combine {seconds(combine) * 1e6:8.1f} us", flush=True)
             del k, v
 
 
