@@ -9,12 +9,12 @@
 #             Qwen3.5-35B-A3B at 36 of its 40 layers (B=1, B=16, prefill, time to first token), which `moe`
 #             runs alone (the dense step's HF Qwen peer, on torch's GDN, can take the whole call)
 # serve       `memra bench serve` at concurrency 64 on Llama-3-8B
-# doors       what waits for a GPU run, beside its frozen arm in the same call: the GDN decode step's tiles and
-#             warps in fp32 and bf16 and its graph buckets' padding, with and without the inert rows' programs
-#             skipped (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
-#             MEMRA_INERT_SKIP=1; the decode attention as a mixed step launches it (tools/gpu_tune_attention.py
-#             --mixed), then Llama-3-8B's `bench throughput` as it is and with MEMRA_ATTN_SKIP_EMPTY=1; not part
-#             of `all`; doors_gdn and doors_attn are its two halves, each about 280 s
+# doors       the padding doors beside their shut arm in the same call: the GDN decode step's tiles and warps in
+#             fp32 and bf16 and its graph buckets' padding, with and without the inert rows' programs skipped
+#             (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
+#             MEMRA_INERT_SKIP=0; the decode attention as a mixed step launches it, its four-split call taken apart
+#             (tools/gpu_tune_attention.py --mixed), then Llama-3-8B's `bench throughput` as it is and with
+#             MEMRA_ATTN_SKIP_EMPTY=0; not part of `all`; doors_gdn and doors_attn are its two halves, each about 280 s
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -71,17 +71,17 @@ run_part() {
     doors) run_part doors_gdn; run_part doors_attn ;;
     doors_gdn)
       step gdn_step 50 "read probe|^ +(64|180|256|304) " python3 tools/gpu_tune_gdn_step.py
-      # Qwen3.5-9B's throughput as it is, then with the inert padding rows' GDN programs returning at once
+      # Qwen3.5-9B's throughput as it is, then with the inert padding rows' GDN programs stepping a zero state
       qwen="bench throughput random:qwen3.5-9b --num-prompts 1000 --check 1"
       step gdn_defaults 110 "$tp_cells" python3 -m memra $qwen
-      MEMRA_INERT_SKIP=1 step inert_skip 110 "$tp_cells" python3 -m memra $qwen ;;
+      MEMRA_INERT_SKIP=0 step inert_skip_off 110 "$tp_cells" python3 -m memra $qwen ;;
     doors_attn)
-      # the decode attention's empty splits skipped: taken apart as a mixed step launches it, then Llama-3-8B as it is
-      # and with the door open
-      step attention_mixed 45 "^[0-9]+x" python3 tools/gpu_tune_attention.py --mixed
+      # the decode attention as a mixed step launches it, taken apart, then Llama-3-8B as it is and with the empty
+      # splits written and read back
+      step attention_mixed 45 "^[0-9]+x|taken apart" python3 tools/gpu_tune_attention.py --mixed
       llama="bench throughput random:llama-3-8b --num-prompts 1000 --check 1"
       step llama_defaults 105 "$tp_cells" python3 -m memra $llama
-      MEMRA_ATTN_SKIP_EMPTY=1 step attn_skip_empty 105 "$tp_cells" python3 -m memra $llama ;;
+      MEMRA_ATTN_SKIP_EMPTY=0 step attn_skip_empty_off 105 "$tp_cells" python3 -m memra $llama ;;
     *) echo "unknown part $1: suite | throughput | models | moe | serve | doors | all"; exit 2 ;;
   esac
 }
