@@ -16,7 +16,8 @@ a graph bucket's padding rows (one position each, all on one scratch position), 
 wide (a decode row past 512 positions beside them: the table then covers the rows' max_ctx, 2,048 positions in
 the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
 with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), and that last call's
-split launch and combine timed apart. Warps and
+split launch (and the same launch with its first split's programs only: what the empty ones cost) and combine
+timed apart. Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
 reduce in another tree under another layout: each variant's output is compared bit for bit with today's, and
 the table says which differ (a variant with other bits would be a new reference, never a silent change).
@@ -93,7 +94,7 @@ def split_launches(q, k, v, rows, starts, lens, scale, ctx, shape: dict, o, skip
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l, part = torch.empty_like(m), torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     qk, flag = scale * 1.4426950408889634, int(skip)
-    split = lambda: A._decode_attention_kernel[(n, k.shape[-2], n_splits)](  # noqa: E731
+    split = lambda splits=n_splits: A._decode_attention_kernel[(n, k.shape[-2], splits)](  # noqa: E731
         q, k, v, rows, starts, lens, part, m, l, o, hq, qk, flag, PARTIAL=True, **shape)
     combine = lambda: A._combine_splits_kernel[(n, hq)](  # noqa: E731
         m, l, part, o, lens, hq, flag, N_SPLITS=n_splits, D=d, BLOCK_D=shape["BLOCK_D"], SPLIT=ATTN_SPLIT)
@@ -133,7 +134,8 @@ def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
             split, combine = split_launches(q, k, v, pflat, pstarts, plens, scale, wide, A.decode_shape(q, k),
                                             torch.empty_like(q), skip=True)
             split()
-            print(f"{'':15s} {name:11s} that call taken apart: split launch {seconds(split) * 1e6:8.1f} us, "
+            print(f"{'':15s} {name:11s} that call taken apart: split launch {seconds(split) * 1e6:8.1f} us "
+                  f"(its first split's programs alone {seconds(lambda: split(1)) * 1e6:8.1f}), "
                   f"combine {seconds(combine) * 1e6:8.1f} us", flush=True)
             del k, v
 
