@@ -13,7 +13,7 @@ import triton.language as tl
 
 from memra.kernels.cuts import ATTN_SPLIT
 from memra.kernels.pieces import ATTENTION_TILE
-from memra.kernels.triton.common import _interpreting, both
+from memra.kernels.triton.common import _interpreting, both, output_buffer
 from memra.kernels.triton.launch import lean
 
 
@@ -143,14 +143,6 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
                 BLOCK_S=_decode_block_s(block_d), SPLIT=ATTN_SPLIT, IEEE=q.dtype == torch.float32 or _interpreting())
 
 
-def _output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The output a launch writes: the caller's `out` (q's shape and dtype, contiguous) or a new one."""
-    if out is None:
-        return torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out: q's shape and dtype, contiguous"
-    return out
-
-
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
                          short_rows: bool = False, out: torch.Tensor | None = None,
@@ -169,7 +161,7 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
-    o = _output_like(q, out)
+    o = output_buffer(out, q.shape, q.dtype, q.device)
     if not n:
         return o
     n_splits = triton.cdiv(max_len if max_len is not None else rows.numel(), ATTN_SPLIT)
@@ -311,7 +303,7 @@ def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     .AttentionPieces): q [N, Hq, D] -> [N, Hq, D] (into `out`, as paged_attention_rows'), each piece's rows
     with the bits of its own call; rows in no piece are left unset."""
     hq = q.shape[1]
-    o = _output_like(q, out)
+    o = output_buffer(out, q.shape, q.dtype, q.device)
     if pieces.tiles:
         _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (pieces.tiles, hq), scale, pieces.table, 0, 0,
                         pieces.table.shape[0], True, window)

@@ -1,15 +1,27 @@
 """What several Triton families share: whether Triton's interpreter runs them (TRITON_INTERPRET, CI's CPU
-runs), the count of kernels compiled, and fp32 -> bf16 rounding to nearest-even in bit arithmetic."""
+runs), the count of kernels compiled, fp32 -> bf16 rounding to nearest-even in bit arithmetic, and the output
+buffer a launch writes (a caller's, or a new one)."""
 
 from __future__ import annotations
 
 import functools
+import math
 
+import torch
 import triton
 import triton.language as tl
 
 from memra import counters
 from memra.settings import process_env
+
+
+def output_buffer(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The output a launch writes: the caller's `out` (contiguous, of that dtype and element count, viewed as
+    `shape`: a mixed step's rows of its whole output) or a new one."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    assert out.dtype == dtype and out.is_contiguous() and out.numel() == math.prod(shape), f"out: {dtype}, contiguous"
+    return out.view(shape)
 
 
 @functools.cache

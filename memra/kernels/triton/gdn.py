@@ -47,8 +47,6 @@ into pieces (E5) -- tested bit for bit. On by default where the invariant kernel
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -56,7 +54,7 @@ import triton.language as tl
 from memra.kernels.cuts import aligned_cuts
 from memra.kernels.reference import GDN_CHUNK
 from memra.kernels.slots import INERT_SLOT
-from memra.kernels.triton.common import both
+from memra.kernels.triton.common import both, output_buffer
 from memra.kernels.triton.launch import lean
 from memra.upload import upload_parts
 
@@ -240,7 +238,7 @@ def _prefill(q, k, v, beta, g, cuts, pieces, s_in, s_out, stride_slot, out=None)
     f32 = dict(dtype=torch.float32, device=q.device)
     u, w = torch.empty(t, h, dv, **f32), torch.empty(t, h, dk, **f32)
     p, gcum = torch.empty(cuts.numel() - 1, h, GDN_CHUNK, GDN_CHUNK, **f32), torch.empty(t, h, **f32)
-    o = _output_buffer(out, (t, h, dv), q.device)
+    o = output_buffer(out, (t, h, dv), torch.float32, q.device)
     chunk_prep(q, k, v, beta, g, cuts, u, w, p, gcum)
     chunk_scan(q, k, u, w, p, gcum, s_in, o, s_out, cuts, pieces, stride_slot)
     return o
@@ -336,22 +334,14 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s_ptr, s_rows_
         tl.store(o_ptr + ((n * T + t) * H + h) * DV + cv, tl.zeros((BLOCK_DV,), dtype=tl.float32), mask=mv)
 
 
-def _output_buffer(out, shape, device) -> torch.Tensor:
-    """The fp32 output a launch writes: the caller's `out` (contiguous, of that shape) or a new one."""
-    if out is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == math.prod(shape), "out: fp32, contiguous"
-    return out.view(shape)
-
-
 def _scan(q, k, v, beta, g, s_in, s_out, s_rows, skip_inert=False, out=None):
     """Launch the scan: q, k [n, T, H, DK], v [n, T, H, DV], beta, g [n, T, H] -> o [n, T, H, DV]
     (fp32); the states read from s_in and written to s_out, at s_rows [n] where given. skip_inert: an inert
-    row's programs walk none of its tokens (MEMRA_INERT_SKIP). out: where o goes (_output_buffer)."""
+    row's programs walk none of its tokens (MEMRA_INERT_SKIP). out: where o goes (common.output_buffer)."""
     n, t, h, dk = q.shape
     dv = v.shape[-1]
     args = [x.contiguous().float() for x in (q, k, v, beta, g)]
-    o = _output_buffer(out, (n, t, h, dv), q.device)
+    o = output_buffer(out, (n, t, h, dv), torch.float32, q.device)
     rows = s_rows if s_rows is not None else torch.empty(1, dtype=torch.int64, device=q.device)  # not read
     if n * t * h:
         bf16 = _bf16(s_out)
