@@ -107,20 +107,20 @@ class KvPool:
         self.version += 1
 
 
-def _by_kind(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[tuple[list, list]]:
-    """(dst, src) split into sublists of one device and dtype each: what torch's foreach fast path takes in one launch."""
+def _by_kind(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The tensors' indices, grouped by device and dtype: what torch's foreach fast path takes in one launch."""
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(dst):
+    for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    return [([dst[i] for i in ix], [src[i] for i in ix]) for ix in groups.values()]
+    return list(groups.values())
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for every i, one multi-tensor launch per device and dtype on a GPU (torch's foreach
     kernels, the optimizers'): a loop launches one a layer and kind, 48 on Qwen3.5-9B, for every request started,
     prefix snapshot taken or verify rolled back."""
-    for d, s in _by_kind(dst, src):
-        torch._foreach_copy_(d, s)
+    for ix in _by_kind(dst):
+        torch._foreach_copy_([dst[i] for i in ix], [src[i] for i in ix])
 
 
 class RecurrentPool:
@@ -179,8 +179,9 @@ class RecurrentPool:
         return [t[slot] for table in (self.conv, self.ssm) for t in table.values()]
 
     def zero(self, slot: int) -> None:
-        for states, _ in _by_kind(self.states(slot), self.states(slot)):
-            torch._foreach_zero_(states)  # one launch a dtype on a GPU (copy_all says why)
+        states = self.states(slot)
+        for ix in _by_kind(states):
+            torch._foreach_zero_([states[i] for i in ix])  # one launch a dtype on a GPU (copy_all says why)
 
     def copy_slot(self, src: int, dst: int) -> None:
         copy_all(self.states(dst), self.states(src))
