@@ -125,11 +125,13 @@ def joined_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """torch.cat(parts) of [n_i, V] row blocks; a view, not a copy, where they already lie one after the other
     in one tensor: a mixed step's decode rows and its pieces' last rows as memra.graphs.widened reads them out
     (a 260 MB copy at 262 rows of Qwen3.5's vocabulary, 0.18 ms of an H100's mixed step), unless a piece that
-    goes on to its next chunk sits between them."""
+    goes on to its next chunk sits between them. One storage, not adjacent addresses alone: two tensors the
+    allocator happened to place end to end (CUDA's caching allocator does) are not one tensor."""
     first, at, rows = parts[0], parts[0].data_ptr(), 0
+    storage = first.untyped_storage().data_ptr()
     for p in parts:
         if (p.data_ptr() != at or not p.is_contiguous() or p.dtype != first.dtype or p.device != first.device
-                or p.shape[1:] != first.shape[1:]):
+                or p.shape[1:] != first.shape[1:] or p.untyped_storage().data_ptr() != storage):
             return torch.cat(parts)
         at, rows = at + p.numel() * p.element_size(), rows + p.shape[0]
     return first.as_strided((rows, *first.shape[1:]), (first.shape[1:].numel(), *first.stride()[1:]))
