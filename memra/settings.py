@@ -89,6 +89,7 @@ class Settings:
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     attn_skip_empty: bool = True  # ... and the splits past a row's prefix write and read no partials
+    attn_split_walk: bool = False  # ... and where rows are many, one program walks a row's splits
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
@@ -147,6 +148,7 @@ class Settings:
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", True),
+            attn_split_walk=flag(e, "MEMRA_ATTN_SPLIT_WALK", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             moe_front=flag(e, "MEMRA_MOE_FRONT", False),
@@ -207,7 +209,7 @@ class Settings:
                 "MEMRA_SAMPLE_KERNEL": on(self.sample_kernel), "MEMRA_SAMPLE_SPLIT": on(self.sample_split),
                 "MEMRA_SAMPLE_PRUNE": on(self.sample_prune),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
-                "MEMRA_ATTN_SKIP_EMPTY": on(self.attn_skip_empty),
+                "MEMRA_ATTN_SKIP_EMPTY": on(self.attn_skip_empty), "MEMRA_ATTN_SPLIT_WALK": on(self.attn_split_walk),
                 "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
                 "MEMRA_MOE_FRONT": on(self.moe_front),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
@@ -258,6 +260,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "prefix (a captured step's table is as wide as the longest row's max_ctx: four splits at 2,048 positions) "
      "writes no partials and the combine reads none (memra.kernels.triton.attention; the same bits); 0 = each "
      "writes and reads back an empty one"),
+    ("MEMRA_ATTN_SPLIT_WALK", "0", "1 = in a decode attention launch split at fixed positions with 1,024 (row, KV "
+     "head) programs or more, each program walks its row's splits one after the other instead of a program a split, "
+     "so a captured step's many short rows launch no programs for the splits past their prefixes "
+     "(memra.kernels.triton.attention; the same bits); off until a GPU run shows it faster"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),

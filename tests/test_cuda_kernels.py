@@ -160,6 +160,29 @@ def test_short_rows_keep_the_bits_of_a_split_attention_launch():
         assert same_bits(short, plain) and same_bits(short[:256], alone), f"heads of {d}: short rows moved bits"
 
 
+def test_walked_splits_keep_the_bits_of_a_split_attention_launch():
+    """MEMRA_ATTN_SPLIT_WALK: 382 rows of 170 positions beside 2 of 1,500 told a 2,048-position table (four splits),
+    with and without MEMRA_ATTN_SKIP_EMPTY, the Llama-3-8B and Qwen3.5 attention shapes: a program walking its row's
+    splits gives every row the bits of a program a split."""
+    from memra.kernels.triton import attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for hq, hkv, d in ((32, 8, 128), (16, 4, 256)):
+        lens = torch.tensor([170] * 382 + [1500] * 2, device="cuda")
+        assert len(lens) * hkv >= attention.WALK_PROGRAMS  # the launch walks
+        blocks = int(lens.sum()) // 16 + 1
+        k_pool, v_pool = (torch.randn(blocks, 16, hkv, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+        rows = torch.randperm(blocks * 16, device="cuda", generator=g)[: int(lens.sum())]
+        starts = torch.cumsum(lens, 0) - lens
+        q = torch.randn(len(lens), hq, d, device="cuda", generator=g).to(torch.bfloat16)
+        for skip in (False, True):
+            plain = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=2048,
+                                                   skip_empty=skip)
+            walked = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=2048,
+                                                    skip_empty=skip, split_walk=True)
+            assert same_bits(walked, plain), f"heads of {d}, skip {skip}: walking the splits moved bits"
+
+
 def test_the_experts_activation_in_their_gate_up_launch_keeps_the_bits():
     """MEMRA_MOE_FUSED_ACT at the Qwen3.5-35B-A3B expert shapes (256 experts of 2 x 512 by 2,048, top 8): the
     activation in the grouped gate/up launch's epilogue against the launch then silu_mul, bit for bit, for a

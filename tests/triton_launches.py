@@ -175,19 +175,19 @@ for _name, _value in list(vars(KernelTable).items()):
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
                     sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False,
-                    attn_skip_empty: bool = False,
+                    attn_skip_empty: bool = False, attn_split_walk: bool = False,
                     moe_fused_act: bool = False, moe_fused_gate: bool = False,
                     sample_prune: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
     MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; sample_prune: with MEMRA_SAMPLE_PRUNE=1;
     rope_tile: with MEMRA_ROPE_TILE=1; attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; attn_skip_empty: with
-    MEMRA_ATTN_SKIP_EMPTY=1; moe_fused_act: with
+    MEMRA_ATTN_SKIP_EMPTY=1; attn_split_walk: with MEMRA_ATTN_SPLIT_WALK=1; moe_fused_act: with
     MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with MEMRA_MOE_FUSED_GATE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
                            sample_split=sample_split, sample_prune=sample_prune, rope_tile=rope_tile,
                            attn_short_rows=attn_short_rows, attn_skip_empty=attn_skip_empty,
-                           moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
+                           attn_split_walk=attn_split_walk, moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -354,7 +354,8 @@ def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine; with MEMRA_SAMPLE_PRUNE=1's, the pruned walk), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
-    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's and MEMRA_ATTN_SKIP_EMPTY=1's), GDN's chunked
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's and MEMRA_ATTN_SKIP_EMPTY=1's) and of many rows
+    (MEMRA_ATTN_SPLIT_WALK=1's), GDN's chunked
     prefill at the model's head sizes and its state in bf16 (MEMRA_GDN_STATE_DTYPE's
     scan and recurrent step), and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
@@ -373,6 +374,13 @@ def drive_doors(table) -> None:
     kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
+    # rows enough that MEMRA_ATTN_SPLIT_WALK=1's launch walks each row's splits in one program
+    from memra.kernels.triton.attention import WALK_PROGRAMS
+
+    many = -(-WALK_PROGRAMS // hkv)
+    q_many = torch.randn(many, hq, d).to(torch.bfloat16)
+    table.paged_attention_rows(q_many, kv, kv, torch.arange(640), torch.zeros(many, dtype=torch.long),
+                               torch.tensor([3] * (many - 1) + [600]), 0.1, 640)
     # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
     table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),

@@ -15,7 +15,8 @@ unsplit call's. --mixed instead takes a case apart as a captured mixed step laun
 a graph bucket's padding rows (one position each, all on one scratch position), then told a table four splits
 wide (a decode row past 512 positions beside them: the table then covers the rows' max_ctx, 2,048 positions in
 the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
-with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), and that last call's
+with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), then with
+MEMRA_ATTN_SPLIT_WALK as well (a program walks its row's splits, where the rows are many), and the skipped call's
 split launch (and the same launch with its first split's programs only: what the empty ones cost) and combine
 timed apart. Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
@@ -64,13 +65,13 @@ def pool_for(rows: int, ctx: int, hkv: int, d: int, gen: torch.Generator):
 
 
 def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_rows: bool = False,
-           skip_empty: bool = False):
+           skip_empty: bool = False, split_walk: bool = False):
     """paged_attention_rows, with warps/stages given to the split kernel where `options` says; ctx: the bound
     on the rows' prefixes the launch is told (a captured step: its table's width); short_rows: MEMRA_ATTN_SHORT_ROWS;
-    skip_empty: MEMRA_ATTN_SKIP_EMPTY."""
+    skip_empty: MEMRA_ATTN_SKIP_EMPTY; split_walk: MEMRA_ATTN_SPLIT_WALK."""
     if options is None:
         return A.paged_attention_rows(q, k, v, rows, starts, lens, scale, max_len=ctx, short_rows=short_rows,
-                                      skip_empty=skip_empty)
+                                      skip_empty=skip_empty, split_walk=split_walk)
     n, hq, d = q.shape
     hkv = k.shape[-2]
     n_splits = triton.cdiv(ctx, ATTN_SPLIT)
@@ -78,7 +79,7 @@ def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_
     o = torch.empty_like(q)
     qk = scale * 1.4426950408889634
     if n_splits <= 1:
-        A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, o, hq, qk, 0, PARTIAL=False,
+        A._decode_attention_kernel[(n, hkv, 1)](q, k, v, rows, starts, lens, o, o, o, o, hq, qk, 0, 1, PARTIAL=False,
                                                 **shape)
         return o
     split, combine = split_launches(q, k, v, rows, starts, lens, scale, ctx, shape, o)
@@ -95,7 +96,7 @@ def split_launches(q, k, v, rows, starts, lens, scale, ctx, shape: dict, o, skip
     l, part = torch.empty_like(m), torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     qk, flag = scale * 1.4426950408889634, int(skip)
     split = lambda splits=n_splits: A._decode_attention_kernel[(n, k.shape[-2], splits)](  # noqa: E731
-        q, k, v, rows, starts, lens, part, m, l, o, hq, qk, flag, PARTIAL=True, **shape)
+        q, k, v, rows, starts, lens, part, m, l, o, hq, qk, flag, n_splits, PARTIAL=True, **shape)
     combine = lambda: A._combine_splits_kernel[(n, hq)](  # noqa: E731
         m, l, part, o, lens, hq, flag, N_SPLITS=n_splits, D=d, BLOCK_D=shape["BLOCK_D"], SPLIT=ATTN_SPLIT)
     return split, combine
@@ -114,7 +115,7 @@ def with_padding(rows: int, flat, starts, lens):
 def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
     """Each case as a captured mixed step launches its decode rows: alone, padded, told two splits, both."""
     print("case            shape        alone us | padded to bucket | told 4 splits | both | both, short rows "
-          "| both, empty splits skipped | live rows' bits")
+          "| both, empty splits skipped | and walked | live rows' bits")
     for rows, ctx in cases:
         for name, (hq, hkv, d) in SHAPES.items():
             k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
@@ -122,9 +123,13 @@ def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
             q = torch.randn(bucket, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             scale, wide = d ** -0.5, TABLE  # a captured step's table of max_ctx 2,048: four splits
             ref = launch(q[:rows], k, v, flat, starts, lens, scale, ctx, None)
-            runs = [(q[:rows], flat, starts, lens, ctx, False, False), (q, pflat, pstarts, plens, ctx, False, False),
-                    (q[:rows], flat, starts, lens, wide, False, False), (q, pflat, pstarts, plens, wide, False, False),
-                    (q, pflat, pstarts, plens, wide, True, False), (q, pflat, pstarts, plens, wide, False, True)]
+            runs = [(q[:rows], flat, starts, lens, ctx, False, False, False),
+                    (q, pflat, pstarts, plens, ctx, False, False, False),
+                    (q[:rows], flat, starts, lens, wide, False, False, False),
+                    (q, pflat, pstarts, plens, wide, False, False, False),
+                    (q, pflat, pstarts, plens, wide, True, False, False),
+                    (q, pflat, pstarts, plens, wide, False, True, False),
+                    (q, pflat, pstarts, plens, wide, False, True, True)]
             times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])) for r in runs]
             same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])[:rows], ref)
                        for r in runs)

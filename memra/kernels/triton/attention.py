@@ -24,38 +24,61 @@ def _decode_block_s(block_d: int) -> int:
 
 
 @lean
-@triton.jit(do_not_specialize=["SKIP_EMPTY"])
+@triton.jit(do_not_specialize=["SKIP_EMPTY", "n_splits"])
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr, o_ptr, m_ptr, l_ptr, out_ptr, Hq,
-                             qk_scale, SKIP_EMPTY, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                             qk_scale, SKIP_EMPTY, n_splits, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
-                             PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False):
+                             PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False,
+                             WALK: tl.constexpr = False):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
     # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
     # own, whatever its tile-mates). Query row r attends over its own prefix: positions 0..S-1 whose
     # flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one launch serves
     # B sequences of decode or the T columns of a verify, and no length is a compile-time value).
-    # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT): fixed by absolute position, visited
-    # in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
-    # a row's bits are its own. PARTIAL: write this split's (max, sum, unnormalised output) for
-    # _combine_splits_kernel; otherwise (one split covers every row) write the output itself. DIRECT
-    # (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row whose prefix fits in split 0 writes its output to out_ptr
-    # there, as the unsplit launch does, and no partials (its other splits are empty); the combine skips it.
-    # SKIP_EMPTY (MEMRA_ATTN_SKIP_EMPTY; runtime, so both ways run one machine code): a split past the row's
-    # prefix loads and stores nothing, and the combine reads none of its partials, whose values (-inf, 0, 0) the
-    # combine's masked loads give in their place: the same arithmetic, so the same bits.
+    # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT) of the n_splits: fixed by absolute position,
+    # visited in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
+    # a row's bits are its own (_decode_split). WALK (MEMRA_ATTN_SPLIT_WALK), with PARTIAL: one program per
+    # (query row, KV head) runs the row's splits one after the other, each with the arithmetic and the stores of
+    # its own program, so the same bits: where rows are many, the launch then has no program for a split past
+    # a short row's prefix to start and retire (~40 us of a 258-row call told four splits on an H100).
     r = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     start = tl.load(starts_ptr + r)
     S = tl.load(lens_ptr + r)
-    used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
     cd = tl.arange(0, BLOCK_D)
     md = cd < D
     cg = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + cg  # [G] this KV head's query heads
     mg = cg < GROUP
-    q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=both(mg[:, None] & md[None, :], used),
-                other=0.0)
+    if WALK:
+        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+        for sp in range(0, n_splits):
+            _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S,
+                          heads, mg, cd, md, Hq, qk_scale, SKIP_EMPTY, HKV, D, BLOCK_D, BLOCK_G, BLOCK_S, SPLIT,
+                          PARTIAL, IEEE, DIRECT)
+    else:
+        sp = tl.program_id(2)
+        used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)
+        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=both(mg[:, None] & md[None, :], used),
+                    other=0.0)
+        _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S, heads,
+                      mg, cd, md, Hq, qk_scale, SKIP_EMPTY, HKV, D, BLOCK_D, BLOCK_G, BLOCK_S, SPLIT, PARTIAL, IEEE,
+                      DIRECT)
+
+
+@triton.jit
+def _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S, heads, mg,
+                  cd, md, Hq, qk_scale, SKIP_EMPTY, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+                  IEEE: tl.constexpr, DIRECT: tl.constexpr):
+    # Split sp of row r, KV head kvh: q [G, D] (zeros where the split is not used). PARTIAL: write this split's
+    # (max, sum, unnormalised output) for _combine_splits_kernel; otherwise (one split covers every row) write the
+    # output itself. DIRECT (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row whose prefix fits in split 0 writes its
+    # output to out_ptr there, as the unsplit launch does, and no partials (its other splits are empty); the
+    # combine skips it. SKIP_EMPTY (MEMRA_ATTN_SKIP_EMPTY; runtime, so both ways run one machine code): a split
+    # past the row's prefix loads and stores nothing, and the combine reads none of its partials, whose values
+    # (-inf, 0, 0) the combine's masked loads give in their place: the same arithmetic, so the same bits.
+    used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
     m_run = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_run = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -83,7 +106,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
         acc = acc * alpha[:, None] + pv
         m_run = m_new
     if PARTIAL:
-        at = (r * Hq + heads) * tl.num_programs(2) + sp  # [G]
+        at = (r * Hq + heads) * n_splits + sp  # [G]
         keep = both(mg, used)
         if DIRECT:
             fits = S <= SPLIT
@@ -134,6 +157,12 @@ def _combine_splits_kernel(m_ptr, l_ptr, part_ptr, o_ptr, lens_ptr, Hq, SKIP_EMP
     tl.store(o_ptr + (r * Hq + h) * D + cd, (acc / l_all).to(o_ptr.dtype.element_ty), mask=md)
 
 
+# (row, KV head) programs from which MEMRA_ATTN_SPLIT_WALK walks a row's splits in one program: about eight an SM on
+# an H100's 132, enough to fill it without splitting; below, a program a split (few long rows: a B=1 decode at 32k
+# positions streams its prefix through HKV * 64 programs, not HKV). Which one runs moves no bit.
+WALK_PROGRAMS = 1024
+
+
 def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
     """The decode kernel's constexprs for q [R, Hq, D] over k_pool [.., Hkv, D]: fixed by the model, so a row's
     bits never depend on the batch (tools/gpu_tune_attention.py launches with these too)."""
@@ -146,7 +175,7 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
                          short_rows: bool = False, out: torch.Tensor | None = None,
-                         skip_empty: bool = False) -> torch.Tensor:
+                         skip_empty: bool = False, split_walk: bool = False) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
@@ -157,8 +186,10 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
     split launch, the rows that fit in one split skip the partials and the combine (the same bits). skip_empty
     (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
-    bits; a captured step's table is often four splits wide for rows of one). out: a contiguous [R, Hq, D] of q's
-    dtype that the output is written into (a mixed step's rows of its whole output)."""
+    bits; a captured step's table is often four splits wide for rows of one). split_walk (MEMRA_ATTN_SPLIT_WALK):
+    where the call has WALK_PROGRAMS (row, KV head) programs or more, each walks its row's splits instead of a
+    program a split (the same bits). out: a contiguous [R, Hq, D] of q's dtype that the output is written into (a
+    mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = output_buffer(out, q.shape, q.dtype, q.device)
@@ -170,15 +201,17 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     block_d = shape["BLOCK_D"]
     qk_scale = scale * 1.4426950408889634  # exp2 in the kernel
     if n_splits <= 1:
-        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, o, hq, qk_scale, 0,
+        _decode_attention_kernel[(n, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, o, o, o, o, hq, qk_scale, 0, 1,
                                               PARTIAL=False, **shape)
         return o
     m = torch.empty(n, hq, n_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     skip = int(skip_empty)
-    _decode_attention_kernel[(n, hkv, n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o, hq, qk_scale,
-                                                 skip, PARTIAL=True, DIRECT=short_rows, **shape)
+    walk = split_walk and n * hkv >= WALK_PROGRAMS
+    _decode_attention_kernel[(n, hkv, 1 if walk else n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o,
+                                                                hq, qk_scale, skip, n_splits, PARTIAL=True,
+                                                                DIRECT=short_rows, WALK=walk, **shape)
     _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, skip, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
                                     SPLIT=shape["SPLIT"], DIRECT=short_rows)
     return o
