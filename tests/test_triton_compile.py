@@ -98,8 +98,9 @@ def _collect() -> list:
             if dtype == torch.bfloat16:  # a model's wave past 256 rows through the door's table
                 tl.drive_api(long_llama.with_doors(MEMRA_LINEAR_PERSISTENT="1"), (3, 600))
         tl.drive_doors(tl.recording_table(launches, sample_split=True, rope_tile=True, attn_short_rows=True,
-                                          attn_skip_empty=True, attn_split_walk=True, moe_fused_act=True, moe_fused_gate=True,
+                                          attn_skip_empty=True, moe_fused_act=True, moe_fused_gate=True,
                                           sample_prune=True))  # those doors open
+        tl.drive_split_walk(tl.recording_table(launches, attn_skip_empty=True, attn_split_walk=True))
     return launches.records()
 
 

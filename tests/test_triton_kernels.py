@@ -447,7 +447,7 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
     # liveness of the skip: a row of 33 positions fills splits 0 and 1 of three, and only with the skip is split 2's
     # partial left unwritten (without it, an empty split writes -inf); walked, one program a row writes the same
     for skip, written in ((1, False), (0, True)):
-        for walk in (False, True):
+        for walk in (False, True)[: 2 if skip else 1]:  # the launcher walks only with the skip
             m = torch.full((5, hq, 3), float("nan"), device=DEVICE)
             attention._decode_attention_kernel[(5, hkv, 1 if walk else 3)](
                 q, k_pool, v_pool, rows, starts, lens, part, m, m.clone(), o, hq, 0.17 * 1.4426950408889634, skip, 3,

@@ -350,12 +350,25 @@ def drive_dense(table, dtype) -> None:
     table.linear_add(torch.randn(256, 256).to(dtype), torch.randn(6144, 256).to(dtype), torch.randn(256, 6144).to(dtype))
 
 
+def drive_split_walk(table) -> None:
+    """A split decode attention launch of rows enough that MEMRA_ATTN_SPLIT_WALK=1's table (with the skip, without
+    the short rows: the walk's terms) walks each row's splits in one program, in bf16 at the Llama-3-8B and
+    Qwen3.5 attention shapes."""
+    from memra.kernels.triton.attention import WALK_PROGRAMS
+
+    for hq, hkv, d in ((32, 8, 128), (16, 4, 256)):
+        many = -(-WALK_PROGRAMS // hkv)
+        q = torch.randn(many, hq, d).to(torch.bfloat16)
+        kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
+        table.paged_attention_rows(q, kv, kv, torch.arange(640), torch.zeros(many, dtype=torch.long),
+                                   torch.tensor([3] * (many - 1) + [600]), 0.1, 640)
+
+
 def drive_doors(table) -> None:
     """The ops whose launch a door reshapes, outside a model: the batch sampler over a vocabulary of many
     blocks (the fixtures' are one or two), plain and filtered rows (with MEMRA_SAMPLE_SPLIT=1's table, the
     split walk and its combine; with MEMRA_SAMPLE_PRUNE=1's, the pruned walk), the fused RoPE with its K/V write in bf16 (MEMRA_ROPE_TILE=1's heads), a
-    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's and MEMRA_ATTN_SKIP_EMPTY=1's) and of many rows
-    (MEMRA_ATTN_SPLIT_WALK=1's), GDN's chunked
+    split decode attention launch of a short and a long row (MEMRA_ATTN_SHORT_ROWS=1's and MEMRA_ATTN_SKIP_EMPTY=1's), GDN's chunked
     prefill at the model's head sizes and its state in bf16 (MEMRA_GDN_STATE_DTYPE's
     scan and recurrent step), and the grouped experts with their activation fused
     (MEMRA_MOE_FUSED_ACT=1's) and the shared expert's gate in their combine (MEMRA_MOE_FUSED_GATE=1's), a decode
@@ -374,13 +387,6 @@ def drive_doors(table) -> None:
     kv = torch.randn(40, 16, hkv, d).to(torch.bfloat16)  # 640 positions: a row past one attention split
     lens = torch.tensor([3, 600])
     table.paged_attention_rows(q[:2], kv, kv, torch.arange(640), torch.zeros(2, dtype=torch.long), lens, 0.1, 640)
-    # rows enough that MEMRA_ATTN_SPLIT_WALK=1's launch walks each row's splits in one program
-    from memra.kernels.triton.attention import WALK_PROGRAMS
-
-    many = -(-WALK_PROGRAMS // hkv)
-    q_many = torch.randn(many, hq, d).to(torch.bfloat16)
-    table.paged_attention_rows(q_many, kv, kv, torch.arange(640), torch.zeros(many, dtype=torch.long),
-                               torch.tensor([3] * (many - 1) + [600]), 0.1, 640)
     # GDN's chunked prefill at the Qwen3.5 head sizes (128), over two chunks: the prep's registers at its size
     qk = torch.nn.functional.normalize(torch.randn(2, 70, 2, 128), dim=-1)
     table.gdn_prefill(qk[0], qk[1], torch.randn(70, 2, 128), torch.rand(70, 2), -torch.rand(70, 2),

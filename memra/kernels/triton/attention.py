@@ -36,11 +36,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # flat KV-pool rows sit at rows[start : start + S] (start, S read from memory, so one launch serves
     # B sequences of decode or the T columns of a verify, and no length is a compile-time value).
     # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT) of the n_splits: fixed by absolute position,
-    # visited in order, BLOCK_S a step, with an online softmax in fp32 -- the same order whatever the batch, so
-    # a row's bits are its own (_decode_split). WALK (MEMRA_ATTN_SPLIT_WALK), with PARTIAL: one program per
-    # (query row, KV head) runs the row's splits one after the other, each with the arithmetic and the stores of
-    # its own program, so the same bits: where rows are many, the launch then has no program for a split past
-    # a short row's prefix to start and retire (~40 us of a 258-row call told four splits on an H100).
+    # visited in order, BLOCK_S a step (_decode_block), with an online softmax in fp32 -- the same order whatever
+    # the batch, so a row's bits are its own. WALK (MEMRA_ATTN_SPLIT_WALK; with PARTIAL and SKIP_EMPTY, without
+    # DIRECT, as the launcher sets it): one program per (query row, KV head) walks the row's positions in one
+    # loop, storing each split's partial at the split's last block and starting the next from scratch: each
+    # split's blocks, arithmetic and stores are its own program's, so the same bits, and where rows are many the
+    # launch has no program for a split past a short row's prefix to start and retire.
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     start = tl.load(starts_ptr + r)
@@ -50,77 +51,83 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     cg = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + cg  # [G] this KV head's query heads
     mg = cg < GROUP
-    if WALK:
-        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :], other=0.0)
-        for sp in range(0, n_splits):
-            _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S,
-                          heads, mg, cd, md, Hq, qk_scale, SKIP_EMPTY, HKV, D, BLOCK_D, BLOCK_G, BLOCK_S, SPLIT,
-                          PARTIAL, IEEE, DIRECT)
-    else:
-        sp = tl.program_id(2)
-        used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)
-        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=both(mg[:, None] & md[None, :], used),
-                    other=0.0)
-        _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S, heads,
-                      mg, cd, md, Hq, qk_scale, SKIP_EMPTY, HKV, D, BLOCK_D, BLOCK_G, BLOCK_S, SPLIT, PARTIAL, IEEE,
-                      DIRECT)
-
-
-@triton.jit
-def _decode_split(q, k_ptr, v_ptr, rows_ptr, o_ptr, m_ptr, l_ptr, out_ptr, r, kvh, sp, n_splits, start, S, heads, mg,
-                  cd, md, Hq, qk_scale, SKIP_EMPTY, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
-                  IEEE: tl.constexpr, DIRECT: tl.constexpr):
-    # Split sp of row r, KV head kvh: q [G, D] (zeros where the split is not used). PARTIAL: write this split's
-    # (max, sum, unnormalised output) for _combine_splits_kernel; otherwise (one split covers every row) write the
-    # output itself. DIRECT (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row whose prefix fits in split 0 writes its
-    # output to out_ptr there, as the unsplit launch does, and no partials (its other splits are empty); the
-    # combine skips it. SKIP_EMPTY (MEMRA_ATTN_SKIP_EMPTY; runtime, so both ways run one machine code): a split
-    # past the row's prefix loads and stores nothing, and the combine reads none of its partials, whose values
-    # (-inf, 0, 0) the combine's masked loads give in their place: the same arithmetic, so the same bits.
-    used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
     m_run = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_run = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    hi = tl.minimum(S, (sp + 1) * SPLIT)
-    for s0 in range(sp * SPLIT, hi, BLOCK_S):  # empty for a split past the row's prefix
-        ps = s0 + tl.arange(0, BLOCK_S)
-        ms = ps < hi
-        rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
-        base = (rows * HKV + kvh) * D
-        kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=ms[None, :] & md[:, None], other=0.0)  # [D, S]
-        if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(ms[None, :], s * qk_scale, float("-inf"))  # [G, S], log2 units
-        m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: a step holds at least one position
-        alpha = tl.exp2(m_run - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_run = l_run * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
-        if IEEE:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_run = m_new
-    if PARTIAL:
-        at = (r * Hq + heads) * n_splits + sp  # [G]
-        keep = both(mg, used)
-        if DIRECT:
-            fits = S <= SPLIT
-            out = acc / l_run[:, None]  # the unsplit launch's output (a row of other splits: masked off)
-            tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
-            keep = both(keep, S > SPLIT)
-        tl.store(m_ptr + at, m_run, mask=keep)
-        tl.store(l_ptr + at, l_run, mask=keep)
-        tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+    if WALK:
+        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+        STEP: tl.constexpr = BLOCK_S if BLOCK_S < SPLIT else SPLIT  # a split's blocks start where its program's do
+        for s0 in range(0, S, STEP):
+            hi = tl.minimum(S, (s0 // SPLIT + 1) * SPLIT)  # the end of this block's split, as its program has it
+            m_run, l_run, acc = _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, l_run, acc,
+                                              qk_scale, HKV, D, BLOCK_S, IEEE)
+            ends = s0 + STEP >= hi  # the split's last block: store its partial, and start the next split afresh
+            at = (r * Hq + heads) * n_splits + s0 // SPLIT  # [G]
+            keep = both(mg, ends)
+            tl.store(m_ptr + at, m_run, mask=keep)
+            tl.store(l_ptr + at, l_run, mask=keep)
+            tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+            m_run = tl.where(ends, float("-inf"), m_run)
+            l_run = tl.where(ends, 0.0, l_run)
+            acc = tl.where(ends, 0.0, acc)
     else:
-        out = acc / l_run[:, None]
-        tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=mg[:, None] & md[None, :])
+        sp = tl.program_id(2)
+        used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
+        q = tl.load(q_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], mask=both(mg[:, None] & md[None, :], used),
+                    other=0.0)
+        hi = tl.minimum(S, (sp + 1) * SPLIT)
+        for s0 in range(sp * SPLIT, hi, BLOCK_S):  # empty for a split past the row's prefix
+            m_run, l_run, acc = _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, l_run, acc,
+                                              qk_scale, HKV, D, BLOCK_S, IEEE)
+        # PARTIAL: write this split's (max, sum, unnormalised output) for _combine_splits_kernel; otherwise (one
+        # split covers every row) write the output itself. DIRECT (MEMRA_ATTN_SHORT_ROWS), with PARTIAL: a row
+        # whose prefix fits in split 0 writes its output to out_ptr there, as the unsplit launch does, and no
+        # partials (its other splits are empty); the combine skips it. SKIP_EMPTY (MEMRA_ATTN_SKIP_EMPTY; runtime,
+        # so both ways run one machine code): a split past the row's prefix loads and stores nothing, and the
+        # combine reads none of its partials, whose values (-inf, 0, 0) the combine's masked loads give in their
+        # place: the same arithmetic, so the same bits.
+        if PARTIAL:
+            at = (r * Hq + heads) * n_splits + sp  # [G]
+            keep = both(mg, used)
+            if DIRECT:
+                fits = S <= SPLIT
+                out = acc / l_run[:, None]  # the unsplit launch's output (a row of other splits: masked off)
+                tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
+                         mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
+                keep = both(keep, S > SPLIT)
+            tl.store(m_ptr + at, m_run, mask=keep)
+            tl.store(l_ptr + at, l_run, mask=keep)
+            tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+        else:
+            out = acc / l_run[:, None]
+            tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=mg[:, None] & md[None, :])
+
+
+@triton.jit
+def _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, l_run, acc, qk_scale,
+                  HKV: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+    # The positions s0 .. s0 + BLOCK_S (those below hi) into the running (max, sum, output) of q [G, D].
+    ps = s0 + tl.arange(0, BLOCK_S)
+    ms = ps < hi
+    rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
+    base = (rows * HKV + kvh) * D
+    kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=ms[None, :] & md[:, None], other=0.0)  # [D, S]
+    if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = tl.where(ms[None, :], s * qk_scale, float("-inf"))  # [G, S], log2 units
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: a step holds at least one position
+    alpha = tl.exp2(m_run - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_run = l_run * alpha + tl.sum(p, axis=1)
+    vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
+    if IEEE:
+        pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_run, acc * alpha[:, None] + pv
 
 
 @lean
@@ -186,10 +193,10 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     on its own prefix either way (see _combine_splits_kernel). short_rows (MEMRA_ATTN_SHORT_ROWS): in a
     split launch, the rows that fit in one split skip the partials and the combine (the same bits). skip_empty
     (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
-    bits; a captured step's table is often four splits wide for rows of one). split_walk (MEMRA_ATTN_SPLIT_WALK):
-    where the call has WALK_PROGRAMS (row, KV head) programs or more, each walks its row's splits instead of a
-    program a split (the same bits). out: a contiguous [R, Hq, D] of q's dtype that the output is written into (a
-    mixed step's rows of its whole output)."""
+    bits; a captured step's table is often four splits wide for rows of one). split_walk (MEMRA_ATTN_SPLIT_WALK),
+    with skip_empty and without short_rows: where the call has WALK_PROGRAMS (row, KV head) programs or more, each
+    walks its row's splits instead of a program a split (the same bits). out: a contiguous [R, Hq, D] of q's
+    dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = output_buffer(out, q.shape, q.dtype, q.device)
@@ -208,7 +215,7 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     skip = int(skip_empty)
-    walk = split_walk and n * hkv >= WALK_PROGRAMS
+    walk = split_walk and skip_empty and not short_rows and n * hkv >= WALK_PROGRAMS
     _decode_attention_kernel[(n, hkv, 1 if walk else n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o,
                                                                 hq, qk_scale, skip, n_splits, PARTIAL=True,
                                                                 DIRECT=short_rows, WALK=walk, **shape)
