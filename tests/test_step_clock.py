@@ -41,6 +41,8 @@ def test_row_bins_and_the_mix_keep_gaps_and_the_histogram():
     assert mix.idle_share == pytest.approx(0.0005 / 0.008) and mix.wait_share == pytest.approx(0.0015 / 0.008)
     text = "\n".join(mix.lines())
     assert "host gap" in text and "decode steps by rows: <32 1  <64 1" in text and "GPU idle between steps: 6.2% of the device's step time, and within steps 18.8%" in text
+    assert "device time a step (its first launch on the stream to its last, CUDA events): decode 7.50 ms; 0.01 s in all" \
+        in text  # the device's own time a step, beside the host's launch-to-end
 
 
 def test_the_engine_clocks_a_host_gap_before_every_step_but_the_first():

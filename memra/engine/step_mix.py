@@ -105,6 +105,12 @@ class StepMix:
         if share is not None:
             out.append(f"  GPU idle between steps: {100 * share:.1f}% of the device's step time, and within steps "
                        f"{100 * self.wait_share:.1f}% (the forward done, its sampling waiting for the landing; CUDA events)")
+            # the host's ms/step above run from a step's first launch to its end on the host: what the host did
+            # between two steps (scheduling) is outside them, while the device's own times hold all of it
+            out.append("  device time a step (its first launch on the stream to its last, CUDA events): "
+                       + "  ".join(f"{kind} {1e3 * t.device_busy / t.timed:.2f} ms" for kind, t in self.kinds.items()
+                                   if t.timed)
+                       + f"; {sum(t.device_busy + t.device_idle for t in self.kinds.values()):.2f} s in all")
         return out
 
     def to_json(self) -> dict:
