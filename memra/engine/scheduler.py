@@ -173,9 +173,7 @@ class Scheduler(PrefixHooks):
             raise RuntimeError("schedule() called before step_done() reported the previous plan")
         budget = self.cfg.token_budget
         prefill: list[tuple[str, int, int]] = []
-        decode: list[str] = []
-        swap_out: list[str] = []
-        swap_in: list[str] = []
+        decode, swap_out, swap_in = [], [], []  # rids
         scheduled: set[str] = set()
 
         def preempt(victim: Sequence) -> None:
@@ -183,9 +181,7 @@ class Scheduler(PrefixHooks):
                 raise RuntimeError(
                     f"{victim.rid}: the step needs a KV block swapped out but preemption is off; total_blocks "
                     f"({self.cfg.total_blocks}) must cover max_running x the longest sequence's blocks")
-            self._free += victim.blocks
-            victim.blocks = 0
-            victim.status = Status.SWAPPED
+            self._free, victim.blocks, victim.status = self._free + victim.blocks, 0, Status.SWAPPED
             swap_out.append(victim.rid)
 
         # 1. Decode, oldest first; out of blocks -> swap out the latest arrival until the block fits.
@@ -233,7 +229,8 @@ class Scheduler(PrefixHooks):
 
         # 3. Resume swapped (oldest first), then admit waiting (FCFS); stop at the first that cannot start.
         if not blocked and not swap_out:
-            startable = min(len(self._waiting), max(0, self.cfg.max_admitted - self.num_running()))
+            running = self.num_running()  # counted once (a walk over every sequence), then kept as they start
+            startable = min(len(self._waiting), max(0, self.cfg.max_admitted - running))
             hold = self.cfg.grouping.holds(decoding=bool(decode), prefilling=bool(prefill), startable=startable,
                                            held=self._held)
             if hold:
@@ -243,7 +240,7 @@ class Scheduler(PrefixHooks):
             admit = not hold and self.admitting  # admitting: False while a weight update drains
             candidates = self._with(Status.SWAPPED) + ([self._seqs[rid] for rid in self._waiting] if admit else [])
             for seq in candidates:
-                if self.num_running() >= self.cfg.max_admitted or seq.held or len(prefill) == self.cfg.max_pieces:
+                if running >= self.cfg.max_admitted or seq.held or len(prefill) == self.cfg.max_pieces:
                     break
                 decoder = seq.decode_ready  # a swapped sequence preempted between tokens
                 if decoder:
@@ -259,6 +256,7 @@ class Scheduler(PrefixHooks):
                 else:
                     self._waiting.popleft()  # candidates follow the queue's order
                 seq.status = Status.RUNNING
+                running += 1
                 self._reserve(seq, n)
                 if decoder:
                     decode.append(seq.rid)
