@@ -261,8 +261,9 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "writes no partials and the combine reads none (memra.kernels.triton.attention; the same bits); 0 = each "
      "writes and reads back an empty one"),
     ("MEMRA_ATTN_SPLIT_WALK", "0", "1 = in a decode attention launch split at fixed positions with 1,024 (row, KV "
-     "head) programs or more, each program walks its row's splits one after the other instead of a program a split, "
-     "so a captured step's many short rows launch no programs for the splits past their prefixes "
+     "head) programs or more (with MEMRA_ATTN_SKIP_EMPTY, without MEMRA_ATTN_SHORT_ROWS), each program walks its "
+     "row's positions in one loop, storing each split's partial at its last block, instead of a program a split, so "
+     "a captured step's many short rows launch no programs for the splits past their prefixes "
      "(memra.kernels.triton.attention; the same bits); off until a GPU run shows it faster"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
