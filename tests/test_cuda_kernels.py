@@ -161,9 +161,9 @@ def test_short_rows_keep_the_bits_of_a_split_attention_launch():
 
 
 def test_walked_splits_keep_the_bits_of_a_split_attention_launch():
-    """MEMRA_ATTN_SPLIT_WALK: 382 rows of 170 positions beside 2 of 1,500 told a 2,048-position table (four splits),
-    with and without MEMRA_ATTN_SKIP_EMPTY, the Llama-3-8B and Qwen3.5 attention shapes: a program walking its row's
-    splits gives every row the bits of a program a split."""
+    """MEMRA_ATTN_SPLIT_WALK (with MEMRA_ATTN_SKIP_EMPTY, its terms): 382 rows of 170 positions beside 2 of 1,500
+    told a 2,048-position table (four splits), the Llama-3-8B and Qwen3.5 attention shapes: a program walking its
+    row's positions gives every row the bits of a program a split, and of the launch without the skip."""
     from memra.kernels.triton import attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -175,12 +175,10 @@ def test_walked_splits_keep_the_bits_of_a_split_attention_launch():
         rows = torch.randperm(blocks * 16, device="cuda", generator=g)[: int(lens.sum())]
         starts = torch.cumsum(lens, 0) - lens
         q = torch.randn(len(lens), hq, d, device="cuda", generator=g).to(torch.bfloat16)
-        for skip in (False, True):
-            plain = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=2048,
-                                                   skip_empty=skip)
-            walked = attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=2048,
-                                                    skip_empty=skip, split_walk=True)
-            assert same_bits(walked, plain), f"heads of {d}, skip {skip}: walking the splits moved bits"
+        plain, skipped, walked = (attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5,
+                                                                 max_len=2048, **door)
+                                  for door in ({}, dict(skip_empty=True), dict(skip_empty=True, split_walk=True)))
+        assert same_bits(walked, skipped) and same_bits(walked, plain), f"heads of {d}: the walk moved bits"
 
 
 def test_the_experts_activation_in_their_gate_up_launch_keeps_the_bits():

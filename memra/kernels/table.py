@@ -98,8 +98,8 @@ class KernelTable:
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, sample_prune=settings.sample_prune, rope_tile=settings.rope_tile,
                    attn_short_rows=settings.attn_short_rows, attn_skip_empty=settings.attn_skip_empty,
-                   attn_split_walk=settings.attn_split_walk, inert_skip=settings.inert_skip, moe_fused_act=settings.moe_fused_act,
-                   moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
+                   attn_split_walk=settings.attn_split_walk, inert_skip=settings.inert_skip,
+                   moe_fused_act=settings.moe_fused_act, moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
                    qdot=cpu and settings.cpu_qdot, cpu_ops=cpu and settings.cpu_decode and cpu_qdot.library() is not None,
                    flin=cpu and settings.cpu_flin and settings.exact and cpu_qdot.library() is not None)
 
