@@ -113,21 +113,34 @@ def _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, 
     rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
     base = (rows * HKV + kvh) * D
     kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=ms[None, :] & md[:, None], other=0.0)  # [D, S]
-    if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
-        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(q, kt)
-    s = tl.where(ms[None, :], s * qk_scale, float("-inf"))  # [G, S], log2 units
+    s = tl.where(ms[None, :], _scores(q, kt, IEEE) * qk_scale, float("-inf"))  # [G, S], log2 units
     m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: a step holds at least one position
     alpha = tl.exp2(m_run - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_run = l_run * alpha + tl.sum(p, axis=1)
     vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
+    return m_new, l_run, acc * alpha[:, None] + _weighted(p, vt, IEEE)
+
+
+@triton.jit
+def _scores(q, kt, IEEE: tl.constexpr):
+    # q [M, D] @ kt [D, N] in fp32: on the tensor cores in the model's dtype, or IEEE fp32 (fp32 models, and the
+    # interpreter, whose 16-bit dot is broken)
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return s
+
+
+@triton.jit
+def _weighted(p, vt, IEEE: tl.constexpr):
+    # p [M, N] fp32 @ vt [N, D]: p rounded to V's dtype first (as flash attention does), or IEEE fp32 (see _scores)
     if IEEE:
         pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(vt.dtype), vt)
-    return m_new, l_run, acc * alpha[:, None] + pv
+    return pv
 
 
 @lean
@@ -296,10 +309,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
         rows = tl.load(rows_ptr + pn, mask=mn, other=0)
         base = (rows * HKV + kvh) * D
         kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=mn[None, :] & md[:, None], other=0.0)  # [D, N]
-        if IEEE:  # fp32 models, and the interpreter (whose 16-bit dot is broken)
-            s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
+        s = _scores(q, kt, IEEE)
         # (not `seen`: the compiler types a name once per function, and PIECES's prologue made it an int32)
         visible = (pn[None, :] <= q_pos[:, None]) & (pn[None, :] > q_pos[:, None] - WINDOW) & mn[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -309,11 +319,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
         p = tl.exp2(s - m_use[:, None])
         l_run = l_run * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [N, D]
-        if IEEE:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _weighted(p, vt, IEEE)
         m_run = m_new
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # l = 0 only on padding rows (windowed), never stored
     tl.store(o_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
