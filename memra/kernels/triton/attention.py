@@ -63,10 +63,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
                                               qk_scale, HKV, D, BLOCK_S, IEEE)
             ends = s0 + STEP >= hi  # the split's last block: store its partial, and start the next split afresh
             at = (r * Hq + heads) * n_splits + s0 // SPLIT  # [G]
-            keep = both(mg, ends)
-            tl.store(m_ptr + at, m_run, mask=keep)
-            tl.store(l_ptr + at, l_run, mask=keep)
-            tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+            _store_partial(m_ptr, l_ptr, o_ptr, at, both(mg, ends), m_run, l_run, acc, cd, md, D)
             m_run = tl.where(ends, float("-inf"), m_run)
             l_run = tl.where(ends, 0.0, l_run)
             acc = tl.where(ends, 0.0, acc)
@@ -95,9 +92,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
                 tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
                          mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
                 keep = both(keep, S > SPLIT)
-            tl.store(m_ptr + at, m_run, mask=keep)
-            tl.store(l_ptr + at, l_run, mask=keep)
-            tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+            _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D)
         else:
             out = acc / l_run[:, None]
             tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
@@ -120,6 +115,14 @@ def _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, 
     l_run = l_run * alpha + tl.sum(p, axis=1)
     vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
     return m_new, l_run, acc * alpha[:, None] + _weighted(p, vt, IEEE)
+
+
+@triton.jit
+def _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D: tl.constexpr):
+    # A split's (max, sum, unnormalised output) for _combine_splits_kernel, at partial rows `at` [G] where `keep`.
+    tl.store(m_ptr + at, m_run, mask=keep)
+    tl.store(l_ptr + at, l_run, mask=keep)
+    tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
 
 
 @triton.jit
