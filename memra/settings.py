@@ -89,7 +89,7 @@ class Settings:
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (triton.rope.ROPE_TILE_HEADS)
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     attn_skip_empty: bool = True  # ... and the splits past a row's prefix write and read no partials
-    attn_split_walk: bool = False  # ... and where rows are many, one program walks a row's splits
+    attn_split_walk: bool = True  # ... and where rows are many, one program walks a row's splits
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
@@ -148,7 +148,7 @@ class Settings:
             rope_tile=flag(e, "MEMRA_ROPE_TILE", True),
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", True),
-            attn_split_walk=flag(e, "MEMRA_ATTN_SPLIT_WALK", False),
+            attn_split_walk=flag(e, "MEMRA_ATTN_SPLIT_WALK", True),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             moe_front=flag(e, "MEMRA_MOE_FRONT", False),
@@ -260,11 +260,11 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "prefix (a captured step's table is as wide as the longest row's max_ctx: four splits at 2,048 positions) "
      "writes no partials and the combine reads none (memra.kernels.triton.attention; the same bits); 0 = each "
      "writes and reads back an empty one"),
-    ("MEMRA_ATTN_SPLIT_WALK", "0", "1 = in a decode attention launch split at fixed positions with 1,024 (row, KV "
+    ("MEMRA_ATTN_SPLIT_WALK", "1", "in a decode attention launch split at fixed positions with 1,024 (row, KV "
      "head) programs or more (with MEMRA_ATTN_SKIP_EMPTY, without MEMRA_ATTN_SHORT_ROWS), each program walks its "
-     "row's positions in one loop, storing each split's partial at its last block, instead of a program a split, so "
-     "a captured step's many short rows launch no programs for the splits past their prefixes "
-     "(memra.kernels.triton.attention; the same bits); off until a GPU run shows it faster"),
+     "row's positions in one loop, storing each split's partial at its last block, so a captured step's many short "
+     "rows launch no programs for the splits past their prefixes (memra.kernels.triton.attention; the same bits); "
+     "0 = a program a split"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),

@@ -68,7 +68,7 @@ class KernelTable:
     rope_tile: bool = True  # the fused RoPE's programs take several heads each (MEMRA_ROPE_TILE)
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     attn_skip_empty: bool = True  # ... and its splits past a row's prefix write and read no partials (MEMRA_ATTN_SKIP_EMPTY)
-    attn_split_walk: bool = False  # ... and where rows are many, a program walks its row's splits (MEMRA_ATTN_SPLIT_WALK)
+    attn_split_walk: bool = True  # ... and where rows are many, a program walks its row's splits (MEMRA_ATTN_SPLIT_WALK)
     inert_skip: bool = True  # the GDN step's programs of an inert padding row return at once (MEMRA_INERT_SKIP)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
