@@ -254,17 +254,18 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "wave of many tokens launches fewer, larger programs (the same bits); 0 = one head a program"),
     ("MEMRA_ATTN_SHORT_ROWS", "0", "1 = in a decode attention launch split at fixed positions (a row past 512 "
      "positions, or a captured step's table that wide), a row whose prefix fits in the first split writes its output "
-     "there, as the unsplit launch does, and its other splits and the combine skip it (memra.kernels.triton.attention; "
-     "the same bits); off until a GPU run shows it faster"),
+     "there, as the unsplit launch does (in a walked launch, MEMRA_ATTN_SPLIT_WALK, at its walk's end), and its "
+     "other splits and the combine skip it (memra.kernels.triton.attention; the same bits); off until a GPU run "
+     "shows it faster"),
     ("MEMRA_ATTN_SKIP_EMPTY", "1", "in a decode attention launch split at fixed positions, a split past a row's "
      "prefix (a captured step's table is as wide as the longest row's max_ctx: four splits at 2,048 positions) "
      "writes no partials and the combine reads none (memra.kernels.triton.attention; the same bits); 0 = each "
      "writes and reads back an empty one"),
     ("MEMRA_ATTN_SPLIT_WALK", "1", "in a decode attention launch split at fixed positions with 1,024 (row, KV "
-     "head) programs or more (with MEMRA_ATTN_SKIP_EMPTY, without MEMRA_ATTN_SHORT_ROWS), each program walks its "
-     "row's positions in one loop, storing each split's partial at its last block, so a captured step's many short "
-     "rows launch no programs for the splits past their prefixes (memra.kernels.triton.attention; the same bits); "
-     "0 = a program a split"),
+     "head) programs or more (with MEMRA_ATTN_SKIP_EMPTY), each program walks its row's positions in one loop, "
+     "storing each split's partial at its last block (with MEMRA_ATTN_SHORT_ROWS, a short row's output at its end), "
+     "so a captured step's many short rows launch no programs for the splits past their prefixes "
+     "(memra.kernels.triton.attention; the same bits); 0 = a program a split"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),

@@ -436,14 +436,16 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
                 same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=bound,
                                                   short_rows=short, skip_empty=skip, split_walk=walk), out)
     # liveness: in the split launch itself, a one-split row (lens 17) writes its output and no partials; a
-    # longer one (70) writes partials and leaves its output to the combine
+    # longer one (70) writes partials and leaves its output to the combine; so too where a program walks a row
     shape = attention.decode_shape(q, k_pool)
-    m = torch.full((5, hq, 3), float("nan"), device=DEVICE)
-    part, o = torch.full((5, hq, 3, d), float("nan"), device=DEVICE), torch.zeros_like(q)
-    attention._decode_attention_kernel[(5, hkv, 3)](q, k_pool, v_pool, rows, starts, lens, part, m, m.clone(), o, hq,
-                                                    0.17 * 1.4426950408889634, 0, 3, PARTIAL=True, DIRECT=True, **shape)
-    same_bits(o[1], out[1])
-    assert torch.isnan(m[1]).all() and not torch.isnan(m[4]).any() and not o[4].any()
+    for walk in (False, True):
+        m = torch.full((5, hq, 3), float("nan"), device=DEVICE)
+        part, o = torch.full((5, hq, 3, d), float("nan"), device=DEVICE), torch.zeros_like(q)
+        attention._decode_attention_kernel[(5, hkv, 1 if walk else 3)](
+            q, k_pool, v_pool, rows, starts, lens, part, m, m.clone(), o, hq, 0.17 * 1.4426950408889634, int(walk), 3,
+            PARTIAL=True, DIRECT=True, WALK=walk, **shape)
+        same_bits(o[1], out[1])
+        assert torch.isnan(m[1]).all() and not torch.isnan(m[4]).any() and not o[4].any()
     # liveness of the skip: a row of 33 positions fills splits 0 and 1 of three, and only with the skip is split 2's
     # partial left unwritten (without it, an empty split writes -inf); walked, one program a row writes the same
     for skip, written in ((1, False), (0, True)):

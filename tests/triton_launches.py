@@ -351,9 +351,9 @@ def drive_dense(table, dtype) -> None:
 
 
 def drive_split_walk(table) -> None:
-    """A split decode attention launch of rows enough that MEMRA_ATTN_SPLIT_WALK=1's table (with the skip, without
-    the short rows: the walk's terms) walks each row's splits in one program, in bf16 at the Llama-3-8B and
-    Qwen3.5 attention shapes."""
+    """A split decode attention launch of rows enough that MEMRA_ATTN_SPLIT_WALK=1's table (with the skip: the
+    walk's terms; with or without the short rows, as the table has them) walks each row's splits in one program,
+    in bf16 at the Llama-3-8B and Qwen3.5 attention shapes."""
     from memra.kernels.triton.attention import WALK_PROGRAMS
 
     for hq, hkv, d in ((32, 8, 128), (16, 4, 256)):

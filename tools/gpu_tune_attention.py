@@ -16,7 +16,8 @@ a graph bucket's padding rows (one position each, all on one scratch position), 
 wide (a decode row past 512 positions beside them: the table then covers the rows' max_ctx, 2,048 positions in
 the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
 with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), then with
-MEMRA_ATTN_SPLIT_WALK as well (a program walks its row's splits, where the rows are many), and the skipped call's
+MEMRA_ATTN_SPLIT_WALK as well (a program walks its row's splits, where the rows are many), then walked with
+MEMRA_ATTN_SHORT_ROWS (a short row's walk ends in its output, no partial, no combine read), and the skipped call's
 split launch (and the same launch with its first split's programs only: what the empty ones cost) and combine
 timed apart. Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
@@ -115,7 +116,7 @@ def with_padding(rows: int, flat, starts, lens):
 def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
     """Each case as a captured mixed step launches its decode rows: alone, padded, told two splits, both."""
     print("case            shape        alone us | padded to bucket | told 4 splits | both | both, short rows "
-          "| both, empty splits skipped | and walked | live rows' bits")
+          "| both, empty splits skipped | and walked | walked, short rows | live rows' bits")
     for rows, ctx in cases:
         for name, (hq, hkv, d) in SHAPES.items():
             k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
@@ -129,7 +130,8 @@ def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
                     (q, pflat, pstarts, plens, wide, False, False, False),
                     (q, pflat, pstarts, plens, wide, True, False, False),
                     (q, pflat, pstarts, plens, wide, False, True, False),
-                    (q, pflat, pstarts, plens, wide, False, True, True)]
+                    (q, pflat, pstarts, plens, wide, False, True, True),
+                    (q, pflat, pstarts, plens, wide, True, True, True)]
             times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])) for r in runs]
             same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])[:rows], ref)
                        for r in runs)

@@ -37,11 +37,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # B sequences of decode or the T columns of a verify, and no length is a compile-time value).
     # Split p covers the positions [p * SPLIT, (p + 1) * SPLIT) of the n_splits: fixed by absolute position,
     # visited in order, BLOCK_S a step (_decode_block), with an online softmax in fp32 -- the same order whatever
-    # the batch, so a row's bits are its own. WALK (MEMRA_ATTN_SPLIT_WALK; with PARTIAL and SKIP_EMPTY, without
-    # DIRECT, as the launcher sets it): one program per (query row, KV head) walks the row's positions in one
-    # loop, storing each split's partial at the split's last block and starting the next from scratch: each
-    # split's blocks, arithmetic and stores are its own program's, so the same bits, and where rows are many the
-    # launch has no program for a split past a short row's prefix to start and retire.
+    # the batch, so a row's bits are its own. WALK (MEMRA_ATTN_SPLIT_WALK; with PARTIAL and SKIP_EMPTY, as the
+    # launcher sets it): one program per (query row, KV head) walks the row's positions in one loop, storing each
+    # split's partial at the split's last block and starting the next from scratch: each split's blocks,
+    # arithmetic and stores are its own program's, so the same bits, and where rows are many the launch has no
+    # program for a split past a short row's prefix to start and retire. With DIRECT, a row that fits in split 0
+    # writes its output after the loop, as split 0's program does, and no partial.
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     start = tl.load(starts_ptr + r)
@@ -63,10 +64,16 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
                                               qk_scale, HKV, D, BLOCK_S, IEEE)
             ends = s0 + STEP >= hi  # the split's last block: store its partial, and start the next split afresh
             at = (r * Hq + heads) * n_splits + s0 // SPLIT  # [G]
-            _store_partial(m_ptr, l_ptr, o_ptr, at, both(mg, ends), m_run, l_run, acc, cd, md, D)
-            m_run = tl.where(ends, float("-inf"), m_run)
-            l_run = tl.where(ends, 0.0, l_run)
-            acc = tl.where(ends, 0.0, acc)
+            keep = both(mg, ends)
+            if DIRECT:
+                keep = both(keep, S > SPLIT)
+            _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D)
+            afresh = ends & (hi < S)  # the last split's state stays: a DIRECT row's output below
+            m_run = tl.where(afresh, float("-inf"), m_run)
+            l_run = tl.where(afresh, 0.0, l_run)
+            acc = tl.where(afresh, 0.0, acc)
+        if DIRECT:
+            _store_output(out_ptr, r, Hq, heads, cd, acc, l_run, both(mg[:, None] & md[None, :], S <= SPLIT), D)
     else:
         sp = tl.program_id(2)
         used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
@@ -86,17 +93,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
         if PARTIAL:
             at = (r * Hq + heads) * n_splits + sp  # [G]
             keep = both(mg, used)
-            if DIRECT:
-                fits = S <= SPLIT
-                out = acc / l_run[:, None]  # the unsplit launch's output (a row of other splits: masked off)
-                tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=both(mg[:, None] & md[None, :], fits & (sp == 0)))
+            if DIRECT:  # the unsplit launch's output (a row of other splits: masked off)
+                _store_output(out_ptr, r, Hq, heads, cd, acc, l_run,
+                              both(mg[:, None] & md[None, :], (S <= SPLIT) & (sp == 0)), D)
                 keep = both(keep, S > SPLIT)
             _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D)
         else:
-            out = acc / l_run[:, None]
-            tl.store(o_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=mg[:, None] & md[None, :])
+            _store_output(o_ptr, r, Hq, heads, cd, acc, l_run, mg[:, None] & md[None, :], D)
 
 
 @triton.jit
@@ -123,6 +126,13 @@ def _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D: 
     tl.store(m_ptr + at, m_run, mask=keep)
     tl.store(l_ptr + at, l_run, mask=keep)
     tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+
+
+@triton.jit
+def _store_output(out_ptr, r, Hq, heads, cd, acc, l_run, mask, D: tl.constexpr):
+    # Row r's normalised output for its query heads `heads` [G] (acc [G, D] over l_run [G]) where `mask` [G, D].
+    out = acc / l_run[:, None]
+    tl.store(out_ptr + (r * Hq + heads)[:, None] * D + cd[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -210,9 +220,9 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     split launch, the rows that fit in one split skip the partials and the combine (the same bits). skip_empty
     (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
     bits; a captured step's table is often four splits wide for rows of one). split_walk (MEMRA_ATTN_SPLIT_WALK),
-    with skip_empty and without short_rows: where the call has WALK_PROGRAMS (row, KV head) programs or more, each
-    walks its row's splits instead of a program a split (the same bits). out: a contiguous [R, Hq, D] of q's
-    dtype that the output is written into (a mixed step's rows of its whole output)."""
+    with skip_empty: where the call has WALK_PROGRAMS (row, KV head) programs or more, each walks its row's splits
+    instead of a program a split (the same bits; with short_rows, a short row's walk ends in its output). out: a
+    contiguous [R, Hq, D] of q's dtype that the output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = output_buffer(out, q.shape, q.dtype, q.device)
@@ -231,7 +241,7 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     l = torch.empty_like(m)
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     skip = int(skip_empty)
-    walk = split_walk and skip_empty and not short_rows and n * hkv >= WALK_PROGRAMS
+    walk = split_walk and skip_empty and n * hkv >= WALK_PROGRAMS
     _decode_attention_kernel[(n, hkv, 1 if walk else n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o,
                                                                 hq, qk_scale, skip, n_splits, PARTIAL=True,
                                                                 DIRECT=short_rows, WALK=walk, **shape)
