@@ -90,6 +90,7 @@ class Settings:
     attn_short_rows: bool = False  # in a split decode attention launch, rows of one split skip partials and combine
     attn_skip_empty: bool = True  # ... and the splits past a row's prefix write and read no partials
     attn_split_walk: bool = True  # ... and where rows are many, one program walks a row's splits
+    attn_walk_combine: bool = False  # ... and merges them itself: no combine launch
     moe_fused_act: bool = True  # the experts' SwiGLU activation in their gate/up launch (triton.moe)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in the experts' combine (triton.moe)
     moe_front: bool = False  # a MoE layer's router, shared gate and shared gate/up in one decode launch (model.ffn)
@@ -149,6 +150,7 @@ class Settings:
             attn_short_rows=flag(e, "MEMRA_ATTN_SHORT_ROWS", False),
             attn_skip_empty=flag(e, "MEMRA_ATTN_SKIP_EMPTY", True),
             attn_split_walk=flag(e, "MEMRA_ATTN_SPLIT_WALK", True),
+            attn_walk_combine=flag(e, "MEMRA_ATTN_WALK_COMBINE", False),
             moe_fused_act=flag(e, "MEMRA_MOE_FUSED_ACT", True),
             moe_fused_gate=flag(e, "MEMRA_MOE_FUSED_GATE", False),
             moe_front=flag(e, "MEMRA_MOE_FRONT", False),
@@ -210,6 +212,7 @@ class Settings:
                 "MEMRA_SAMPLE_PRUNE": on(self.sample_prune),
                 "MEMRA_ROPE_TILE": on(self.rope_tile), "MEMRA_ATTN_SHORT_ROWS": on(self.attn_short_rows),
                 "MEMRA_ATTN_SKIP_EMPTY": on(self.attn_skip_empty), "MEMRA_ATTN_SPLIT_WALK": on(self.attn_split_walk),
+                "MEMRA_ATTN_WALK_COMBINE": on(self.attn_walk_combine),
                 "MEMRA_MOE_FUSED_ACT": on(self.moe_fused_act), "MEMRA_MOE_FUSED_GATE": on(self.moe_fused_gate),
                 "MEMRA_MOE_FRONT": on(self.moe_front),
                 "MEMRA_CUDA_GRAPHS": on(self.cuda_graphs),
@@ -266,6 +269,10 @@ DOORS: tuple[tuple[str, str, str], ...] = (
      "storing each split's partial at its last block (with MEMRA_ATTN_SHORT_ROWS, a short row's output at its end), "
      "so a captured step's many short rows launch no programs for the splits past their prefixes "
      "(memra.kernels.triton.attention; the same bits); 0 = a program a split"),
+    ("MEMRA_ATTN_WALK_COMBINE", "0", "1 = a walked decode attention launch (MEMRA_ATTN_SPLIT_WALK) writes every row's "
+     "output itself: a row of one split at its walk's end, a longer one by reading its splits' partials back and "
+     "merging them with the combine's arithmetic, so no combine is launched (memra.kernels.triton.attention; the same "
+     "bits); off until a GPU run shows it faster"),
     ("MEMRA_MOE_FUSED_ACT", "1", "the grouped experts' SwiGLU activation in their gate/up launch's epilogue "
      "(memra.kernels.triton.moe), as the dense linears' fused SwiGLU: one launch fewer a MoE layer and no [pairs, "
      "2F] product in memory; the same bits; 0 = the activation as a launch of its own"),

@@ -164,7 +164,8 @@ def test_walked_splits_keep_the_bits_of_a_split_attention_launch():
     """MEMRA_ATTN_SPLIT_WALK (with MEMRA_ATTN_SKIP_EMPTY, its terms): 382 rows of 170 positions beside 2 of 1,500
     told a 2,048-position table (four splits), the Llama-3-8B and Qwen3.5 attention shapes: a program walking its
     row's positions gives every row the bits of a program a split, and of the launch without the skip; so does
-    one whose short rows end their walk in their output (MEMRA_ATTN_SHORT_ROWS as well)."""
+    one whose short rows end their walk in their output (MEMRA_ATTN_SHORT_ROWS as well), and one that merges its
+    splits itself (MEMRA_ATTN_WALK_COMBINE: the partials read back after a barrier, no combine launched)."""
     from memra.kernels.triton import attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -176,12 +177,14 @@ def test_walked_splits_keep_the_bits_of_a_split_attention_launch():
         rows = torch.randperm(blocks * 16, device="cuda", generator=g)[: int(lens.sum())]
         starts = torch.cumsum(lens, 0) - lens
         q = torch.randn(len(lens), hq, d, device="cuda", generator=g).to(torch.bfloat16)
-        plain, skipped, walked, short = (
+        plain, skipped, walked, short, merged = (
             attention.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, d ** -0.5, max_len=2048, **door)
             for door in ({}, dict(skip_empty=True), dict(skip_empty=True, split_walk=True),
-                         dict(skip_empty=True, split_walk=True, short_rows=True)))
+                         dict(skip_empty=True, split_walk=True, short_rows=True),
+                         dict(skip_empty=True, split_walk=True, walk_combine=True)))
         assert same_bits(walked, skipped) and same_bits(walked, plain), f"heads of {d}: the walk moved bits"
         assert same_bits(short, plain), f"heads of {d}: the walk's short rows moved bits"
+        assert same_bits(merged, plain), f"heads of {d}: the walk's own combine moved bits"
 
 
 def test_the_experts_activation_in_their_gate_up_launch_keeps_the_bits():

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from memra.kernels.pieces import AttentionPieces, RecurrentPieces  # noqa: E402
-from memra.kernels.triton import attention, conv, gdn  # noqa: E402
+from memra.kernels.triton import conv, gdn, prefill_attention  # noqa: E402
 
 DEVICE = os.environ.get("MEMRA_TEST_DEVICE", "cpu")
 ENTRIES = 8  # piece entries after padding
@@ -55,10 +55,10 @@ def test_padded_attention_pieces_keep_the_live_pieces_bits():
     sizes = [b - a for a, b in spans]
     q = rnd(sum(sizes) + 5, hq, d, seed=3)  # 5 rows past every piece, as a captured step's padding
     pieces = AttentionPieces.of([0, sizes[0]], [a for a, _ in spans], read)
-    want = attention.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
+    want = prefill_attention.prefill_attention_pieces(q, k_pool, v_pool, pieces, 0.2)
     padded = _padded_attention(pieces, q.shape[0])
     assert padded.tiles > pieces.tiles
-    got = attention.prefill_attention_pieces(q, k_pool, v_pool, padded, 0.2)
+    got = prefill_attention.prefill_attention_pieces(q, k_pool, v_pool, padded, 0.2)
     assert torch.equal(got[: sum(sizes)], want[: sum(sizes)])
 
 

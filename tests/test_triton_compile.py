@@ -100,9 +100,9 @@ def _collect() -> list:
         tl.drive_doors(tl.recording_table(launches, sample_split=True, rope_tile=True, attn_short_rows=True,
                                           attn_skip_empty=True, moe_fused_act=True, moe_fused_gate=True,
                                           sample_prune=True))  # those doors open
-        for short in (False, True):  # walked, and walked with MEMRA_ATTN_SHORT_ROWS=1
-            tl.drive_split_walk(tl.recording_table(launches, attn_skip_empty=True, attn_split_walk=True,
-                                                   attn_short_rows=short))
+        for short, merge in ((False, False), (True, False), (False, True)):  # walked; MEMRA_ATTN_SHORT_ROWS=1's;
+            tl.drive_split_walk(tl.recording_table(launches, attn_skip_empty=True, attn_split_walk=True,  # and
+                                                   attn_short_rows=short, attn_walk_combine=merge))  # the merge's
     return launches.records()
 
 

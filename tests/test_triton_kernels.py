@@ -429,12 +429,14 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
         same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=bound, short_rows=True),
                   out)
         # MEMRA_ATTN_SKIP_EMPTY: the splits past a row's prefix write no partials and the combine reads none;
-        # MEMRA_ATTN_SPLIT_WALK (its threshold made 1 here): a program walks its row's splits, either way
-        for short, skip, walk in itertools.product((False, True), repeat=3):
-            if skip or walk:
+        # MEMRA_ATTN_SPLIT_WALK (its threshold made 1 here): a program walks its row's splits, either way, and
+        # with MEMRA_ATTN_WALK_COMBINE merges them itself
+        for short, skip, walk, merge in itertools.product((False, True), repeat=4):
+            if (skip or walk) and (walk or not merge):
                 monkeypatch.setattr(attention, "WALK_PROGRAMS", 1 if walk else 1 << 30)
                 same_bits(tk.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, 0.17, max_len=bound,
-                                                  short_rows=short, skip_empty=skip, split_walk=walk), out)
+                                                  short_rows=short, skip_empty=skip, split_walk=walk,
+                                                  walk_combine=merge), out)
     # liveness: in the split launch itself, a one-split row (lens 17) writes its output and no partials; a
     # longer one (70) writes partials and leaves its output to the combine; so too where a program walks a row
     shape = attention.decode_shape(q, k_pool)
@@ -446,6 +448,14 @@ def test_split_prefixes_give_each_row_its_own_bits(dtype, monkeypatch):
             PARTIAL=True, DIRECT=True, WALK=walk, **shape)
         same_bits(o[1], out[1])
         assert torch.isnan(m[1]).all() and not torch.isnan(m[4]).any() and not o[4].any()
+    # ... and where the walk merges its splits itself (COMBINE): the long row's output too, from its partials
+    m = torch.full((5, hq, 3), float("nan"), device=DEVICE)
+    part, o = torch.full((5, hq, 3, d), float("nan"), device=DEVICE), torch.zeros_like(q)
+    attention._decode_attention_kernel[(5, hkv, 1)](q, k_pool, v_pool, rows, starts, lens, part, m, m.clone(), o, hq,
+                                                    0.17 * 1.4426950408889634, 1, 3, PARTIAL=True, WALK=True,
+                                                    COMBINE=True, **shape)
+    same_bits(o, out)
+    assert torch.isnan(m[1]).all() and not torch.isnan(m[4]).any()
     # liveness of the skip: a row of 33 positions fills splits 0 and 1 of three, and only with the skip is split 2's
     # partial left unwritten (without it, an empty split writes -inf); walked, one program a row writes the same
     for skip, written in ((1, False), (0, True)):

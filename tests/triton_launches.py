@@ -175,19 +175,21 @@ for _name, _value in list(vars(KernelTable).items()):
 
 def recording_table(launches: Launches, persistent_linear: bool = False, shaped_linear: bool = False,
                     sample_split: bool = False, rope_tile: bool = False, attn_short_rows: bool = False,
-                    attn_skip_empty: bool = False, attn_split_walk: bool = False,
+                    attn_skip_empty: bool = False, attn_split_walk: bool = False, attn_walk_combine: bool = False,
                     moe_fused_act: bool = False, moe_fused_gate: bool = False,
                     sample_prune: bool = False) -> RecordingTable:
     """persistent_linear: the table of a model loaded with MEMRA_LINEAR_PERSISTENT=1; shaped_linear: with
     MEMRA_LINEAR_SHAPED=1 too; sample_split: with MEMRA_SAMPLE_SPLIT=1; sample_prune: with MEMRA_SAMPLE_PRUNE=1;
     rope_tile: with MEMRA_ROPE_TILE=1; attn_short_rows: with MEMRA_ATTN_SHORT_ROWS=1; attn_skip_empty: with
-    MEMRA_ATTN_SKIP_EMPTY=1; attn_split_walk: with MEMRA_ATTN_SPLIT_WALK=1; moe_fused_act: with
+    MEMRA_ATTN_SKIP_EMPTY=1; attn_split_walk: with MEMRA_ATTN_SPLIT_WALK=1; attn_walk_combine: with
+    MEMRA_ATTN_WALK_COMBINE=1; moe_fused_act: with
     MEMRA_MOE_FUSED_ACT=1; moe_fused_gate: with MEMRA_MOE_FUSED_GATE=1."""
     table = RecordingTable(invariant=True, triton=True, exact=True, gdn_kernel=True, sample_kernel=True,
                            persistent_linear=persistent_linear or shaped_linear, shaped_linear=shaped_linear,
                            sample_split=sample_split, sample_prune=sample_prune, rope_tile=rope_tile,
                            attn_short_rows=attn_short_rows, attn_skip_empty=attn_skip_empty,
-                           attn_split_walk=attn_split_walk, moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
+                           attn_split_walk=attn_split_walk, attn_walk_combine=attn_walk_combine,
+                           moe_fused_act=moe_fused_act, moe_fused_gate=moe_fused_gate)
     object.__setattr__(table, "launches", launches)
     return table
 
@@ -352,8 +354,8 @@ def drive_dense(table, dtype) -> None:
 
 def drive_split_walk(table) -> None:
     """A split decode attention launch of rows enough that MEMRA_ATTN_SPLIT_WALK=1's table (with the skip: the
-    walk's terms; with or without the short rows, as the table has them) walks each row's splits in one program,
-    in bf16 at the Llama-3-8B and Qwen3.5 attention shapes."""
+    walk's terms; with or without the short rows and the walk's own combine, as the table has them) walks each
+    row's splits in one program, in bf16 at the Llama-3-8B and Qwen3.5 attention shapes."""
     from memra.kernels.triton.attention import WALK_PROGRAMS
 
     for hq, hkv, d in ((32, 8, 128), (16, 4, 256)):

@@ -14,8 +14,9 @@
 #             (tools/gpu_tune_gdn_step.py), then Qwen3.5-9B's `bench throughput` as it is and with
 #             MEMRA_INERT_SKIP=0; the decode attention as a mixed step launches it, its four-split call taken apart
 #             (tools/gpu_tune_attention.py --mixed), then Llama-3-8B's `bench throughput` as it is and with
-#             MEMRA_ATTN_SPLIT_WALK=0, then with MEMRA_ATTN_SHORT_ROWS=1 (the walk's short rows end in their output);
-#             not part of `all`; doors_gdn (about 280 s) and doors_attn (about 360 s) are its two halves
+#             MEMRA_ATTN_SPLIT_WALK=0, then with MEMRA_ATTN_SHORT_ROWS=1 (the walk's short rows end in their output)
+#             and with MEMRA_ATTN_WALK_COMBINE=1 (the walk merges its splits itself); not part of `all`; doors_gdn
+#             (about 280 s) and doors_attn (about 470 s) are its two halves
 #
 # Each step's whole output goes to ${OUT:-/tmp/acceptance}/STEP.log; the last lines printed are the table's
 # cells, one per step, grepped from those logs. A step starts only with time left before LIMIT_S (default 580),
@@ -83,7 +84,8 @@ run_part() {
       llama="bench throughput random:llama-3-8b --num-prompts 1000 --check 1"
       step llama_defaults 105 "$tp_cells" python3 -m memra $llama
       MEMRA_ATTN_SPLIT_WALK=0 step split_walk_off 105 "$tp_cells" python3 -m memra $llama
-      MEMRA_ATTN_SHORT_ROWS=1 step short_rows 105 "$tp_cells" python3 -m memra $llama ;;
+      MEMRA_ATTN_SHORT_ROWS=1 step short_rows 105 "$tp_cells" python3 -m memra $llama
+      MEMRA_ATTN_WALK_COMBINE=1 step walk_combine 105 "$tp_cells" python3 -m memra $llama ;;
     *) echo "unknown part $1: suite | throughput | models | moe | serve | doors | all"; exit 2 ;;
   esac
 }

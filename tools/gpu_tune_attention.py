@@ -17,7 +17,8 @@ wide (a decode row past 512 positions beside them: the table then covers the row
 the profiles' and the throughput runs' steps), then both, then both with MEMRA_ATTN_SHORT_ROWS, then both
 with MEMRA_ATTN_SKIP_EMPTY (the splits past a row's prefix write and read no partials), then with
 MEMRA_ATTN_SPLIT_WALK as well (a program walks its row's splits, where the rows are many), then walked with
-MEMRA_ATTN_SHORT_ROWS (a short row's walk ends in its output, no partial, no combine read), and the skipped call's
+MEMRA_ATTN_SHORT_ROWS (a short row's walk ends in its output, no partial, no combine read), then walked with
+MEMRA_ATTN_WALK_COMBINE (each program merges its row's splits itself, no combine launch), and the skipped call's
 split launch (and the same launch with its first split's programs only: what the empty ones cost) and combine
 timed apart. Warps and
 stages reorder no sum in the K/V loop, but a row's softmax sums (tl.sum over BLOCK_S) may
@@ -66,13 +67,13 @@ def pool_for(rows: int, ctx: int, hkv: int, d: int, gen: torch.Generator):
 
 
 def launch(q, k, v, rows, starts, lens, scale, ctx, options: dict | None, short_rows: bool = False,
-           skip_empty: bool = False, split_walk: bool = False):
+           skip_empty: bool = False, split_walk: bool = False, walk_combine: bool = False):
     """paged_attention_rows, with warps/stages given to the split kernel where `options` says; ctx: the bound
     on the rows' prefixes the launch is told (a captured step: its table's width); short_rows: MEMRA_ATTN_SHORT_ROWS;
-    skip_empty: MEMRA_ATTN_SKIP_EMPTY; split_walk: MEMRA_ATTN_SPLIT_WALK."""
+    skip_empty: MEMRA_ATTN_SKIP_EMPTY; split_walk: MEMRA_ATTN_SPLIT_WALK; walk_combine: MEMRA_ATTN_WALK_COMBINE."""
     if options is None:
         return A.paged_attention_rows(q, k, v, rows, starts, lens, scale, max_len=ctx, short_rows=short_rows,
-                                      skip_empty=skip_empty, split_walk=split_walk)
+                                      skip_empty=skip_empty, split_walk=split_walk, walk_combine=walk_combine)
     n, hq, d = q.shape
     hkv = k.shape[-2]
     n_splits = triton.cdiv(ctx, ATTN_SPLIT)
@@ -116,7 +117,7 @@ def with_padding(rows: int, flat, starts, lens):
 def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
     """Each case as a captured mixed step launches its decode rows: alone, padded, told two splits, both."""
     print("case            shape        alone us | padded to bucket | told 4 splits | both | both, short rows "
-          "| both, empty splits skipped | and walked | walked, short rows | live rows' bits")
+          "| both, empty splits skipped | and walked | walked, short rows | walked, merged | live rows' bits")
     for rows, ctx in cases:
         for name, (hq, hkv, d) in SHAPES.items():
             k, v, flat, starts, lens = pool_for(rows, ctx, hkv, d, gen)
@@ -131,7 +132,8 @@ def mixed(cases: list[tuple[int, int]], gen: torch.Generator) -> None:
                     (q, pflat, pstarts, plens, wide, True, False, False),
                     (q, pflat, pstarts, plens, wide, False, True, False),
                     (q, pflat, pstarts, plens, wide, False, True, True),
-                    (q, pflat, pstarts, plens, wide, True, True, True)]
+                    (q, pflat, pstarts, plens, wide, True, True, True),
+                    (q, pflat, pstarts, plens, wide, False, True, True, True)]
             times = [seconds(lambda r=r: launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])) for r in runs]
             same = all(torch.equal(launch(r[0], k, v, r[1], r[2], r[3], scale, r[4], None, *r[5:])[:rows], ref)
                        for r in runs)

@@ -69,6 +69,7 @@ class KernelTable:
     attn_short_rows: bool = False  # a split attention launch's one-split rows skip its combine (MEMRA_ATTN_SHORT_ROWS)
     attn_skip_empty: bool = True  # ... and its splits past a row's prefix write and read no partials (MEMRA_ATTN_SKIP_EMPTY)
     attn_split_walk: bool = True  # ... and where rows are many, a program walks its row's splits (MEMRA_ATTN_SPLIT_WALK)
+    attn_walk_combine: bool = False  # ... and merges them itself, no combine launch (MEMRA_ATTN_WALK_COMBINE)
     inert_skip: bool = True  # the GDN step's programs of an inert padding row return at once (MEMRA_INERT_SKIP)
     moe_fused_act: bool = True  # the grouped experts' SwiGLU in their gate/up launch (MEMRA_MOE_FUSED_ACT)
     moe_fused_gate: bool = False  # the shared expert's sigmoid gate in their combine (MEMRA_MOE_FUSED_GATE)
@@ -98,7 +99,8 @@ class KernelTable:
                    sample_kernel=cuda and settings.sample_kernel and triton_ops() is not None,
                    sample_split=settings.sample_split, sample_prune=settings.sample_prune, rope_tile=settings.rope_tile,
                    attn_short_rows=settings.attn_short_rows, attn_skip_empty=settings.attn_skip_empty,
-                   attn_split_walk=settings.attn_split_walk, inert_skip=settings.inert_skip,
+                   attn_split_walk=settings.attn_split_walk, attn_walk_combine=settings.attn_walk_combine,
+                   inert_skip=settings.inert_skip,
                    moe_fused_act=settings.moe_fused_act, moe_fused_gate=settings.moe_fused_gate, moe_front=settings.moe_front,
                    qdot=cpu and settings.cpu_qdot, cpu_ops=cpu and settings.cpu_decode and cpu_qdot.library() is not None,
                    flin=cpu and settings.cpu_flin and settings.exact and cpu_qdot.library() is not None)
@@ -309,7 +311,7 @@ class KernelTable:
         if impl is reference:  # the definition: row by row, no splits
             return written(out, reference.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale))
         return impl.paged_attention_rows(q, k_pool, v_pool, rows, starts, lens, scale, max_len, self.attn_short_rows, out,
-                                         self.attn_skip_empty, self.attn_split_walk)
+                                         self.attn_skip_empty, self.attn_split_walk, self.attn_walk_combine)
 
     def fused_decode_attention(self, q, k_pool, cos) -> bool:
         """Does decode attention (one query a row) run as cpu_decode's one call, RoPE and K/V write in it?

@@ -14,7 +14,7 @@ def triton_ops() -> types.SimpleNamespace | None:
     """The Triton twins of the batch-shaped ops under memra.kernels.reference's names (so the table can
     call either through one `_impl`), or None where Triton is not installed (CPU-only machines)."""
     try:
-        from memra.kernels.triton import activation, attention, common, gdn, linear, norm, rope
+        from memra.kernels.triton import activation, attention, common, gdn, linear, norm, prefill_attention, rope
     except ImportError:
         return None
     common.count_compiles()
@@ -26,7 +26,8 @@ def triton_ops() -> types.SimpleNamespace | None:
         delta_rule_step=gdn.delta_rule_step, delta_rule_step_into=gdn.delta_rule_step_into,
         delta_rule_scan=gdn.delta_rule_scan,
         paged_attention_rows=attention.paged_attention_rows, paged_decode_attention=attention.paged_decode_attention,
-        prefill_attention=attention.prefill_attention, prefill_attention_pieces=attention.prefill_attention_pieces,
+        prefill_attention=prefill_attention.prefill_attention,
+        prefill_attention_pieces=prefill_attention.prefill_attention_pieces,
     )
 
 

@@ -5,8 +5,9 @@
     norm       RMS, residual + RMS and gated RMS row norms             (reference.*_norm)
     rope       rotary embedding, one fused elementwise launch          (reference.apply_rope)
     activation SwiGLU's silu(gate) * up in one launch, torch's bits    (reference.silu_mul)
-    attention  paged decode (split at fixed positions) and prefill     (reference.paged_*, prefill_attention*)
-               (one prompt piece, or every piece of a wave in one launch)
+    attention  paged decode, split at fixed positions                 (reference.paged_*)
+    prefill_attention  causal prefill: one prompt piece, or every piece
+               of a wave in one launch                                 (reference.prefill_attention*)
     gdn        the delta rule: recurrent step / scan, chunked prefill  (reference.delta_rule_*, gdn_prefill*)
     gdn_heads  GDN's token preparation: l2 norms, scale, heads, gates (reference.gdn_heads)
     conv       GDN's causal conv: prompt, a wave's pieces, decode step (reference.causal_conv*)

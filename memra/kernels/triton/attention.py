@@ -1,9 +1,9 @@
-"""Attention over a paged KV prefix in Triton: decode / verify rows (split at fixed positions for long
-prefixes) and causal prefill of a prompt piece, or of every piece of a wave in one launch. Keys are
+"""Attention over a paged KV prefix in Triton: decode / verify rows, split at fixed positions for long prefixes
+(the causal prefill of a prompt piece or a wave: memra.kernels.triton.prefill_attention). Keys are
 visited in blocks fixed by absolute position, in order, with an online softmax in fp32 (scores and
 P @ V as MMAs, p rounded to the model dtype for the second, as flash attention does), so a query's bits
-depend only on its own prefix, never on the batch or the piece it came in. Twins:
-reference.paged_attention_rows, paged_decode_attention, prefill_attention, prefill_attention_pieces."""
+depend only on its own prefix, never on the batch. Twins: reference.paged_attention_rows,
+paged_decode_attention."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from memra.kernels.cuts import ATTN_SPLIT
-from memra.kernels.pieces import ATTENTION_TILE
 from memra.kernels.triton.common import _interpreting, both, output_buffer
 from memra.kernels.triton.launch import lean
 
@@ -29,7 +28,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
                              qk_scale, SKIP_EMPTY, n_splits, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
                              PARTIAL: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr = False,
-                             WALK: tl.constexpr = False):
+                             WALK: tl.constexpr = False, COMBINE: tl.constexpr = False):
     # One program per (query row, KV head, split): the GROUP query heads that share a KV head read
     # each K/V tile once, as the rows of one MMA (padded to BLOCK_G >= 16; a row's MMA result is its
     # own, whatever its tile-mates). Query row r attends over its own prefix: positions 0..S-1 whose
@@ -42,7 +41,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
     # split's partial at the split's last block and starting the next from scratch: each split's blocks,
     # arithmetic and stores are its own program's, so the same bits, and where rows are many the launch has no
     # program for a split past a short row's prefix to start and retire. With DIRECT, a row that fits in split 0
-    # writes its output after the loop, as split 0's program does, and no partial.
+    # writes its output after the loop, as split 0's program does, and no partial. COMBINE (with WALK,
+    # MEMRA_ATTN_WALK_COMBINE): so does every row, a longer one by reading its splits' partials back and merging
+    # them as _combine_splits_kernel does (_merge_partials): the launcher then launches no combine.
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     start = tl.load(starts_ptr + r)
@@ -65,15 +66,22 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, starts_ptr, lens_ptr
             ends = s0 + STEP >= hi  # the split's last block: store its partial, and start the next split afresh
             at = (r * Hq + heads) * n_splits + s0 // SPLIT  # [G]
             keep = both(mg, ends)
-            if DIRECT:
+            if DIRECT or COMBINE:  # a row of one split writes its output below, no partial
                 keep = both(keep, S > SPLIT)
             _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D)
-            afresh = ends & (hi < S)  # the last split's state stays: a DIRECT row's output below
+            afresh = ends & (hi < S)  # the last split's state stays: a one-split row's output below
             m_run = tl.where(afresh, float("-inf"), m_run)
             l_run = tl.where(afresh, 0.0, l_run)
             acc = tl.where(afresh, 0.0, acc)
-        if DIRECT:
+        if DIRECT or COMBINE:
             _store_output(out_ptr, r, Hq, heads, cd, acc, l_run, both(mg[:, None] & md[None, :], S <= SPLIT), D)
+        if COMBINE:
+            if S > SPLIT:
+                tl.debug_barrier()  # the partials this program's threads stored, visible to all of them
+                at = (r * Hq + heads) * n_splits  # [G]
+                acc, l_run = _merge_partials(m_ptr, l_ptr, o_ptr, at, tl.cdiv(S, SPLIT), mg, cd, md, D, BLOCK_G,
+                                              BLOCK_D)
+                _store_output(out_ptr, r, Hq, heads, cd, acc, l_run, mg[:, None] & md[None, :], D)
     else:
         sp = tl.program_id(2)
         used = (sp * SPLIT < S) | (SKIP_EMPTY == 0)  # this split holds positions of the row, or is written anyway
@@ -126,6 +134,25 @@ def _store_partial(m_ptr, l_ptr, o_ptr, at, keep, m_run, l_run, acc, cd, md, D: 
     tl.store(m_ptr + at, m_run, mask=keep)
     tl.store(l_ptr + at, l_run, mask=keep)
     tl.store(o_ptr + at[:, None] * D + cd[None, :], acc, mask=keep[:, None] & md[None, :])
+
+
+@triton.jit
+def _merge_partials(m_ptr, l_ptr, part_ptr, at, n_used, mg, cd, md, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    # The splits 0 .. n_used-1 of the partial rows `at` [G] merged in split order -> (acc [G, D], l [G]): for each
+    # head the arithmetic of _combine_splits_kernel's program, whose splits past n_used are masked to (-inf, 0, 0)
+    # and so change nothing (max with -inf; + 0 * 0 to a sum that is never -0).
+    m_all = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    for sp in range(0, n_used):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + at + sp, mask=mg, other=float("-inf")))
+    l_all = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for sp in range(0, n_used):
+        w = tl.exp2(tl.load(m_ptr + at + sp, mask=mg, other=float("-inf")) - m_all)  # log2 units, as written
+        l_all = l_all + tl.load(l_ptr + at + sp, mask=mg, other=0.0) * w
+        acc = acc + tl.load(part_ptr + (at + sp)[:, None] * D + cd[None, :], mask=mg[:, None] & md[None, :],
+                            other=0.0) * w[:, None]
+    return acc, l_all
 
 
 @triton.jit
@@ -208,7 +235,7 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
                          short_rows: bool = False, out: torch.Tensor | None = None,
-                         skip_empty: bool = False, split_walk: bool = False) -> torch.Tensor:
+                         skip_empty: bool = False, split_walk: bool = False, walk_combine: bool = False) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on
@@ -221,8 +248,10 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     (MEMRA_ATTN_SKIP_EMPTY): a split past a row's prefix writes no partials and the combine reads none (the same
     bits; a captured step's table is often four splits wide for rows of one). split_walk (MEMRA_ATTN_SPLIT_WALK),
     with skip_empty: where the call has WALK_PROGRAMS (row, KV head) programs or more, each walks its row's splits
-    instead of a program a split (the same bits; with short_rows, a short row's walk ends in its output). out: a
-    contiguous [R, Hq, D] of q's dtype that the output is written into (a mixed step's rows of its whole output)."""
+    instead of a program a split (the same bits; with short_rows, a short row's walk ends in its output).
+    walk_combine (MEMRA_ATTN_WALK_COMBINE): a walked launch merges each row's splits itself, with the combine's
+    arithmetic, and no combine is launched (the same bits). out: a contiguous [R, Hq, D] of q's dtype that the
+    output is written into (a mixed step's rows of its whole output)."""
     n, hq, d = q.shape
     hkv = k_pool.shape[-2]
     o = output_buffer(out, q.shape, q.dtype, q.device)
@@ -242,11 +271,13 @@ def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     part = torch.empty(n, hq, n_splits, d, dtype=torch.float32, device=q.device)
     skip = int(skip_empty)
     walk = split_walk and skip_empty and n * hkv >= WALK_PROGRAMS
+    merged = walk and walk_combine
     _decode_attention_kernel[(n, hkv, 1 if walk else n_splits)](q, k_pool, v_pool, rows, starts, lens, part, m, l, o,
                                                                 hq, qk_scale, skip, n_splits, PARTIAL=True,
-                                                                DIRECT=short_rows, WALK=walk, **shape)
-    _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, skip, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
-                                    SPLIT=shape["SPLIT"], DIRECT=short_rows)
+                                                                DIRECT=short_rows, WALK=walk, COMBINE=merged, **shape)
+    if not merged:
+        _combine_splits_kernel[(n, hq)](m, l, part, o, lens, hq, skip, N_SPLITS=n_splits, D=d, BLOCK_D=block_d,
+                                        SPLIT=shape["SPLIT"], DIRECT=short_rows)
     return o
 
 
@@ -258,123 +289,3 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     zero = torch.zeros(1, dtype=torch.long, device=q.device)
     lens = torch.full((1,), rows.numel(), dtype=torch.long, device=q.device)
     return paged_attention_rows(q[None], k_pool, v_pool, rows, zero, lens, scale)[0]
-
-
-# --- prefill attention over a paged KV prefix ------------------------------------------------------
-
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = ATTENTION_TILE, 64, 4, 2
-
-
-@lean
-@triton.jit(do_not_specialize=["T", "pos0", "n_pieces", "WINDOW"])
-def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, T, pos0, n_pieces, Hq, qk_scale, WINDOW,
-                              GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIECES: tl.constexpr):
-    # Program (BLOCK_M queries, head): flash attention with the keys visited in blocks of BLOCK_N from
-    # position 0, whatever the queries. A query's bits cannot depend on the piece it came in or on the
-    # tile it shares: its scores and its P @ V are per-row MMA results, the blocks it sees are fixed
-    # by absolute position, and the blocks past its own position (there for its tile-mates) are fully
-    # masked, which leaves its running max, sum and output untouched (alpha = 1, p = 0).
-    # PIECES: the programs cover several sequences' pieces (memra.kernels.pieces.AttentionPieces),
-    # each piece's tiles numbered as its solo launch numbers them; a program finds its piece in the
-    # table and then runs that solo program's arithmetic on the piece's rows. A program past the last
-    # piece's tiles (a captured step launches a bound on their count) gets no queries and no keys.
-    # WINDOW (NO_WINDOW: none): a query at p sees p-WINDOW+1..p. The tile starts at the block holding its
-    # first query's first key, still on the absolute grid; blocks a query cannot see are no-ops for it,
-    # also before its first visible one (a fully masked row keeps max -inf, sum 0, output 0: the max used
-    # to scale is 0 there, so exp2 never sees -inf - -inf).
-    if PIECES:
-        tile = tl.program_id(0)
-        piece = tl.zeros((), tl.int32)
-        first_tile = tl.zeros((), tl.int32)
-        seen = tl.zeros((), tl.int32)
-        for i in range(n_pieces):
-            n_tiles = tl.cdiv(tl.load(pieces_ptr + i * 4 + 1), BLOCK_M)
-            hit = (tile >= seen) & (tile < seen + n_tiles)
-            piece = tl.where(hit, i, piece)
-            first_tile = tl.where(hit, seen, first_tile)
-            seen += n_tiles
-        live = tile < seen
-        row0 = tl.load(pieces_ptr + piece * 4)
-        T = tl.where(live, tl.load(pieces_ptr + piece * 4 + 1), 0)
-        pos0 = tl.where(live, tl.load(pieces_ptr + piece * 4 + 2), 0)
-        rows_ptr += tl.load(pieces_ptr + piece * 4 + 3)
-        mb = tile - first_tile
-    else:
-        row0 = 0
-        mb = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
-    rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query index in the piece
-    cd = tl.arange(0, BLOCK_D)
-    md = cd < D
-    q = tl.load(q_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], mask=(rm[:, None] < T) & md[None, :],
-                other=0.0)
-    q_pos = pos0 + rm
-    m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_run = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    hi = tl.minimum(pos0 + (mb + 1) * BLOCK_M, pos0 + T)  # keys this tile's last query sees
-    lo = tl.maximum(pos0 + mb * BLOCK_M - WINDOW + 1, 0)  # the first key its first query sees
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        pn = n0 + tl.arange(0, BLOCK_N)
-        mn = (pn < hi) & (pn >= lo)
-        rows = tl.load(rows_ptr + pn, mask=mn, other=0)
-        base = (rows * HKV + kvh) * D
-        kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=mn[None, :] & md[:, None], other=0.0)  # [D, N]
-        s = _scores(q, kt, IEEE)
-        # (not `seen`: the compiler types a name once per function, and PIECES's prologue made it an int32)
-        visible = (pn[None, :] <= q_pos[:, None]) & (pn[None, :] > q_pos[:, None] - WINDOW) & mn[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # = m_new wherever a key was seen
-        alpha = tl.exp2(m_run - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_run = l_run * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [N, D]
-        acc = acc * alpha[:, None] + _weighted(p, vt, IEEE)
-        m_run = m_new
-    out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # l = 0 only on padding rows (windowed), never stored
-    tl.store(o_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(rm[:, None] < T) & md[None, :])
-
-
-NO_WINDOW = 1 << 30  # the kernel's WINDOW for full attention: every earlier key is inside it
-
-
-def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, pos0: int,
-                      scale: float, window: int | None = None) -> torch.Tensor:
-    """T new queries of one sequence at positions pos0.. over its paged prefix (causal; with a sliding
-    `window`, each over its last `window` positions). q [T, Hq, D]; k/v_pool [n_blocks, BLOCK, Hkv, D];
-    rows [pos0 + T] flat pool rows in position order (the new tokens' K/V already written). -> [T, Hq, D].
-    A query's bits do not depend on T or pos0's piece."""
-    t, hq, d = q.shape
-    o = torch.empty_like(q)
-    if t:
-        _launch_prefill(q, k_pool, v_pool, rows, o, (triton.cdiv(t, PREFILL_BLOCK_M), hq), scale, o, t, pos0, 0, False,
-                        window)
-    return o
-
-
-def prefill_attention_pieces(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pieces,
-                             scale: float, window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """prefill_attention for several sequences' pieces in one launch (memra.kernels.pieces
-    .AttentionPieces): q [N, Hq, D] -> [N, Hq, D] (into `out`, as paged_attention_rows'), each piece's rows
-    with the bits of its own call; rows in no piece are left unset."""
-    hq = q.shape[1]
-    o = output_buffer(out, q.shape, q.dtype, q.device)
-    if pieces.tiles:
-        _launch_prefill(q, k_pool, v_pool, pieces.rows, o, (pieces.tiles, hq), scale, pieces.table, 0, 0,
-                        pieces.table.shape[0], True, window)
-    return o
-
-
-def _launch_prefill(q, k_pool, v_pool, rows, o, grid, scale, table, t, pos0, n_pieces, use_table, window) -> None:
-    hq, d = q.shape[1:]
-    hkv = k_pool.shape[-2]
-    _prefill_attention_kernel[grid](
-        q.contiguous(), k_pool, v_pool, rows.contiguous(), o, table, t, pos0, n_pieces, hq, scale * 1.4426950408889634,
-        NO_WINDOW if window is None else window,
-        GROUP=hq // hkv, HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d),
-        IEEE=q.dtype == torch.float32 or _interpreting(), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        PIECES=use_table, num_warps=PREFILL_WARPS, num_stages=PREFILL_STAGES)
