@@ -119,13 +119,13 @@ def _decode_block(q, k_ptr, v_ptr, rows_ptr, start, kvh, s0, hi, cd, md, m_run, 
     rows = tl.load(rows_ptr + start + ps, mask=ms, other=0)
     base = (rows * HKV + kvh) * D
     kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=ms[None, :] & md[:, None], other=0.0)  # [D, S]
-    s = tl.where(ms[None, :], _scores(q, kt, IEEE) * qk_scale, float("-inf"))  # [G, S], log2 units
+    s = tl.where(ms[None, :], score_dot(q, kt, IEEE) * qk_scale, float("-inf"))  # [G, S], log2 units
     m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: a step holds at least one position
     alpha = tl.exp2(m_run - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_run = l_run * alpha + tl.sum(p, axis=1)
     vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=ms[:, None] & md[None, :], other=0.0)  # [S, D]
-    return m_new, l_run, acc * alpha[:, None] + _weighted(p, vt, IEEE)
+    return m_new, l_run, acc * alpha[:, None] + weighted_dot(p, vt, IEEE)
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _store_output(out_ptr, r, Hq, heads, cd, acc, l_run, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, kt, IEEE: tl.constexpr):
+def score_dot(q, kt, IEEE: tl.constexpr):
     # q [M, D] @ kt [D, N] in fp32: on the tensor cores in the model's dtype, or IEEE fp32 (fp32 models, and the
     # interpreter, whose 16-bit dot is broken)
     if IEEE:
@@ -174,8 +174,8 @@ def _scores(q, kt, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _weighted(p, vt, IEEE: tl.constexpr):
-    # p [M, N] fp32 @ vt [N, D]: p rounded to V's dtype first (as flash attention does), or IEEE fp32 (see _scores)
+def weighted_dot(p, vt, IEEE: tl.constexpr):
+    # p [M, N] fp32 @ vt [N, D]: p rounded to V's dtype first (as flash attention does), or IEEE fp32 (score_dot)
     if IEEE:
         pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
     else:
@@ -234,8 +234,8 @@ def decode_shape(q: torch.Tensor, k_pool: torch.Tensor) -> dict:
 
 def paged_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor,
                          starts: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int | None = None,
-                         short_rows: bool = False, out: torch.Tensor | None = None,
-                         skip_empty: bool = False, split_walk: bool = False, walk_combine: bool = False) -> torch.Tensor:
+                         short_rows: bool = False, out: torch.Tensor | None = None, skip_empty: bool = False,
+                         split_walk: bool = False, walk_combine: bool = False) -> torch.Tensor:
     """R query rows, each over its own paged prefix, in one launch (two for long prefixes). q [R, Hq, D];
     k/v_pool [n_blocks, BLOCK, Hkv, D]; rows [N] flat pool rows; row r's prefix is rows[starts[r] :
     starts[r] + lens[r]] in position order (its own K/V already written, last). max_len: a bound on

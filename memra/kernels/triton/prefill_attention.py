@@ -1,7 +1,7 @@
 """Causal prefill attention over a paged KV prefix in Triton: one prompt piece, or every piece of a wave in one
 launch. Keys are visited in blocks fixed by absolute position, in order, with an online softmax in fp32 (scores
-and P @ V as the decode kernel's MMAs: memra.kernels.triton.attention's _scores and _weighted), so a query's bits
-depend only on its own prefix, never on the piece it came in. Twins: reference.prefill_attention,
+and P @ V as the decode kernel's MMAs: memra.kernels.triton.attention's score_dot and weighted_dot), so a
+query's bits depend only on its own prefix, never on the piece it came in. Twins: reference.prefill_attention,
 prefill_attention_pieces."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from memra.kernels.pieces import ATTENTION_TILE
-from memra.kernels.triton.attention import _scores, _weighted
+from memra.kernels.triton.attention import score_dot, weighted_dot
 from memra.kernels.triton.common import _interpreting, output_buffer
 from memra.kernels.triton.launch import lean
 
@@ -75,7 +75,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
         rows = tl.load(rows_ptr + pn, mask=mn, other=0)
         base = (rows * HKV + kvh) * D
         kt = tl.load(k_ptr + base[None, :] + cd[:, None], mask=mn[None, :] & md[:, None], other=0.0)  # [D, N]
-        s = _scores(q, kt, IEEE)
+        s = score_dot(q, kt, IEEE)
         # (not `seen`: the compiler types a name once per function, and PIECES's prologue made it an int32)
         visible = (pn[None, :] <= q_pos[:, None]) & (pn[None, :] > q_pos[:, None] - WINDOW) & mn[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -85,7 +85,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, o_ptr, pieces_ptr, 
         p = tl.exp2(s - m_use[:, None])
         l_run = l_run * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_ptr + base[:, None] + cd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [N, D]
-        acc = acc * alpha[:, None] + _weighted(p, vt, IEEE)
+        acc = acc * alpha[:, None] + weighted_dot(p, vt, IEEE)
         m_run = m_new
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]  # l = 0 only on padding rows (windowed), never stored
     tl.store(o_ptr + ((row0 + rm)[:, None] * Hq + h) * D + cd[None, :], out.to(o_ptr.dtype.element_ty),
